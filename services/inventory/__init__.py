@@ -1,0 +1,1 @@
+"""inventory service: discovers GPUs, MIG instances, slots and host resources through a vendor adapter and publishes the Inventory"""

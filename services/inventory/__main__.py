@@ -1,0 +1,3 @@
+from services.inventory.service import main
+
+main()

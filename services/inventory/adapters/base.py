@@ -1,0 +1,270 @@
+"""The vendor adapter contract: what the vendor-neutral inventory asks of a vendor.
+
+Three required operations (DESIGN 6): the vendor's name, a read of the host's
+capabilities, and the vendor's CDI edits (described from the vendor spec on
+disk, and written where the adapter is the one that produces that spec).
+Everything a vendor may or may not offer is an optional, runtime-checkable
+capability interface (MIG partitioning, VFIO driver binding, MPS /
+time-slicing), so `build_inventory` asks `isinstance(adapter, MigCapable)`
+instead of knowing vendors.
+
+The facts an adapter returns are frozen dataclasses with no atom ids in them:
+naming atoms is the vendor-neutral core's job (build.py), so two adapters that
+see the same hardware yield the same inventory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from shared.schemas import HostResources, MigProfile, RunningProcess
+
+#: the file name of the vendor's own CDI spec inside cdi_dir.
+VENDOR_CDI_FILE = "nvidia.json"
+
+
+class AdapterError(Exception):
+    """An adapter could not do what it was asked; the text is for an operator."""
+
+
+class AdapterUnavailable(AdapterError):
+    """The vendor library (or host file) this adapter needs is not on this host.
+
+    Raised at construction; the service prints the message and exits, with no
+    traceback, so the text must say what to do instead.
+    """
+
+
+class VendorSpecError(AdapterError):
+    """The vendor CDI spec exists but cannot be read or decoded; the text names file and field."""
+
+
+# --------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class MigInstanceFacts:
+    """One MIG device (a compute instance inside a GPU instance) as the vendor reports it."""
+
+    gi: int
+    ci: int
+    #: "3g.71gb", or "1c.3g.71gb" for a compute instance smaller than its GPU instance.
+    profile: str = ""
+    #: MIG-<uuid>, what NVIDIA_VISIBLE_DEVICES takes.
+    uuid: str = ""
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """A physical card. `uuid` is the vendor's full id ("GPU-..."); it is the GPU's atom id.
+
+    `uuid` is "" for a card the adapter sees only on the PCI bus (e.g. bound to
+    vfio-pci, so NVML cannot see it) and whose id it never learned.
+    """
+
+    uuid: str
+    index: int
+    pci_address: str  # canonical, "0000:3b:00.0"
+    name: str = ""
+    memory_bytes: int = 0
+    numa_node: int | None = None
+    compute_capability: str = ""  # "9.0"
+    mig_mode: bool = False
+
+
+@dataclass(frozen=True)
+class HostScan:
+    """One read of the host: what `read_capabilities` returns."""
+
+    driver_version: str
+    gpus: tuple[GpuFacts, ...]
+    host: HostResources
+    boot_id: str
+    #: compute processes on the GPUs, with their cgroup (for the Kubernetes reaper).
+    processes: tuple[RunningProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunningDomain:
+    """A running VM and the GPUs (canonical PCI addresses) passed through to it."""
+
+    name: str
+    gpus: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class VendorCdi:
+    """The vendor's CDI edits, from its JSON spec in cdi_dir (never from the wire).
+
+    `devices` is keyed by the names the vendor spec uses: the GPU index ("0"),
+    the UUID ("GPU-..."), a MIG device ("0:1" or "MIG-..."), "all". The edit
+    objects are the spec's JSON as decoded; treat them as read-only and copy
+    before changing.
+    """
+
+    path: str
+    cdi_version: str
+    kind: str
+    container_edits: Mapping[str, Any] = field(default_factory=dict)
+    devices: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def edits_for(self, *names: str) -> Mapping[str, Any] | None:
+        """The edits of the first of `names` the vendor spec has (e.g. UUID, then index)."""
+        for name in names:
+            if name in self.devices:
+                return self.devices[name]
+        return None
+
+
+# --------------------------------------------------------------------------- reading the vendor spec
+
+
+class _CdiDevice(msgspec.Struct):
+    name: str
+    containerEdits: dict[str, Any] = {}
+
+
+class _CdiSpecFile(msgspec.Struct):
+    """Only the parts of a CDI spec the inventory reads; the rest is left alone."""
+
+    cdiVersion: str
+    kind: str
+    devices: list[_CdiDevice] = []
+    containerEdits: dict[str, Any] = {}
+
+
+_CDI_DECODER = msgspec.json.Decoder(_CdiSpecFile)
+
+
+def vendor_cdi_from_json(data: bytes, path: str) -> VendorCdi:
+    """Decode a vendor CDI spec; VendorSpecError names the file and the field."""
+    try:
+        spec = _CDI_DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise VendorSpecError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise VendorSpecError(f"{path}: not valid JSON ({exc})") from None
+    devices: dict[str, Mapping[str, Any]] = {}
+    for i, dev in enumerate(spec.devices):
+        if dev.name in devices:
+            # a CDI runtime drops a name that appears twice; so do we, loudly.
+            raise VendorSpecError(f"{path}: device name {dev.name!r} appears twice - at `$.devices[{i}].name`")
+        devices[dev.name] = dev.containerEdits
+    return VendorCdi(
+        path=path,
+        cdi_version=spec.cdiVersion,
+        kind=spec.kind,
+        container_edits=spec.containerEdits,
+        devices=devices,
+    )
+
+
+def read_vendor_cdi(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> VendorCdi | None:
+    """The vendor spec `<cdi_dir>/<filename>`; None when there is none."""
+    path = Path(cdi_dir) / filename
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise VendorSpecError(f"{path}: cannot read ({exc.strerror})") from None
+    return vendor_cdi_from_json(data, str(path))
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+class VendorAdapter(Protocol):
+    """The three required operations, plus writing the vendor spec and closing."""
+
+    def vendor(self) -> str:
+        """The vendor's name as the inventory reports it ("nvidia")."""
+        ...
+
+    def read_capabilities(self) -> HostScan:
+        """Driver version, GPUs, host resources, boot id, compute processes: one read."""
+        ...
+
+    def cdi_edits(self) -> VendorCdi | None:
+        """The vendor's CDI edits from `<cdi_dir>/nvidia.json`; None when that file does not exist.
+
+        Raises VendorSpecError when it exists but is unreadable or malformed.
+        """
+        ...
+
+    def write_cdi_spec(self) -> bool:
+        """Write the vendor spec into cdi_dir where this adapter produces it.
+
+        Returns True when the adapter's spec is on disk afterwards, False when
+        this adapter does not produce one (the NVIDIA toolkit writes it on a
+        real host) or has none to write.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the vendor library (NVML shutdown); idempotent."""
+        ...
+
+
+@runtime_checkable
+class MigCapable(Protocol):
+    def mig_profiles(self, gpu_uuid: str) -> Sequence[MigProfile]:
+        """GPU instance profiles the card supports (empty when it supports none)."""
+        ...
+
+    def mig_instances(self, gpu_uuid: str) -> Sequence[MigInstanceFacts]:
+        """The MIG devices that exist on the card now."""
+        ...
+
+
+@runtime_checkable
+class VfioCapable(Protocol):
+    def driver_binding(self, pci_address: str) -> tuple[str, str]:
+        """(driver bound now or "", the card's native driver to switch back to)."""
+        ...
+
+
+@runtime_checkable
+class SharingCapable(Protocol):
+    def slots_per_gpu(self, gpu_uuid: str) -> int:
+        """Configured slots (MPS / time-slicing bookkeeping units) of a card."""
+        ...
+
+    def mps_running(self) -> bool:
+        """The MPS control daemon's pipe is present in the pipe directory."""
+        ...
+
+    def mps_pipe_dir(self) -> str: ...
+
+
+@runtime_checkable
+class DomainLister(Protocol):
+    """Running VMs and their GPUs, read-only (the converger's Domains port builds on it)."""
+
+    def domains(self) -> Sequence[RunningDomain]: ...
+
+
+__all__ = [
+    "VENDOR_CDI_FILE",
+    "AdapterError",
+    "AdapterUnavailable",
+    "VendorSpecError",
+    "MigInstanceFacts",
+    "GpuFacts",
+    "HostScan",
+    "RunningDomain",
+    "VendorCdi",
+    "vendor_cdi_from_json",
+    "read_vendor_cdi",
+    "VendorAdapter",
+    "MigCapable",
+    "VfioCapable",
+    "SharingCapable",
+    "DomainLister",
+]

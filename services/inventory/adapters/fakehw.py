@@ -1,0 +1,398 @@
+"""The `fakehw` adapter: a host described by a JSON file instead of NVML and sysfs.
+
+It lets `bcd up` start a working node on a laptop and lets tests describe any
+host (eight H200s with MIG, a VM guest, a one-GPU box) in one file. The file is
+decoded with msgspec Structs that refuse unknown fields, so a typo in a host
+file is an error that names the field (`$.gpus[3].pci_address`), not a silently
+missing GPU. The file is re-read on every `read_capabilities`, so a test (or
+the fake VFIO switcher) can change the host by rewriting it.
+
+The adapter implements every capability interface, and writes the vendor CDI
+spec the file declares into cdi_dir, as the NVIDIA toolkit would on a real host.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from shared.schemas import HostResources, HugePagePool, MigProfile, NumaNode, RunningProcess
+from shared.schemas.common import END, CpuList, Name, NonNegInt, PciAddress, PositiveInt
+
+from .. import hostfs
+from .base import (
+    VENDOR_CDI_FILE,
+    AdapterError,
+    GpuFacts,
+    HostScan,
+    MigInstanceFacts,
+    RunningDomain,
+    VendorCdi,
+    read_vendor_cdi,
+    vendor_cdi_from_json,
+)
+
+GpuUuid = Annotated[str, msgspec.Meta(pattern=r"^GPU-[0-9A-Za-z-]{1,80}" + END, description="GPU-<uuid>")]
+MigUuid = Annotated[str, msgspec.Meta(pattern=r"^MIG-[0-9A-Za-z/-]{1,120}" + END, description="MIG-<uuid>")]
+DriverName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{0,64}" + END, description="kernel driver, e.g. nvidia, vfio-pci")]
+AbsPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\n\r\x00]{0,1023}" + END, description="absolute path")]
+
+
+class HostFileError(AdapterError):
+    """The host description file cannot be read or does not decode; the text names the field."""
+
+
+class _HostStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the host file's types: a field the format does not know is an error."""
+
+
+class HostMemory(_HostStruct, kw_only=True):
+    #: null describes a host whose memory cannot be read (admission is skipped).
+    total_bytes: NonNegInt | None = None
+    available_bytes: NonNegInt | None = None
+
+
+class HostHugePages(_HostStruct, kw_only=True):
+    page_size_kib: PositiveInt
+    total: NonNegInt
+    free: NonNegInt
+
+
+class HostNumaNode(_HostStruct, kw_only=True):
+    node: NonNegInt
+    cpus: CpuList | Literal[""] = ""
+    memory_bytes: NonNegInt | None = None
+    hugepages: list[HostHugePages] = []
+
+
+class HostMigProfile(_HostStruct, kw_only=True):
+    name: Name
+    profile_id: NonNegInt
+    slices: NonNegInt = 0
+    memory_bytes: NonNegInt = 0
+    instances_max: NonNegInt = 0
+
+
+class HostMigInstance(_HostStruct, kw_only=True):
+    gi: NonNegInt
+    ci: NonNegInt
+    profile: Name = ""
+    uuid: MigUuid
+    memory_bytes: NonNegInt = 0
+
+
+class HostGpu(_HostStruct, kw_only=True):
+    uuid: GpuUuid
+    index: NonNegInt
+    pci_address: PciAddress
+    name: Name = ""
+    memory_bytes: NonNegInt = 0
+    numa_node: NonNegInt | None = None
+    #: the kernel driver bound now; "" for none.
+    driver: DriverName = "nvidia"
+    #: the card's native driver, to switch back to after passthrough.
+    base_driver: DriverName = "nvidia"
+    compute_capability: Name = ""
+    mig_mode: bool = False
+    mig_profiles: list[HostMigProfile] = []
+    mig_instances: list[HostMigInstance] = []
+    #: configured sharing slots (MPS / time-slicing); none on a card in MIG mode.
+    slots: NonNegInt = 0
+
+
+class HostProcess(_HostStruct, kw_only=True):
+    pid: NonNegInt
+    gpu_uuid: GpuUuid
+    cgroup: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+class HostDomain(_HostStruct, kw_only=True):
+    name: Name
+    gpus: list[PciAddress] = []
+
+
+class FakeHost(_HostStruct, kw_only=True):
+    """A whole host description file (examples/hosts/README.md documents it)."""
+
+    boot_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    virtualized: bool = False
+    vendor: Name = "nvidia"
+    driver_version: Name = ""
+    #: the vendor's CDI spec, written to <cdi_dir>/nvidia.json; null for none.
+    vendor_cdi_spec: dict[str, Any] | None = None
+    mps_pipe_dir: AbsPath = "/tmp/nvidia-mps"
+    mps_running: bool = False
+    memory: HostMemory = HostMemory()
+    cpus: CpuList | Literal[""] = ""
+    numa_nodes: list[HostNumaNode] = []
+    gpus: list[HostGpu] = []
+    processes: list[HostProcess] = []
+    domains: list[HostDomain] = []
+
+
+_HOST_DECODER = msgspec.json.Decoder(FakeHost)
+
+
+def _dup(values: Sequence[object], at: str) -> str | None:
+    """The first value seen twice, with its `$` path (`at` has an `{i}` for the index)."""
+    seen: set[object] = set()
+    for i, value in enumerate(values):
+        if value in seen:
+            return f"{value!r} appears twice - at `{at.format(i=i)}`"
+        seen.add(value)
+    return None
+
+
+def _check(host: FakeHost) -> str | None:
+    """Cross-field rules the types cannot say; returns the first violation."""
+    for problem in (
+        _dup([g.uuid for g in host.gpus], "$.gpus[{i}].uuid"),
+        _dup([g.index for g in host.gpus], "$.gpus[{i}].index"),
+        _dup([g.pci_address for g in host.gpus], "$.gpus[{i}].pci_address"),
+        _dup([n.node for n in host.numa_nodes], "$.numa_nodes[{i}].node"),
+    ):
+        if problem:
+            return problem
+    nodes = {n.node for n in host.numa_nodes}
+    for i, node in enumerate(host.numa_nodes):
+        sizes = [p.page_size_kib for p in node.hugepages]
+        problem = _dup(sizes, f"$.numa_nodes[{i}].hugepages[{{i}}].page_size_kib")
+        if problem:
+            return problem
+        for j, pool in enumerate(node.hugepages):
+            if pool.free > pool.total:
+                return f"free ({pool.free}) exceeds total ({pool.total}) - at `$.numa_nodes[{i}].hugepages[{j}].free`"
+    for i, gpu in enumerate(host.gpus):
+        at = f"$.gpus[{i}]"
+        if gpu.numa_node is not None and nodes and gpu.numa_node not in nodes:
+            return f"NUMA node {gpu.numa_node} is not in numa_nodes - at `{at}.numa_node`"
+        if gpu.mig_mode and gpu.slots:
+            return f"a card in MIG mode has no slots - at `{at}.slots`"
+        if gpu.mig_instances and not gpu.mig_mode:
+            return f"the card is not in MIG mode (mig_mode is false) - at `{at}.mig_instances`"
+        problem = _dup([f"gi{m.gi}/ci{m.ci}" for m in gpu.mig_instances], at + ".mig_instances[{i}]") or _dup(
+            [m.uuid for m in gpu.mig_instances], at + ".mig_instances[{i}].uuid"
+        )
+        if problem:
+            return problem
+    gpu_uuids = {g.uuid for g in host.gpus}
+    for i, proc in enumerate(host.processes):
+        if proc.gpu_uuid not in gpu_uuids:
+            return f"{proc.gpu_uuid!r} is not a GPU of this host - at `$.processes[{i}].gpu_uuid`"
+    if host.vendor_cdi_spec is not None:
+        try:
+            vendor_cdi_from_json(msgspec.json.encode(host.vendor_cdi_spec), "vendor_cdi_spec")
+        except AdapterError as exc:
+            # vendor_cdi_from_json's paths start at the spec; re-root them at the file.
+            return str(exc).replace("vendor_cdi_spec: ", "", 1).replace("`$", "`$.vendor_cdi_spec")
+    return None
+
+
+def load_host_file(path: Path | str) -> FakeHost:
+    """Read and check a host description; HostFileError names the file and the field."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise HostFileError(f"fake host file {path}: cannot read ({exc.strerror})") from None
+    try:
+        host = _HOST_DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise HostFileError(f"fake host file {path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise HostFileError(f"fake host file {path}: not valid JSON ({exc})") from None
+    problem = _check(host)
+    if problem:
+        raise HostFileError(f"fake host file {path}: {problem}")
+    return host
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Temp file in the same directory, fsync, rename, fsync the directory (DESIGN 5, CDI rules)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            # mkstemp creates 0600; runtimes read CDI specs as other users.
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class FakeHwAdapter:
+    """VendorAdapter + MigCapable + VfioCapable + SharingCapable + DomainLister over a host file."""
+
+    def __init__(self, host_file: Path | str, *, cdi_dir: Path | str) -> None:
+        self.host_file = Path(host_file)
+        self.cdi_dir = Path(cdi_dir)
+        # fail at start, not at the first scan, when the file is wrong.
+        self._host = load_host_file(self.host_file)
+
+    @property
+    def host(self) -> FakeHost:
+        """The host as of the last read."""
+        return self._host
+
+    def reload(self) -> FakeHost:
+        self._host = load_host_file(self.host_file)
+        return self._host
+
+    # ----------------------------------------------------------------- required
+
+    def vendor(self) -> str:
+        return self._host.vendor
+
+    def read_capabilities(self) -> HostScan:
+        host = self.reload()
+        nodes = [
+            NumaNode(
+                node=n.node,
+                cpus=n.cpus,
+                memory_bytes=n.memory_bytes,
+                hugepages=sorted(
+                    (HugePagePool(page_size_kib=p.page_size_kib, total=p.total, free=p.free) for p in n.hugepages),
+                    key=lambda p: p.page_size_kib,
+                ),
+            )
+            for n in sorted(host.numa_nodes, key=lambda n: n.node)
+        ]
+        resources = HostResources(
+            memory_bytes=host.memory.total_bytes,
+            memory_available_bytes=host.memory.available_bytes,
+            cpus=host.cpus,
+            numa_nodes=nodes,
+            hugepages=hostfs.sum_pools(nodes),
+            virtualized=host.virtualized,
+        )
+        gpus = tuple(
+            GpuFacts(
+                uuid=g.uuid,
+                index=g.index,
+                pci_address=g.pci_address,
+                name=g.name,
+                memory_bytes=g.memory_bytes,
+                numa_node=g.numa_node,
+                compute_capability=g.compute_capability,
+                mig_mode=g.mig_mode,
+            )
+            for g in sorted(host.gpus, key=lambda g: g.index)
+        )
+        processes = tuple(
+            sorted(
+                (RunningProcess(pid=p.pid, gpu_uuid=p.gpu_uuid, cgroup=p.cgroup) for p in host.processes),
+                key=lambda p: (p.pid, p.gpu_uuid),
+            )
+        )
+        return HostScan(
+            driver_version=host.driver_version,
+            gpus=gpus,
+            host=resources,
+            boot_id=host.boot_id,
+            processes=processes,
+        )
+
+    def cdi_edits(self) -> VendorCdi | None:
+        return read_vendor_cdi(self.cdi_dir, VENDOR_CDI_FILE)
+
+    def write_cdi_spec(self) -> bool:
+        spec = self._host.vendor_cdi_spec
+        if spec is None:
+            return False
+        data = msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
+        path = self.cdi_dir / VENDOR_CDI_FILE
+        try:
+            if path.read_bytes() == data:
+                # runtimes watch cdi_dir; an unchanged spec is not rewritten.
+                return True
+        except OSError:
+            pass
+        atomic_write(path, data)
+        return True
+
+    def close(self) -> None:
+        return None
+
+    # ----------------------------------------------------------------- optional
+
+    def _gpu(self, gpu_uuid: str) -> HostGpu | None:
+        for g in self._host.gpus:
+            if g.uuid == gpu_uuid:
+                return g
+        return None
+
+    def mig_profiles(self, gpu_uuid: str) -> list[MigProfile]:
+        g = self._gpu(gpu_uuid)
+        if g is None:
+            return []
+        return [
+            MigProfile(
+                name=p.name,
+                profile_id=p.profile_id,
+                slices=p.slices,
+                memory_bytes=p.memory_bytes,
+                instances_max=p.instances_max,
+            )
+            for p in g.mig_profiles
+        ]
+
+    def mig_instances(self, gpu_uuid: str) -> list[MigInstanceFacts]:
+        g = self._gpu(gpu_uuid)
+        if g is None or not g.mig_mode:
+            return []
+        return [
+            MigInstanceFacts(gi=m.gi, ci=m.ci, profile=m.profile, uuid=m.uuid, memory_bytes=m.memory_bytes)
+            for m in sorted(g.mig_instances, key=lambda m: (m.gi, m.ci))
+        ]
+
+    def driver_binding(self, pci_address: str) -> tuple[str, str]:
+        for g in self._host.gpus:
+            if g.pci_address == pci_address:
+                return g.driver, g.base_driver
+        return "", ""
+
+    def slots_per_gpu(self, gpu_uuid: str) -> int:
+        g = self._gpu(gpu_uuid)
+        return 0 if g is None or g.mig_mode else g.slots
+
+    def mps_running(self) -> bool:
+        return self._host.mps_running
+
+    def mps_pipe_dir(self) -> str:
+        return self._host.mps_pipe_dir
+
+    def domains(self) -> list[RunningDomain]:
+        return [RunningDomain(name=d.name, gpus=tuple(d.gpus)) for d in self._host.domains]
+
+
+__all__ = [
+    "HostFileError",
+    "FakeHost",
+    "HostMemory",
+    "HostHugePages",
+    "HostNumaNode",
+    "HostMigProfile",
+    "HostMigInstance",
+    "HostGpu",
+    "HostProcess",
+    "HostDomain",
+    "load_host_file",
+    "atomic_write",
+    "FakeHwAdapter",
+]

@@ -1,0 +1,499 @@
+"""The `nvidia` adapter: NVML (through nvidia-ml-py) for the cards, sysfs/procfs for the rest.
+
+NVML sits behind a small port, `NvmlPort`, so the adapter's logic (PCI
+normalisation, cards NVML cannot see, MIG profile naming, processes and their
+cgroups) runs in tests against `FakeNvml` and a fake sysfs/proc tree, and only
+`PynvmlNvml` touches the library. Every file read takes a root (sysfs_root,
+proc_root, cdi_dir).
+
+Two NVML facts shape the code:
+- a card bound to vfio-pci (or to no driver) is invisible to NVML, and NVML's
+  indices of the remaining cards shift. The adapter therefore also lists
+  NVIDIA display devices from sysfs, and numbers every card by its position in
+  PCI order among all of them: NVML's own order when every card is on the
+  nvidia driver, and stable across a passthrough switch. A card seen only in
+  sysfs keeps the facts of its last NVML sighting (or the uuid from
+  `known_uuids`, which the service may persist).
+- listing GPU instances may need privileges an unprivileged inventory lacks,
+  while MIG device handles do not; MIG devices are therefore read from their
+  handles, and GPU instance profiles only name them (with a fallback by slice
+  count and memory when the GPU instance list is refused).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import pynvml
+
+from shared.schemas import MigProfile, RunningProcess
+
+from .. import hostfs
+from .base import (
+    VENDOR_CDI_FILE,
+    AdapterError,
+    AdapterUnavailable,
+    GpuFacts,
+    HostScan,
+    MigInstanceFacts,
+    VendorCdi,
+    read_vendor_cdi,
+)
+
+NATIVE_DRIVER = "nvidia"
+MIB = 1024 * 1024
+#: NVML's "not a MIG process" value for gpuInstanceId / computeInstanceId.
+_NO_INSTANCE = 0xFFFFFFFF
+
+T = TypeVar("T")
+
+
+class NvmlError(Exception):
+    """An NVML call failed; `code` is NVML's return code when known."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- the port
+
+
+@dataclass(frozen=True)
+class NvmlGiProfile:
+    """A GPU instance profile as NVML describes it."""
+
+    profile_id: int
+    name: str  # NVML spells it "MIG 1g.18gb"
+    slice_count: int
+    instance_count: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class NvmlGpuInstance:
+    gi_id: int
+    profile_id: int
+
+
+@dataclass(frozen=True)
+class NvmlMigDevice:
+    """A MIG device (compute instance) read from its MIG device handle."""
+
+    #: the MIG device index under its parent (nvidia-ctk's "<gpu>:<index>" names).
+    index: int
+    gi_id: int
+    ci_id: int
+    uuid: str
+    memory_bytes: int
+    gi_slice_count: int
+    ci_slice_count: int
+
+
+@dataclass(frozen=True)
+class NvmlProcess:
+    pid: int
+    gi_id: int | None = None
+    ci_id: int | None = None
+
+
+class NvmlPort(Protocol):
+    """The NVML calls the adapter makes, by NVML device index; failures raise NvmlError."""
+
+    def init(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def driver_version(self) -> str: ...
+    def device_count(self) -> int: ...
+    def device_uuid(self, index: int) -> str: ...
+    def device_name(self, index: int) -> str: ...
+    def device_memory_total(self, index: int) -> int: ...
+    def device_pci_bus_id(self, index: int) -> str: ...
+    def device_compute_capability(self, index: int) -> tuple[int, int]: ...
+    def device_mig_mode(self, index: int) -> bool: ...
+    def gpu_instance_profiles(self, index: int) -> list[NvmlGiProfile]: ...
+    def gpu_instances(self, index: int) -> list[NvmlGpuInstance]: ...
+    def mig_devices(self, index: int) -> list[NvmlMigDevice]: ...
+    def compute_processes(self, index: int) -> list[NvmlProcess]: ...
+
+
+def _text(value: object) -> str:
+    # ctypes char arrays come back as bytes; the convertStrBytes wrappers give str.
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class PynvmlNvml:
+    """NvmlPort on the real library (nvidia-ml-py's `pynvml` module)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[int, object] = {}
+
+    @staticmethod
+    def _call(fn: Callable[..., T], *args: object) -> T:
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as exc:
+            raise NvmlError(f"{getattr(fn, '__name__', 'nvml')}: {exc}", getattr(exc, "value", None)) from None
+
+    def _handle(self, index: int) -> object:
+        if index not in self._handles:
+            self._handles[index] = self._call(pynvml.nvmlDeviceGetHandleByIndex, index)
+        return self._handles[index]
+
+    def init(self) -> None:
+        self._handles.clear()
+        self._call(pynvml.nvmlInit)
+
+    def shutdown(self) -> None:
+        self._handles.clear()
+        self._call(pynvml.nvmlShutdown)
+
+    def driver_version(self) -> str:
+        return _text(self._call(pynvml.nvmlSystemGetDriverVersion))
+
+    def device_count(self) -> int:
+        return int(self._call(pynvml.nvmlDeviceGetCount))
+
+    def device_uuid(self, index: int) -> str:
+        return _text(self._call(pynvml.nvmlDeviceGetUUID, self._handle(index)))
+
+    def device_name(self, index: int) -> str:
+        return _text(self._call(pynvml.nvmlDeviceGetName, self._handle(index)))
+
+    def device_memory_total(self, index: int) -> int:
+        return int(self._call(pynvml.nvmlDeviceGetMemoryInfo, self._handle(index)).total)
+
+    def device_pci_bus_id(self, index: int) -> str:
+        return _text(self._call(pynvml.nvmlDeviceGetPciInfo, self._handle(index)).busId)
+
+    def device_compute_capability(self, index: int) -> tuple[int, int]:
+        major, minor = self._call(pynvml.nvmlDeviceGetCudaComputeCapability, self._handle(index))
+        return int(major), int(minor)
+
+    def device_mig_mode(self, index: int) -> bool:
+        try:
+            current, _pending = self._call(pynvml.nvmlDeviceGetMigMode, self._handle(index))
+        except NvmlError as exc:
+            if exc.code == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                return False  # not a MIG-capable card
+            raise
+        return int(current) == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    def gpu_instance_profiles(self, index: int) -> list[NvmlGiProfile]:
+        handle = self._handle(index)
+        profiles: dict[int, NvmlGiProfile] = {}
+        for profile_index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                info = self._call(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, profile_index)
+            except NvmlError:
+                continue  # this card (or driver) has no such profile
+            profiles.setdefault(
+                int(info.id),
+                NvmlGiProfile(
+                    profile_id=int(info.id),
+                    name=_text(info.name),
+                    slice_count=int(info.sliceCount),
+                    instance_count=int(info.instanceCount),
+                    memory_mib=int(info.memorySizeMB),
+                ),
+            )
+        return list(profiles.values())
+
+    def gpu_instances(self, index: int) -> list[NvmlGpuInstance]:
+        handle = self._handle(index)
+        found: list[NvmlGpuInstance] = []
+        for profile in self.gpu_instance_profiles(index):
+            capacity = max(profile.instance_count, 1)
+            array = (pynvml.c_nvmlGpuInstance_t * capacity)()
+            count = ctypes.c_uint(0)
+            self._call(pynvml.nvmlDeviceGetGpuInstances, handle, profile.profile_id, array, ctypes.byref(count))
+            for k in range(count.value):
+                info = self._call(pynvml.nvmlGpuInstanceGetInfo, array[k])
+                found.append(NvmlGpuInstance(gi_id=int(info.id), profile_id=int(info.profileId)))
+        return found
+
+    def mig_devices(self, index: int) -> list[NvmlMigDevice]:
+        handle = self._handle(index)
+        found: list[NvmlMigDevice] = []
+        for k in range(int(self._call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle))):
+            try:
+                mig = self._call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, k)
+            except NvmlError:
+                continue  # NOT_FOUND: no MIG device at this index
+            try:
+                attrs = self._call(pynvml.nvmlDeviceGetAttributes, mig)
+                slices = (int(attrs.gpuInstanceSliceCount), int(attrs.computeInstanceSliceCount))
+            except NvmlError:
+                slices = (0, 0)  # only profile naming suffers
+            found.append(
+                NvmlMigDevice(
+                    index=k,
+                    gi_id=int(self._call(pynvml.nvmlDeviceGetGpuInstanceId, mig)),
+                    ci_id=int(self._call(pynvml.nvmlDeviceGetComputeInstanceId, mig)),
+                    uuid=_text(self._call(pynvml.nvmlDeviceGetUUID, mig)),
+                    memory_bytes=int(self._call(pynvml.nvmlDeviceGetMemoryInfo, mig).total),
+                    gi_slice_count=slices[0],
+                    ci_slice_count=slices[1],
+                )
+            )
+        return found
+
+    def compute_processes(self, index: int) -> list[NvmlProcess]:
+        procs = self._call(pynvml.nvmlDeviceGetComputeRunningProcesses, self._handle(index))
+        out: list[NvmlProcess] = []
+        for p in procs:
+            gi = getattr(p, "gpuInstanceId", _NO_INSTANCE)
+            ci = getattr(p, "computeInstanceId", _NO_INSTANCE)
+            out.append(
+                NvmlProcess(
+                    pid=int(p.pid),
+                    gi_id=None if gi is None or gi == _NO_INSTANCE else int(gi),
+                    ci_id=None if ci is None or ci == _NO_INSTANCE else int(ci),
+                )
+            )
+        return out
+
+
+# --------------------------------------------------------------------------- the adapter
+
+
+def unavailable_message(reason: str) -> str:
+    return (
+        f"NVML is not available on this host: {reason}; "
+        "use --adapter fakehw with --fake-host FILE on a machine without NVIDIA GPUs"
+    )
+
+
+def _profile_name(nvml_name: str) -> str:
+    return nvml_name[4:] if nvml_name.startswith("MIG ") else nvml_name
+
+
+class NvidiaAdapter:
+    """VendorAdapter + MigCapable + VfioCapable + SharingCapable on NVML and sysfs."""
+
+    def __init__(
+        self,
+        *,
+        nvml: NvmlPort | None = None,
+        sysfs_root: Path | str = hostfs.DEFAULT_SYSFS_ROOT,
+        proc_root: Path | str = hostfs.DEFAULT_PROC_ROOT,
+        cdi_dir: Path | str = "/etc/cdi",
+        slots_per_gpu: int | Mapping[str, int] = 0,
+        mps_pipe_dir: str = "/tmp/nvidia-mps",
+        known_uuids: Mapping[str, str] | None = None,
+    ) -> None:
+        counts = [slots_per_gpu] if isinstance(slots_per_gpu, int) else list(slots_per_gpu.values())
+        if any(c < 0 for c in counts):
+            raise ValueError("slots_per_gpu must be >= 0")
+        self.nvml: NvmlPort = nvml if nvml is not None else PynvmlNvml()
+        self.sysfs_root = Path(sysfs_root)
+        self.proc_root = Path(proc_root)
+        self.cdi_dir = Path(cdi_dir)
+        # one count for every card, or per card keyed by uuid or PCI address.
+        self._slots: int | dict[str, int] = slots_per_gpu if isinstance(slots_per_gpu, int) else dict(slots_per_gpu)
+        self._mps_pipe_dir = mps_pipe_dir
+        self._known_uuids = dict(known_uuids or {})
+        #: last facts per PCI address, for cards NVML stops seeing (passthrough).
+        self._last: dict[str, GpuFacts] = {}
+        #: uuid -> NVML index, of the cards NVML saw in the last scan.
+        self._nvml_index: dict[str, int] = {}
+        self._mig_mode: dict[str, bool] = {}
+        self._closed = False
+        try:
+            self.nvml.init()
+        except (NvmlError, pynvml.NVMLError) as exc:
+            raise AdapterUnavailable(unavailable_message(str(exc) or type(exc).__name__)) from None
+
+    # ----------------------------------------------------------------- helpers
+
+    @staticmethod
+    def _try(fn: Callable[[], T], default: T) -> T:
+        """An optional NVML fact: a card that refuses one still gets listed."""
+        try:
+            return fn()
+        except (NvmlError, pynvml.NVMLError):
+            return default
+
+    def known_uuids(self) -> dict[str, str]:
+        """PCI address -> GPU uuid of every card this adapter has identified (for the service to persist)."""
+        out = dict(self._known_uuids)
+        out.update({pci: f.uuid for pci, f in self._last.items() if f.uuid})
+        return out
+
+    def _cc(self, index: int) -> str:
+        major, minor = self.nvml.device_compute_capability(index)
+        return f"{major}.{minor}"
+
+    # ----------------------------------------------------------------- required
+
+    def vendor(self) -> str:
+        return "nvidia"
+
+    def read_capabilities(self) -> HostScan:
+        try:
+            driver_version = self.nvml.driver_version()
+            count = self.nvml.device_count()
+        except (NvmlError, pynvml.NVMLError) as exc:
+            raise AdapterError(f"NVML: cannot list devices ({exc})") from None
+
+        seen: dict[str, GpuFacts] = {}
+        nvml_index: dict[str, int] = {}
+        for i in range(count):
+            try:
+                uuid = self.nvml.device_uuid(i)
+                pci = hostfs.normalize_pci(self.nvml.device_pci_bus_id(i))
+            except (NvmlError, pynvml.NVMLError, ValueError):
+                # a card NVML cannot identify is still on the PCI bus; the sysfs
+                # pass below lists it with what is remembered.
+                continue
+            seen[pci] = GpuFacts(
+                uuid=uuid,
+                index=i,
+                pci_address=pci,
+                name=self._try(lambda: self.nvml.device_name(i), ""),
+                memory_bytes=self._try(lambda: self.nvml.device_memory_total(i), 0),
+                compute_capability=self._try(lambda: self._cc(i), ""),
+                mig_mode=self._try(lambda: self.nvml.device_mig_mode(i), False),
+            )
+            nvml_index[uuid] = i
+
+        for pci in hostfs.list_nvidia_gpus(self.sysfs_root):
+            if pci in seen:
+                continue
+            last = self._last.get(pci)
+            if last is not None:
+                seen[pci] = last
+            else:
+                seen[pci] = GpuFacts(uuid=self._known_uuids.get(pci, ""), index=0, pci_address=pci)
+
+        gpus: list[GpuFacts] = []
+        for position, pci in enumerate(sorted(seen)):
+            facts = replace(seen[pci], index=position, numa_node=hostfs.read_numa_node(self.sysfs_root, pci))
+            gpus.append(facts)
+        self._last.update({g.pci_address: g for g in gpus})
+        self._nvml_index = nvml_index
+        self._mig_mode = {g.uuid: g.mig_mode for g in gpus if g.uuid in nvml_index}
+
+        processes: dict[tuple[int, str], RunningProcess] = {}
+        for uuid, i in nvml_index.items():
+            for p in self._try(lambda: self.nvml.compute_processes(i), []):
+                processes[(p.pid, uuid)] = RunningProcess(
+                    pid=p.pid, gpu_uuid=uuid, cgroup=hostfs.read_cgroup(self.proc_root, p.pid)
+                )
+
+        return HostScan(
+            driver_version=driver_version,
+            gpus=tuple(gpus),
+            host=hostfs.read_host_resources(self.sysfs_root, self.proc_root),
+            boot_id=hostfs.read_boot_id(self.proc_root),
+            processes=tuple(processes[k] for k in sorted(processes)),
+        )
+
+    def cdi_edits(self) -> VendorCdi | None:
+        return read_vendor_cdi(self.cdi_dir, VENDOR_CDI_FILE)
+
+    def write_cdi_spec(self) -> bool:
+        # `nvidia-ctk cdi generate` (or the toolkit's service) owns nvidia.json.
+        return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.nvml.shutdown()
+        except (NvmlError, pynvml.NVMLError):
+            pass
+
+    # ----------------------------------------------------------------- MigCapable
+
+    def mig_profiles(self, gpu_uuid: str) -> list[MigProfile]:
+        i = self._nvml_index.get(gpu_uuid)
+        if i is None:
+            return []
+        return [
+            MigProfile(
+                name=_profile_name(p.name),
+                profile_id=p.profile_id,
+                slices=p.slice_count,
+                memory_bytes=p.memory_mib * MIB,
+                instances_max=p.instance_count,
+            )
+            for p in self._try(lambda: self.nvml.gpu_instance_profiles(i), [])
+        ]
+
+    def mig_instances(self, gpu_uuid: str) -> list[MigInstanceFacts]:
+        i = self._nvml_index.get(gpu_uuid)
+        if i is None or not self._mig_mode.get(gpu_uuid, False):
+            return []
+        devices = self._try(lambda: self.nvml.mig_devices(i), [])
+        if not devices:
+            return []
+        profiles = {p.profile_id: p for p in self._try(lambda: self.nvml.gpu_instance_profiles(i), [])}
+        gi_profile = {g.gi_id: g.profile_id for g in self._try(lambda: self.nvml.gpu_instances(i), [])}
+        out: list[MigInstanceFacts] = []
+        for dev in devices:
+            profile = profiles.get(gi_profile.get(dev.gi_id, -1))
+            if profile is None:
+                profile = self._guess_profile(profiles.values(), dev)
+            name = _profile_name(profile.name) if profile is not None else ""
+            if name and 0 < dev.ci_slice_count < dev.gi_slice_count:
+                name = f"{dev.ci_slice_count}c.{name}"
+            out.append(
+                MigInstanceFacts(gi=dev.gi_id, ci=dev.ci_id, profile=name, uuid=dev.uuid, memory_bytes=dev.memory_bytes)
+            )
+        return sorted(out, key=lambda m: (m.gi, m.ci))
+
+    @staticmethod
+    def _guess_profile(profiles: Iterable[NvmlGiProfile], dev: NvmlMigDevice) -> NvmlGiProfile | None:
+        """The GPU instance profile a MIG device most likely has, when NVML would not list GPU instances."""
+        candidates = [p for p in profiles if p.slice_count == dev.gi_slice_count]
+        if not candidates:
+            return None
+        mib = dev.memory_bytes / MIB
+        # same slices, nearest memory; the lowest id breaks ties (the plain profile before "+me").
+        return min(candidates, key=lambda p: (abs(p.memory_mib - mib), p.profile_id))
+
+    # ----------------------------------------------------------------- VfioCapable
+
+    def driver_binding(self, pci_address: str) -> tuple[str, str]:
+        return hostfs.read_bound_driver(self.sysfs_root, pci_address), NATIVE_DRIVER
+
+    # ----------------------------------------------------------------- SharingCapable
+
+    def slots_per_gpu(self, gpu_uuid: str) -> int:
+        if isinstance(self._slots, int):
+            return self._slots
+        if gpu_uuid in self._slots:
+            return self._slots[gpu_uuid]
+        for pci, facts in self._last.items():
+            if facts.uuid == gpu_uuid:
+                return self._slots.get(pci, 0)
+        return 0
+
+    def mps_running(self) -> bool:
+        # the control daemon creates its `control` pipe in the pipe directory.
+        try:
+            return (Path(self._mps_pipe_dir) / "control").exists()
+        except OSError:
+            return False
+
+    def mps_pipe_dir(self) -> str:
+        return self._mps_pipe_dir
+
+
+__all__ = [
+    "NATIVE_DRIVER",
+    "NvmlError",
+    "NvmlGiProfile",
+    "NvmlGpuInstance",
+    "NvmlMigDevice",
+    "NvmlProcess",
+    "NvmlPort",
+    "PynvmlNvml",
+    "NvidiaAdapter",
+    "unavailable_message",
+]

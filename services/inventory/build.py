@@ -1,0 +1,327 @@
+"""The vendor-neutral core of the inventory: adapter facts in, an `Inventory` out.
+
+Pure (no clock, no files of its own; everything comes from the adapter and the
+arguments), so the same host read yields byte-identical content and the
+service can tell a change from a re-read by `inventory_content_key`.
+
+It owns three things no adapter may decide:
+- atom ids: a GPU's atom id IS its vendor uuid ("GPU-..."), a MIG instance is
+  "GPU-<uuid>/gi<N>/ci<M>", a slot "GPU-<uuid>/slot<K>" (K from 0);
+- which atoms exist: MIG instances and slots only on a card driven by its
+  compute driver, never slots on a card in MIG mode;
+- the first PhysicalGPU status of each card (seed 003): driverBinding from the
+  bound driver, the AdapterReady condition, and the phase derived from them by
+  the `derive_phase` table, never set directly. managementState stays Unknown
+  (Managed=Unknown/Indeterminate) until the management logic derives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+import msgspec
+
+from shared.schemas import (
+    Atom,
+    Condition,
+    DriverBinding,
+    Gpu,
+    Inventory,
+    MigInstance,
+    MigProfile,
+    PhysicalGPUStatus,
+    Slot,
+)
+from shared.schemas.inventory import DriverMode, Phase
+
+from .adapters.base import GpuFacts, MigCapable, SharingCapable, VendorAdapter, VfioCapable
+
+VFIO_DRIVER = "vfio-pci"
+
+ADAPTER_READY = "AdapterReady"
+MANAGED = "Managed"
+RECONFIGURING = "Reconfiguring"
+
+#: AdapterReady=False reasons that mean the card cannot be used until someone acts (phase Failed).
+FAILED_REASONS = frozenset({"VFIORequiresBareMetal"})
+
+
+# --------------------------------------------------------------------------- atom ids
+
+
+def gpu_atom_id(uuid: str) -> str:
+    """The atom id of a whole GPU: NVML's uuid as is ("GPU-..."), never "GPU-GPU-..."."""
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def mig_atom_id(gpu_uuid: str, gi: int, ci: int) -> str:
+    return f"{gpu_atom_id(gpu_uuid)}/gi{gi}/ci{ci}"
+
+
+def slot_atom_id(gpu_uuid: str, k: int) -> str:
+    return f"{gpu_atom_id(gpu_uuid)}/slot{k}"
+
+
+# --------------------------------------------------------------------------- PhysicalGPU status
+
+
+def driver_mode(driver: str) -> DriverMode:
+    """Mode of the binding: vfio-pci is Passthrough, no driver None, any other driver Compute."""
+    if driver == VFIO_DRIVER:
+        return "Passthrough"
+    if not driver:
+        return "None"
+    return "Compute"
+
+
+def adapter_ready(mode: DriverMode, driver: str, *, now: datetime) -> Condition:
+    """The AdapterReady condition the binding alone implies."""
+    if mode == "Compute":
+        return Condition(
+            type=ADAPTER_READY,
+            status="True",
+            reason="AdapterReady",
+            message=f"bound to {driver}; the vendor adapter reads the card",
+            since=now,
+        )
+    if mode == "Passthrough":
+        # a card on vfio-pci legitimately has no adapter readiness (seed 003);
+        # derive_phase reads the mode first, so this never makes it Initializing.
+        return Condition(
+            type=ADAPTER_READY,
+            status="False",
+            reason="Passthrough",
+            message=f"bound to {VFIO_DRIVER}; the vendor adapter does not drive a card in passthrough",
+            since=now,
+        )
+    return Condition(
+        type=ADAPTER_READY,
+        status="False",
+        reason="NoDriver",
+        message="no kernel driver is bound to the card",
+        since=now,
+    )
+
+
+def managed_unknown(*, now: datetime) -> Condition:
+    return Condition(
+        type=MANAGED,
+        status="Unknown",
+        reason="Indeterminate",
+        message="management state not derived yet",
+        since=now,
+    )
+
+
+def _condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
+    for c in conditions:
+        if c.type == type_:
+            return c
+    return None
+
+
+def derive_phase(mode: DriverMode, conditions: Sequence[Condition]) -> Phase:
+    """The phase table (seed 003), first matching row wins.
+
+    | row | when                                                        | phase         |
+    |-----|-------------------------------------------------------------|---------------|
+    | 1   | driverBinding.mode is Passthrough (whatever the conditions) | Passthrough   |
+    | 2   | AdapterReady=False with a reason in FAILED_REASONS          | Failed        |
+    | 3   | Reconfiguring=True (any reason: Requested ... Completing)   | Reconfiguring |
+    | 4   | AdapterReady=True                                           | Ready         |
+    | 5   | anything else (no driver, adapter not ready yet, unknown)   | Initializing  |
+    """
+    if mode == "Passthrough":
+        return "Passthrough"
+    ready = _condition(conditions, ADAPTER_READY)
+    if ready is not None and ready.status == "False" and ready.reason in FAILED_REASONS:
+        return "Failed"
+    reconfiguring = _condition(conditions, RECONFIGURING)
+    if reconfiguring is not None and reconfiguring.status == "True":
+        return "Reconfiguring"
+    if ready is not None and ready.status == "True":
+        return "Ready"
+    return "Initializing"
+
+
+def _keep_since(conditions: list[Condition], previous: Sequence[Condition]) -> list[Condition]:
+    """A condition whose status and reason did not change keeps its transition time."""
+    out: list[Condition] = []
+    for c in conditions:
+        old = _condition(previous, c.type)
+        if old is not None and old.status == c.status and old.reason == c.reason:
+            c = msgspec.structs.replace(c, since=old.since)
+        out.append(c)
+    return out
+
+
+def derive_status(driver: str, *, now: datetime, previous: PhysicalGPUStatus | None = None) -> PhysicalGPUStatus:
+    """A card's first PhysicalGPU status from what the kernel has bound to it."""
+    mode = driver_mode(driver)
+    conditions = [adapter_ready(mode, driver, now=now), managed_unknown(now=now)]
+    if previous is not None:
+        conditions = _keep_since(conditions, previous.conditions)
+    return PhysicalGPUStatus(
+        phase=derive_phase(mode, conditions),
+        driver_binding=DriverBinding(driver=driver, mode=mode, management_state="Unknown"),
+        conditions=conditions,
+    )
+
+
+# --------------------------------------------------------------------------- the inventory
+
+
+def _build_gpu(
+    adapter: VendorAdapter,
+    facts: GpuFacts,
+    *,
+    vendor: str,
+    mps_running: bool,
+    now: datetime,
+    previous: Gpu | None,
+) -> Gpu:
+    if isinstance(adapter, VfioCapable):
+        driver, base_driver = adapter.driver_binding(facts.pci_address)
+    else:
+        # an adapter without VFIO knows only cards its vendor library drives,
+        # i.e. cards on their native driver, which it names after the vendor.
+        driver, base_driver = adapter.vendor(), adapter.vendor()
+    status = derive_status(driver, now=now, previous=previous.status if previous is not None else None)
+    compute = status.driver_binding.mode == "Compute"
+    uuid = facts.uuid
+    atom = gpu_atom_id(uuid) if uuid else ""
+
+    profiles: list[MigProfile] = []
+    instances: list[MigInstance] = []
+    slots: list[Slot] = []
+    if compute and uuid:
+        if isinstance(adapter, MigCapable):
+            profiles = sorted(adapter.mig_profiles(uuid), key=lambda p: (p.profile_id, p.name))
+            if facts.mig_mode:
+                instances = [
+                    MigInstance(
+                        atom_id=mig_atom_id(uuid, m.gi, m.ci),
+                        uuid=m.uuid,
+                        gi=m.gi,
+                        ci=m.ci,
+                        profile=m.profile,
+                        memory_bytes=m.memory_bytes,
+                    )
+                    for m in sorted(adapter.mig_instances(uuid), key=lambda m: (m.gi, m.ci))
+                ]
+        if not facts.mig_mode and isinstance(adapter, SharingCapable):
+            slots = [Slot(atom_id=slot_atom_id(uuid, k), index=k) for k in range(max(adapter.slots_per_gpu(uuid), 0))]
+
+    return Gpu(
+        atom_id=atom,
+        uuid=uuid,
+        index=facts.index,
+        pci_address=facts.pci_address,
+        name=facts.name,
+        vendor=vendor,
+        memory_bytes=facts.memory_bytes,
+        numa_node=facts.numa_node,
+        driver=driver,
+        base_driver=base_driver,
+        compute_capability=facts.compute_capability,
+        mig_mode=facts.mig_mode,
+        mig_profiles=profiles,
+        mig_instances=instances,
+        slots=slots,
+        mps_running=bool(slots) and mps_running,
+        status=status,
+    )
+
+
+def _atoms(gpu: Gpu) -> list[Atom]:
+    if not gpu.atom_id:
+        return []  # a card whose uuid is unknown cannot be booked by atom id
+    atoms = [Atom(id=gpu.atom_id, kind="gpu", gpu_uuid=gpu.uuid, pci_address=gpu.pci_address)]
+    atoms += [Atom(id=m.atom_id, kind="mig", gpu_uuid=gpu.uuid, pci_address=gpu.pci_address) for m in gpu.mig_instances]
+    atoms += [Atom(id=s.atom_id, kind="slot", gpu_uuid=gpu.uuid, pci_address=gpu.pci_address) for s in gpu.slots]
+    return atoms
+
+
+def build_inventory(
+    adapter: VendorAdapter,
+    *,
+    node_id: str,
+    revision: int,
+    now: datetime,
+    previous: Inventory | None = None,
+) -> Inventory:
+    """Read the host through `adapter` once and describe it.
+
+    `previous` (the last published inventory) only carries condition
+    transition times over, so an unchanged condition keeps its `since`.
+    """
+    scan = adapter.read_capabilities()
+    vendor = adapter.vendor()
+    sharing = adapter if isinstance(adapter, SharingCapable) else None
+    mps_running = sharing.mps_running() if sharing is not None else False
+    before = {g.pci_address: g for g in previous.gpus} if previous is not None else {}
+
+    gpus = [
+        _build_gpu(adapter, f, vendor=vendor, mps_running=mps_running, now=now, previous=before.get(f.pci_address))
+        for f in sorted(scan.gpus, key=lambda f: (f.index, f.pci_address))
+    ]
+    position = {g.uuid: g.index for g in gpus}
+    atoms = sorted((a for g in gpus for a in _atoms(g)), key=lambda a: (position[a.gpu_uuid], a.id))
+    return Inventory(
+        node_id=node_id,
+        revision=revision,
+        observed_at=now,
+        vendor=vendor,
+        driver_version=scan.driver_version,
+        boot_id=scan.boot_id,
+        gpus=gpus,
+        atoms=atoms,
+        host=scan.host,
+        mps_pipe_dir=sharing.mps_pipe_dir() if sharing is not None else "",
+        processes=sorted(scan.processes, key=lambda p: (p.pid, p.gpu_uuid)),
+    )
+
+
+def inventory_content_key(inv: Inventory) -> bytes:
+    """The inventory's content as bytes, without observed_at, revision and condition times.
+
+    Two reads of an unchanged host give the same key; the service bumps the
+    revision only when the key changes.
+    """
+    data = msgspec.to_builtins(inv)
+    data.pop("observed_at", None)
+    data.pop("revision", None)
+    for gpu in data.get("gpus", []):
+        for condition in gpu.get("status", {}).get("conditions", []):
+            condition.pop("since", None)
+    return msgspec.json.encode(data)
+
+
+def next_revision(previous: Inventory | None, candidate: Inventory) -> int:
+    """The revision `candidate` should carry: the previous one, plus one when the content changed."""
+    if previous is None:
+        return max(candidate.revision, 1)
+    if inventory_content_key(previous) == inventory_content_key(candidate):
+        return previous.revision
+    return previous.revision + 1
+
+
+__all__ = [
+    "VFIO_DRIVER",
+    "ADAPTER_READY",
+    "MANAGED",
+    "RECONFIGURING",
+    "FAILED_REASONS",
+    "gpu_atom_id",
+    "mig_atom_id",
+    "slot_atom_id",
+    "driver_mode",
+    "adapter_ready",
+    "managed_unknown",
+    "derive_phase",
+    "derive_status",
+    "build_inventory",
+    "inventory_content_key",
+    "next_revision",
+]

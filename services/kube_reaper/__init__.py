@@ -1,0 +1,5 @@
+"""kube_reaper: answers "does any pod still hold these devices" and evicts pods holding withdrawn ones.
+
+Reads the kubelet pod-resources API and the host's GPU processes; evicts
+through the Kubernetes Eviction API. Built in the Kubernetes holds issue.
+"""

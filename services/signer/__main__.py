@@ -1,0 +1,3 @@
+from services.signer.service import main
+
+main()

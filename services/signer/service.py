@@ -1,0 +1,89 @@
+"""The signer micro service: `sign` (attested-report only) and `key` on the node bus."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import Counter
+
+from shared.host import HostFactError, read_boot_id
+from shared.runtime import Option, Refused, ServiceApp, ServiceContext, StartupError, main_for
+from shared.schemas import EMPTY_CODEC, REPORT_PURPOSE, SIGN_REQUEST_CODEC, AttestedReport, Empty, ReportBody, SignerKey, SignRequest
+from shared.signing import key_id, raw_public_key, sign_report
+
+from .keys import KeyFileError, load_or_create_key
+
+
+class SignerApp(ServiceApp):
+    name = "signer"
+    description = "signs attested reports with the node key"
+
+    def __init__(self) -> None:
+        self.key: Ed25519PrivateKey | None = None
+        self.signatures: Counter | None = None
+
+    def options(self) -> list[Option]:
+        return [
+            Option("--data-dir", "state directory of this node", default=Path("/var/lib/bcd"), type=Path),
+            Option("--key-file", "node key (default <data-dir>/signer/node.key)", type=Path),
+            Option("--proc-root", "root of /proc (boot id)", default=Path("/proc"), type=Path),
+            Option("--fake-host", "fake host description file (boot id comes from it)", type=Path),
+        ]
+
+    def key_path(self, opts: Any) -> Path:
+        return opts.key_file or Path(opts.data_dir) / "signer" / "node.key"
+
+    def boot_id(self, opts: Any) -> str:
+        return read_boot_id(opts.proc_root, opts.fake_host)
+
+    async def setup(self, ctx: ServiceContext) -> None:
+        path = self.key_path(ctx.opts)
+        try:
+            self.key, created = load_or_create_key(path)
+            boot_id = self.boot_id(ctx.opts)
+        except (KeyFileError, HostFactError) as exc:
+            raise StartupError(str(exc)) from None
+        kid = key_id(self.key)
+        ctx.log.info("node key " + ("created" if created else "loaded"), key_file=str(path), key_id=kid, boot_id=boot_id)
+        self.signatures = Counter(
+            "bcd_signatures", "Sign requests by purpose and outcome", ["purpose", "outcome"], registry=ctx.registry
+        )
+        await ctx.endpoint("sign", ctx.subjects.signer_sign, lambda req: self.sign(ctx, req), SIGN_REQUEST_CODEC)
+        await ctx.endpoint("key", ctx.subjects.signer_key, lambda req: self.public(ctx, req), EMPTY_CODEC, allow_empty=True)
+
+    async def sign(self, ctx: ServiceContext, req: SignRequest) -> AttestedReport:
+        assert self.key is not None and self.signatures is not None
+        if req.purpose != REPORT_PURPOSE:
+            self.signatures.labels(purpose="other", outcome="refused").inc()
+            raise Refused(f"purpose {req.purpose!r} is not signed by this node; only {REPORT_PURPOSE!r} is")
+        try:
+            boot_id = self.boot_id(ctx.opts)
+        except HostFactError as exc:
+            self.signatures.labels(purpose=req.purpose, outcome="error").inc()
+            raise Refused(f"boot id unreadable: {exc}", code="503") from None
+        body = ReportBody(
+            node_id=ctx.opts.node_id,
+            boot_id=boot_id,
+            event_id=req.event_id,
+            time=datetime.now(timezone.utc),
+            event=req.event,
+        )
+        report = sign_report(self.key, body)
+        self.signatures.labels(purpose=req.purpose, outcome="signed").inc()
+        ctx.log.info("signed", event_id=req.event_id, event=type(req.event).__name__, allocation_id=req.event.allocation_id)
+        return report
+
+    async def public(self, ctx: ServiceContext, _: Empty) -> SignerKey:
+        assert self.key is not None
+        return SignerKey(
+            node_id=ctx.opts.node_id,
+            public_key=raw_public_key(self.key),
+            key_id=key_id(self.key),
+            boot_id=self.boot_id(ctx.opts),
+        )
+
+
+main = main_for(SignerApp)

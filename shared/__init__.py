@@ -1,0 +1,1 @@
+"""bcd code shared by every service: wire schemas, subjects, signing, the bus runtime."""

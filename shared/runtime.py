@@ -1,0 +1,399 @@
+"""The bus runtime every bcd service runs on.
+
+A service is a `ServiceApp`: it declares its options, registers `nats.micro`
+endpoints in `setup`, and may run background loops in `run`. The runtime owns
+the rest, identically for every process: options from flags or env vars
+(`--nats-url` / `BCD_NATS_URL`), structured logs, the NATS connection with the
+service's own user and inbox prefix, a micro service (so `$SRV.PING/INFO/STATS`
+find it), a Prometheus endpoint on a loopback port of its own, and a clean stop
+on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import nats
+import nats.micro
+from nats.aio.client import Client
+from nats.micro.request import Request, ServiceError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.exposition import start_http_server
+
+from shared import logs
+from shared.schemas import BadMessage, Codec, encode
+from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix
+
+VERSION = "0.1.0"
+
+#: default loopback metrics port of each process (0 picks a free one).
+METRICS_PORTS: dict[str, int] = {
+    "inventory": 9461,
+    "signer": 9462,
+    "converger": 9463,
+    "gateway_bridge": 9464,
+    "kube_reaper": 9465,
+    "vfio_switcher": 9466,
+    "helper": 9467,
+}
+
+T = TypeVar("T")
+
+#: how long a stopping service waits for its bus to drain.
+STOP_GRACE_S = 3.0
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option, taken as `--flag` or from the env var `BCD_FLAG` (flag wins)."""
+
+    flag: str
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] = str
+    required: bool = False
+    choices: Sequence[str] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "BCD_" + self.dest.upper()
+
+
+def common_options(service: str) -> list[Option]:
+    return [
+        Option("--node-id", "node id (subject token, KV key)", required=True),
+        Option("--nats-url", "node-bus NATS URL", default="nats://127.0.0.1:4222"),
+        Option("--nats-user", "NATS user of this service", default=service),
+        Option("--nats-password-file", "file holding this service's NATS password", type=Path),
+        Option("--metrics-addr", "address of the Prometheus endpoint", default="127.0.0.1"),
+        Option("--metrics-port", "port of the Prometheus endpoint (0: any free port)", default=METRICS_PORTS.get(service, 0), type=int),
+        Option("--log-level", "DEBUG, INFO, WARNING or ERROR", default="INFO"),
+        Option("--log-format", "json or text", default="json", choices=("json", "text")),
+    ]
+
+
+def parse_options(service: str, options: Sequence[Option], argv: Sequence[str] | None, env: dict[str, str] | None = None) -> argparse.Namespace:
+    env = dict(os.environ) if env is None else env
+    parser = argparse.ArgumentParser(prog=f"bcd-{service.replace('_', '-')}", description=f"bcd {service} service")
+    for opt in options:
+        default = opt.default
+        from_env = env.get(opt.env)
+        if from_env is not None and from_env != "":
+            default = opt.type(from_env)
+        parser.add_argument(
+            opt.flag,
+            dest=opt.dest,
+            default=default,
+            type=opt.type,
+            required=opt.required and default is None,
+            choices=opt.choices,
+            help=f"{opt.help} [env {opt.env}]" + (f" (default {opt.default})" if opt.default is not None else ""),
+        )
+    ns = parser.parse_args(list(argv) if argv is not None else None)
+    # choices are only checked by argparse for flags; check env values too.
+    for opt in options:
+        if opt.choices and getattr(ns, opt.dest) not in opt.choices:
+            parser.error(f"{opt.env}: {getattr(ns, opt.dest)!r} is not one of {', '.join(opt.choices)}")
+    return ns
+
+
+# --------------------------------------------------------------------------- bus calls
+
+
+class ServiceCallError(Exception):
+    """A node-bus request answered with a micro error (Nats-Service-Error headers)."""
+
+    def __init__(self, code: str, description: str) -> None:
+        super().__init__(f"{code}: {description}")
+        self.code = code
+        self.description = description
+
+
+async def call(nc: Client, subject: str, payload: object, reply: Codec[T], *, timeout: float = 5.0) -> T:
+    """Request/reply with typed payloads; micro errors become ServiceCallError."""
+    data = payload if isinstance(payload, bytes) else encode(payload)
+    msg = await nc.request(subject, data, timeout=timeout)
+    headers = msg.headers or {}
+    if SERVICE_ERROR_HEADER in headers:
+        raise ServiceCallError(headers.get(SERVICE_ERROR_CODE_HEADER, "500"), headers[SERVICE_ERROR_HEADER])
+    return reply.decode(msg.data)
+
+
+class Refused(ServiceError):
+    """A well-formed request the service will not do; the reason goes to the caller."""
+
+    def __init__(self, description: str, code: str = "403") -> None:
+        super().__init__(code, description)
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class ServiceApp:
+    """Subclass per service. `setup` registers endpoints; `run` does the work until stopped."""
+
+    name: str = "service"
+    description: str = ""
+
+    def options(self) -> list[Option]:
+        return []
+
+    async def setup(self, ctx: "ServiceContext") -> None:
+        """Register endpoints; called once connected."""
+
+    async def run(self, ctx: "ServiceContext") -> None:
+        """Background work; return or wait on `ctx.stopping`. Cancelled at stop."""
+        await ctx.stopping.wait()
+
+    async def close(self, ctx: "ServiceContext") -> None:
+        """Release what `setup` acquired (called after endpoints stop)."""
+
+
+@dataclass
+class ServiceContext(Generic[T]):
+    app: ServiceApp
+    opts: argparse.Namespace
+    nc: Client
+    service: nats.micro.service.Service
+    subjects: NodeSubjects
+    registry: CollectorRegistry
+    log: logs.StructLogger
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    metrics_port: int = 0
+    _requests: Counter | None = None
+    _latency: Histogram | None = None
+
+    async def endpoint(
+        self,
+        name: str,
+        subject: str,
+        handler: Callable[[Any], Awaitable[object]],
+        request: Codec[Any] | None,
+        *,
+        allow_empty: bool = False,
+    ) -> None:
+        """Add a micro endpoint whose body is decoded with `request` at the boundary.
+
+        A body that does not decode is answered 400 with the field named; a
+        `Refused` keeps its code; anything else is logged and answered 500.
+        The service itself never dies of a bad message.
+        """
+        assert self._requests is not None and self._latency is not None
+        requests, latency, log = self._requests, self._latency, self.log
+
+        async def handle(req: Request) -> None:
+            started = time.perf_counter()
+            outcome = "ok"
+            try:
+                if request is None:
+                    arg: Any = req.data
+                elif allow_empty and not req.data.strip():
+                    arg = request.decode(b"{}")
+                else:
+                    try:
+                        arg = request.decode(req.data)
+                    except BadMessage as exc:
+                        outcome = "bad_request"
+                        log.warning("bad request", endpoint=name, error=str(exc))
+                        raise ServiceError("400", str(exc)) from None
+                try:
+                    result = await handler(arg)
+                except ServiceError as exc:
+                    outcome = "refused" if outcome == "ok" else outcome
+                    log.info("request refused", endpoint=name, code=exc.code, reason=exc.description)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a service never dies of one request
+                    outcome = "error"
+                    log.exception("request failed", endpoint=name)
+                    raise ServiceError("500", f"internal error: {type(exc).__name__}") from None
+                await req.respond(result if isinstance(result, bytes) else encode(result))
+            finally:
+                requests.labels(endpoint=name, outcome=outcome).inc()
+                latency.labels(endpoint=name).observe(time.perf_counter() - started)
+
+        await self.service.add_endpoint(name=name, subject=subject, handler=handle)
+
+
+def _metrics(service: str, node_id: str, registry: CollectorRegistry) -> tuple[Counter, Histogram, Gauge]:
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    info = Gauge("bcd_service_info", "Static facts of this service", ["service", "version", "node_id"], registry=registry)
+    info.labels(service=service, version=VERSION, node_id=node_id).set(1)
+    requests = Counter(
+        "bcd_requests", "Node-bus requests handled, by endpoint and outcome", ["endpoint", "outcome"], registry=registry
+    )
+    latency = Histogram("bcd_request_duration_seconds", "Node-bus request handling time", ["endpoint"], registry=registry)
+    connected = Gauge("bcd_nats_connected", "1 while connected to the node bus", registry=registry)
+    return requests, latency, connected
+
+
+async def connect(opts: argparse.Namespace, name: str, log: logs.StructLogger, connected: Gauge | None = None) -> Client:
+    password = None
+    if opts.nats_password_file:
+        password = Path(opts.nats_password_file).read_text().strip()
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        if connected is not None:
+            connected.set(0)
+        log.warning("disconnected from the node bus")
+
+    async def on_reconnect() -> None:
+        if connected is not None:
+            connected.set(1)
+        log.info("reconnected to the node bus")
+
+    nc = await nats.connect(
+        opts.nats_url,
+        name=f"bcd-{name}",
+        user=opts.nats_user if password is not None else None,
+        password=password,
+        inbox_prefix=inbox_prefix(opts.nats_user).encode(),
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=1,
+        connect_timeout=5,
+    )
+    if connected is not None:
+        connected.set(1)
+    return nc
+
+
+async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
+    log = logs.get_logger(f"bcd.{app.name}")
+    registry = CollectorRegistry()
+    requests, latency, connected = _metrics(app.name, opts.node_id, registry)
+    httpd, thread = start_http_server(opts.metrics_port, addr=opts.metrics_addr, registry=registry)
+    metrics_port = httpd.server_port
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    nc: Client | None = None
+    ctx: ServiceContext[Any] | None = None
+    try:
+        nc = await connect(opts, app.name, log, connected)
+        service = await nats.micro.add_service(
+            nc,
+            name=app.name,
+            version=VERSION,
+            description=app.description or f"bcd {app.name}",
+            metadata={"node_id": opts.node_id, "metrics": f"{opts.metrics_addr}:{metrics_port}", "pid": str(os.getpid())},
+        )
+        ctx = ServiceContext(
+            app=app,
+            opts=opts,
+            nc=nc,
+            service=service,
+            subjects=NodeSubjects(opts.node_id),
+            registry=registry,
+            log=log,
+            stopping=stopping,
+            metrics_port=metrics_port,
+            _requests=requests,
+            _latency=latency,
+        )
+        await app.setup(ctx)
+        log.info(
+            "started",
+            node_id=opts.node_id,
+            nats_url=opts.nats_url,
+            user=opts.nats_user,
+            metrics=f"http://{opts.metrics_addr}:{metrics_port}/metrics",
+            pid=os.getpid(),
+        )
+        runner = asyncio.create_task(app.run(ctx), name=f"{app.name}.run")
+        stop_wait = asyncio.create_task(stopping.wait(), name=f"{app.name}.stop")
+        done, _ = await asyncio.wait({runner, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if runner in done and runner.exception() is not None:
+            log.error("service loop failed", error=repr(runner.exception()))
+            code = 1
+        for task in (runner, stop_wait):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        log.info("stopping")
+        # Bounded: when the bus is already gone (it may get the same SIGTERM),
+        # draining would wait for a reconnect that never comes.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(service.stop(), STOP_GRACE_S)
+        await app.close(ctx)
+        return code
+    finally:
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.drain(), STOP_GRACE_S)
+            if not nc.is_closed:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_service(app: ServiceApp, argv: Sequence[str] | None = None) -> int:
+    opts = parse_options(app.name, [*common_options(app.name), *app.options()], argv)
+    logs.configure(app.name, opts.log_level, opts.log_format)
+    log = logs.get_logger(f"bcd.{app.name}")
+    try:
+        return asyncio.run(serve(app, opts))
+    except StartupError as exc:
+        log.error("cannot start", reason=str(exc))
+        return 2
+    except (OSError, nats.errors.Error) as exc:
+        log.error("cannot start", reason=f"{type(exc).__name__}: {exc}")
+        return 2
+
+
+class StartupError(Exception):
+    """A service cannot start; the text tells the operator why (no traceback)."""
+
+
+def main_for(app_factory: Callable[[], ServiceApp]) -> Callable[[], None]:
+    def main() -> None:
+        sys.exit(run_service(app_factory()))
+
+    return main
+
+
+__all__ = [
+    "VERSION",
+    "METRICS_PORTS",
+    "Option",
+    "common_options",
+    "parse_options",
+    "ServiceCallError",
+    "call",
+    "Refused",
+    "ServiceApp",
+    "ServiceContext",
+    "StartupError",
+    "connect",
+    "serve",
+    "run_service",
+    "main_for",
+]

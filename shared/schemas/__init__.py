@@ -1,0 +1,75 @@
+"""bcd's wire types: frozen msgspec Structs, JSON on the wire.
+
+One package for every message that crosses a process boundary. Decoders are
+built once here (`CODECS`); import the types from this package, never define a
+wire type inside a service.
+"""
+
+from __future__ import annotations
+
+from .bus import Empty, SignerKey, SignRequest
+from .codec import DEFAULT_MAX_BYTES, BadMessage, Codec, encode
+from .common import *  # noqa: F403
+from .common import __all__ as _common_all
+from .events import *  # noqa: F403
+from .events import __all__ as _events_all
+from .inventory import *  # noqa: F403
+from .inventory import __all__ as _inventory_all
+from .nodespec import *  # noqa: F403
+from .nodespec import __all__ as _nodespec_all
+from .events import AllocationBound, AllocationFailed, AllocationReleased, AttestedReport, GpuChanged, Hello, NodeCondition, NodeEvent, ReportBody, SectionStatus
+from .inventory import Inventory
+from .nodespec import NodeSpec, SignedNodeSpec
+
+NODE_SPEC_CODEC: Codec[NodeSpec] = Codec(NodeSpec)
+SIGNED_NODE_SPEC_CODEC: Codec[SignedNodeSpec] = Codec(SignedNodeSpec, max_bytes=2 * DEFAULT_MAX_BYTES)
+INVENTORY_CODEC: Codec[Inventory] = Codec(Inventory, max_bytes=4 * DEFAULT_MAX_BYTES)
+HELLO_CODEC: Codec[Hello] = Codec(Hello, max_bytes=64 * 1024)
+REPORT_BODY_CODEC: Codec[ReportBody] = Codec(ReportBody, max_bytes=256 * 1024)
+ATTESTED_REPORT_CODEC: Codec[AttestedReport] = Codec(AttestedReport, max_bytes=512 * 1024)
+NODE_EVENT_CODEC: Codec[NodeEvent] = Codec(NodeEvent, max_bytes=256 * 1024)  # type: ignore[arg-type]
+SIGN_REQUEST_CODEC: Codec[SignRequest] = Codec(SignRequest, max_bytes=256 * 1024)
+SIGNER_KEY_CODEC: Codec[SignerKey] = Codec(SignerKey, max_bytes=4096)
+EMPTY_CODEC: Codec[Empty] = Codec(Empty, max_bytes=4096)
+
+#: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
+UPSTREAM_TYPES: dict[str, object] = {
+    "NodeSpec": NodeSpec,
+    "SignedNodeSpec": SignedNodeSpec,
+    "Hello": Hello,
+    "Inventory": Inventory,
+    "ReportBody": ReportBody,
+    "AttestedReport": AttestedReport,
+    "AllocationBound": AllocationBound,
+    "AllocationReleased": AllocationReleased,
+    "AllocationFailed": AllocationFailed,
+    "SectionStatus": SectionStatus,
+    "NodeCondition": NodeCondition,
+    "GpuChanged": GpuChanged,
+    "NodeEvent": NodeEvent,
+}
+
+__all__ = [  # noqa: PLE0604
+    *_common_all,
+    *_events_all,
+    *_inventory_all,
+    *_nodespec_all,
+    "Empty",
+    "SignerKey",
+    "SignRequest",
+    "BadMessage",
+    "Codec",
+    "DEFAULT_MAX_BYTES",
+    "encode",
+    "NODE_SPEC_CODEC",
+    "SIGNED_NODE_SPEC_CODEC",
+    "INVENTORY_CODEC",
+    "HELLO_CODEC",
+    "REPORT_BODY_CODEC",
+    "ATTESTED_REPORT_CODEC",
+    "NODE_EVENT_CODEC",
+    "SIGN_REQUEST_CODEC",
+    "SIGNER_KEY_CODEC",
+    "EMPTY_CODEC",
+    "UPSTREAM_TYPES",
+]

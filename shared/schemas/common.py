@@ -1,0 +1,135 @@
+"""Constrained scalar types every schema shares.
+
+Every string that may end up in a file name, a NATS subject, a KV key or an
+env file is constrained here once, so a bad value is refused when a message is
+decoded and never reaches a path. msgspec checks `pattern` with `re.search`,
+where `$` also matches before a trailing newline; every anchored pattern
+therefore ends in `$(?!\\n)`, which means plain end-of-string in both Python
+and the ECMA dialect JSON Schema uses.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+import msgspec
+
+END = r"$(?!\n)"
+
+ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}" + END
+ID_RE = re.compile(ID_PATTERN)
+
+#: allocation ids, reservation ids, node ids, instance ids: a subject token,
+#: a KV key and a file-name part all at once.
+Id = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=ID_PATTERN,
+        description="lowercase letters, digits, '_' and '-', starting alphanumeric, 1-63 characters",
+    ),
+]
+
+#: canonical PCI address as sysfs spells it, lowercase hex.
+PCI_PATTERN = r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]" + END
+PCI_RE = re.compile(PCI_PATTERN)
+PciAddress = Annotated[
+    str, msgspec.Meta(pattern=PCI_PATTERN, description="canonical PCI address, e.g. 0000:3b:00.0")
+]
+
+#: an atom id as the control plane sends it. Its class is judged by the
+#: converger (unsupported-device), so decoding only bounds it to printable
+#: ASCII without spaces.
+ATOM_PATTERN = r"^[!-~]{1,200}" + END
+AtomId = Annotated[str, msgspec.Meta(pattern=ATOM_PATTERN, description="atom id, e.g. GPU-<uuid>/gi1/ci0")]
+
+#: Linux cpulist / nodelist syntax: "0-3,8,10-11".
+CPULIST_PATTERN = r"^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,255}" + END
+CpuList = Annotated[
+    str, msgspec.Meta(pattern=CPULIST_PATTERN, description="Linux cpulist syntax, e.g. 0-3,8")
+]
+#: a cpulist or "" (not known). Not `CpuList | Literal[""]`: msgspec checks a
+#: string against the constrained str branch only, so "" would never decode.
+CPULIST_OR_EMPTY_PATTERN = r"^([0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,255})?" + END
+CpuListOrEmpty = Annotated[
+    str, msgspec.Meta(pattern=CPULIST_OR_EMPTY_PATTERN, description='Linux cpulist syntax, or "" when unknown')
+]
+
+ENV_KEY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*" + END
+ENV_KEY_RE = re.compile(ENV_KEY_PATTERN)
+#: KEY=VALUE; the value holds no newline, carriage return or NUL.
+ENV_LINE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}=[^\n\r\x00]{0,4096}" + END
+EnvLine = Annotated[str, msgspec.Meta(pattern=ENV_LINE_PATTERN, description="KEY=VALUE env line")]
+
+#: env keys bcd writes itself; a spec may not set them.
+RESERVED_ENV_KEYS = frozenset({"NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY"})
+RESERVED_ENV_PREFIX = "BCD_"
+
+
+def reserved_env_key(key: str) -> bool:
+    return key.startswith(RESERVED_ENV_PREFIX) or key in RESERVED_ENV_KEYS
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+Generation = Annotated[int, msgspec.Meta(ge=0)]
+
+#: event ids are derived by the caller (hex digests), so a replay keeps its id.
+EVENT_ID_PATTERN = r"^[a-z0-9][a-z0-9_.:-]{0,127}" + END
+EventId = Annotated[str, msgspec.Meta(pattern=EVENT_ID_PATTERN)]
+
+KEY_ID_PATTERN = r"^[0-9a-f]{16}" + END
+KeyId = Annotated[str, msgspec.Meta(pattern=KEY_ID_PATTERN, description="first 16 hex digits of sha256(raw public key)")]
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+#: a short free-text field (reasons, messages) with a hard cap.
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """Base of every bcd schema: frozen, keyword-only.
+
+    Unknown fields are ignored so a newer peer may add fields (DESIGN 4:
+    new fields get defaults, a field's type never changes).
+    """
+
+
+class Condition(Struct, kw_only=True):
+    """A Kubernetes-style condition, on a node or on a PhysicalGPU."""
+
+    type: Name
+    status: ConditionStatus
+    reason: Name = ""
+    message: Text = ""
+    since: datetime
+
+
+__all__ = [
+    "END",
+    "ID_PATTERN",
+    "ID_RE",
+    "Id",
+    "PCI_PATTERN",
+    "PCI_RE",
+    "PciAddress",
+    "AtomId",
+    "CpuList",
+    "CpuListOrEmpty",
+    "ENV_KEY_RE",
+    "EnvLine",
+    "RESERVED_ENV_KEYS",
+    "reserved_env_key",
+    "NonNegInt",
+    "PositiveInt",
+    "Generation",
+    "EventId",
+    "KeyId",
+    "ConditionStatus",
+    "Text",
+    "Name",
+    "Struct",
+    "Condition",
+]

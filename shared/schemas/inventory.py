@@ -1,0 +1,159 @@
+"""What a node has: GPUs, their MIG instances and slots (atoms), host resources,
+and each card's PhysicalGPU status.
+
+The inventory service is the only writer; the converger resolves atoms against
+it, the bridge forwards it upstream (KV `bcd_inventory/<node_id>`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+import msgspec
+
+from .common import Condition, CpuListOrEmpty, Id, Name, NonNegInt, PciAddress, Struct
+
+AtomKind = Literal["gpu", "mig", "slot"]
+
+#: derived from conditions, never set directly (seed 003).
+Phase = Literal["Initializing", "Ready", "Passthrough", "Reconfiguring", "Failed"]
+DriverMode = Literal["Compute", "Passthrough", "None"]
+ManagementState = Literal["Managed", "Excluded", "Unclaimed", "Orphaned", "Unknown"]
+
+
+class DriverBinding(Struct, kw_only=True):
+    """What the kernel really has bound to the card, and who manages it."""
+
+    driver: Name = ""
+    mode: DriverMode = "None"
+    management_state: ManagementState = "Unknown"
+
+
+class PhysicalGPUStatus(Struct, kw_only=True):
+    phase: Phase = "Initializing"
+    driver_binding: DriverBinding = DriverBinding()
+    conditions: list[Condition] = []
+
+
+class MigProfile(Struct, kw_only=True):
+    """A GPU instance profile the card supports (e.g. 1g.18gb)."""
+
+    name: Name
+    profile_id: NonNegInt
+    slices: NonNegInt = 0
+    memory_bytes: NonNegInt = 0
+    instances_max: NonNegInt = 0
+
+
+class MigInstance(Struct, kw_only=True):
+    atom_id: Name  # GPU-<uuid>/gi<N>/ci<M>
+    uuid: Name = ""  # MIG-<uuid>, what NVIDIA_VISIBLE_DEVICES takes
+    gi: NonNegInt
+    ci: NonNegInt
+    profile: Name = ""
+    memory_bytes: NonNegInt = 0
+
+
+class Slot(Struct, kw_only=True):
+    atom_id: Name  # GPU-<uuid>/slot<K>
+    index: NonNegInt
+
+
+class Gpu(Struct, kw_only=True):
+    atom_id: Name  # GPU-<uuid>
+    uuid: Name
+    index: NonNegInt
+    pci_address: PciAddress
+    name: Name = ""
+    vendor: Name = ""
+    memory_bytes: NonNegInt = 0
+    numa_node: int | None = None
+    #: kernel driver bound now ("" when none).
+    driver: Name = ""
+    #: the card's native driver, to switch back to after passthrough.
+    base_driver: Name = ""
+    compute_capability: Name = ""
+    mig_mode: bool = False
+    mig_profiles: list[MigProfile] = []
+    mig_instances: list[MigInstance] = []
+    slots: list[Slot] = []
+    #: the MPS control daemon's pipe was found (slots only).
+    mps_running: bool = False
+    status: PhysicalGPUStatus = PhysicalGPUStatus()
+
+
+class Atom(Struct, kw_only=True):
+    """Flat index of every atom, for resolving a spec's device ids."""
+
+    id: Name
+    kind: AtomKind
+    gpu_uuid: Name
+    pci_address: PciAddress
+
+
+class HugePagePool(Struct, kw_only=True):
+    page_size_kib: NonNegInt
+    total: NonNegInt
+    free: NonNegInt
+
+
+class NumaNode(Struct, kw_only=True):
+    node: NonNegInt
+    cpus: CpuListOrEmpty = ""
+    memory_bytes: NonNegInt | None = None
+    hugepages: list[HugePagePool] = []
+
+
+class HostResources(Struct, kw_only=True):
+    #: None when the host's memory could not be read (admission is skipped).
+    memory_bytes: NonNegInt | None = None
+    memory_available_bytes: NonNegInt | None = None
+    cpus: CpuListOrEmpty = ""
+    numa_nodes: list[NumaNode] = []
+    #: host-wide huge page pools (sum over nodes, or /proc/meminfo's default size).
+    hugepages: list[HugePagePool] = []
+    virtualized: bool = False
+
+
+class RunningProcess(Struct, kw_only=True):
+    """A compute process on a GPU (for the Kubernetes reaper)."""
+
+    pid: NonNegInt
+    gpu_uuid: Name
+    cgroup: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+class Inventory(Struct, kw_only=True):
+    node_id: Id
+    #: increases whenever the content (not only observed_at) changes.
+    revision: NonNegInt = 0
+    observed_at: datetime
+    vendor: Name = ""
+    driver_version: Name = ""
+    boot_id: Name = ""
+    gpus: list[Gpu] = []
+    atoms: list[Atom] = []
+    host: HostResources = HostResources()
+    mps_pipe_dir: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    processes: list[RunningProcess] = []
+
+
+__all__ = [
+    "AtomKind",
+    "Phase",
+    "DriverMode",
+    "ManagementState",
+    "DriverBinding",
+    "PhysicalGPUStatus",
+    "MigProfile",
+    "MigInstance",
+    "Slot",
+    "Gpu",
+    "Atom",
+    "HugePagePool",
+    "NumaNode",
+    "HostResources",
+    "RunningProcess",
+    "Inventory",
+]

@@ -1,0 +1,148 @@
+"""What the control plane asks of a node: the NodeSpec and its signed envelope.
+
+Everything that later lands in a file (ids, env lines, cpulists) is validated
+here, at decode, so the converger never sees a value it would have to refuse
+on the way to a path. A spec that fails decoding is refused whole.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from .common import (
+    AtomId,
+    CpuList,
+    EnvLine,
+    Generation,
+    Id,
+    NonNegInt,
+    PciAddress,
+    PositiveInt,
+    Struct,
+    reserved_env_key,
+)
+
+#: BINDING_UNSPECIFIED is the protobuf zero value: it decodes, and the
+#: converger refuses the hold with unsupported-binding, like INSTANCE.
+Binding = Literal["BINDING_UNSPECIFIED", "BINDING_HOLD", "BINDING_KUBERNETES", "BINDING_INSTANCE"]
+BINDINGS: tuple[str, ...] = Binding.__args__  # type: ignore[attr-defined]
+
+MAX_DEVICES_PER_ASSIGNMENT = 64
+MAX_ASSIGNMENTS = 1024
+MAX_ENV_LINES = 128
+
+
+class HugePages(Struct, kw_only=True):
+    page_size_kib: PositiveInt
+    count: NonNegInt
+
+
+class Limits(Struct, kw_only=True):
+    """Host resources an assignment books; any of them makes the hold sliced."""
+
+    cpus: CpuList | None = None
+    cpu_millis: NonNegInt | None = None
+    memory_bytes: NonNegInt | None = None
+    hugepages: Annotated[list[HugePages], msgspec.Meta(max_length=8)] = []
+    #: NUMA nodes, nodelist syntax ("0" or "0-1").
+    mems: CpuList | None = None
+
+    def __post_init__(self) -> None:
+        sizes = [h.page_size_kib for h in self.hugepages]
+        if len(sizes) != len(set(sizes)):
+            raise ValueError("hugepages: page_size_kib listed twice")
+        for field, value in (("cpus", self.cpus), ("mems", self.mems)):
+            if value is not None:
+                for part in value.split(","):
+                    lo, _, hi = part.partition("-")
+                    if hi and int(hi) < int(lo):
+                        raise ValueError(f"{field}: range {part!r} runs backwards")
+
+    def is_empty(self) -> bool:
+        return (
+            self.cpus is None
+            and self.cpu_millis is None
+            and self.memory_bytes is None
+            and not self.hugepages
+            and self.mems is None
+        )
+
+
+class DeviceAssignment(Struct, kw_only=True):
+    """One allocation of the devices section: becomes one hold."""
+
+    allocation_id: Id
+    reservation_id: Id
+    binding: Binding
+    #: for BINDING_INSTANCE; not read (GPUs for VMs come in `instances`).
+    instance_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    devices: Annotated[list[AtomId], msgspec.Meta(max_length=MAX_DEVICES_PER_ASSIGNMENT)] = []
+    limits: Limits | None = None
+    env: Annotated[list[EnvLine], msgspec.Meta(max_length=MAX_ENV_LINES)] = []
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for line in self.env:
+            key = line.split("=", 1)[0]
+            if reserved_env_key(key):
+                raise ValueError(f"env: {key} is set by bcd and cannot come from the spec")
+            if key in seen:
+                raise ValueError(f"env: {key} is set twice")
+            seen.add(key)
+
+    @property
+    def sliced(self) -> bool:
+        return self.limits is not None and not self.limits.is_empty()
+
+
+class InstanceGpus(Struct, kw_only=True):
+    """The GPU part of a VM instance's spec: which cards it passes through."""
+
+    instance_id: Id
+    gpus: Annotated[list[PciAddress], msgspec.Meta(max_length=64)] = []
+
+
+class NodeSpec(Struct, kw_only=True):
+    node_id: Id
+    generation: Generation
+    devices: Annotated[list[DeviceAssignment], msgspec.Meta(max_length=MAX_ASSIGNMENTS)] = []
+    instances: Annotated[list[InstanceGpus], msgspec.Meta(max_length=256)] = []
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for a in self.devices:
+            if a.allocation_id in seen:
+                raise ValueError(f"devices: allocation_id {a.allocation_id} appears twice")
+            seen.add(a.allocation_id)
+        seen.clear()
+        for i in self.instances:
+            if i.instance_id in seen:
+                raise ValueError(f"instances: instance_id {i.instance_id} appears twice")
+            seen.add(i.instance_id)
+
+
+class SignedNodeSpec(Struct, kw_only=True):
+    """Upstream envelope in KV `bcd_nodespecs/<node_id>`.
+
+    `spec` is the NodeSpec JSON (base64 on the wire); the signature covers
+    `b"node-spec\\0" + spec` with the control plane's Ed25519 key. Unsigned
+    specs carry an empty key_id and signature.
+    """
+
+    spec: bytes
+    key_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    signature: bytes = b""
+
+
+__all__ = [
+    "Binding",
+    "BINDINGS",
+    "HugePages",
+    "Limits",
+    "DeviceAssignment",
+    "InstanceGpus",
+    "NodeSpec",
+    "SignedNodeSpec",
+]

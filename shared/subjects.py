@@ -1,0 +1,218 @@
+"""Every NATS subject, KV bucket, stream and permission set of bcd, in one place.
+
+Node-bus subjects are `bcd.<node_id>.<service>.<verb>`; upstream names are the
+contract of DESIGN section 3. The NATS users and their permissions are derived
+from the same table (`PERMISSIONS`), so a subject cannot be added to a service
+without deciding who may publish and subscribe to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.schemas.common import ID_RE
+from shared.schemas.events import EVENT_TYPES
+
+SERVICES: tuple[str, ...] = (
+    "inventory",
+    "converger",
+    "signer",
+    "kube_reaper",
+    "vfio_switcher",
+    "gateway_bridge",
+    "helper",
+)
+
+#: operator tools (`bcd status`, `bcd doctor`) and the supervisor.
+OPERATOR_USER = "cli"
+
+# Upstream contract (DESIGN 3).
+UPSTREAM_NODESPECS_BUCKET = "bcd_nodespecs"
+UPSTREAM_NODES_BUCKET = "bcd_nodes"
+UPSTREAM_INVENTORY_BUCKET = "bcd_inventory"
+UPSTREAM_EVENTS_STREAM = "BCD_EVENTS"
+MSG_ID_HEADER = "Nats-Msg-Id"
+SERVICE_ERROR_HEADER = "Nats-Service-Error"
+SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+
+
+#: node ids that would make `bcd.<node_id>.…` collide with an upstream name
+#: (`bcd.events.>` is the BCD_EVENTS stream; in the embedded default both buses
+#: are one nats-server, so that stream would capture a node "events"'s requests).
+RESERVED_NODE_IDS = frozenset({"events"})
+
+
+def _token(value: str, what: str) -> str:
+    if not ID_RE.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token")
+    if what == "node_id" and value in RESERVED_NODE_IDS:
+        raise ValueError(f"node_id {value!r} is reserved (bcd.{value}.> is an upstream subject)")
+    return value
+
+
+def upstream_event(node_id: str, event_type: str) -> str:
+    if event_type not in EVENT_TYPES:
+        raise ValueError(f"event type {event_type!r} is not one of {', '.join(EVENT_TYPES)}")
+    return f"bcd.events.{_token(node_id, 'node_id')}.{event_type}"
+
+
+def upstream_events_filter() -> str:
+    return "bcd.events.>"
+
+
+def inbox_prefix(user: str) -> str:
+    """Each NATS user gets its own inbox prefix so no user can read another's replies."""
+    return f"_INBOX_{user}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    #: may reply to requests it received (nats-server `allow_responses`).
+    allow_responses: bool = True
+
+
+@dataclass(frozen=True)
+class NodeSubjects:
+    """Subjects and node-bus names of one node."""
+
+    node_id: str
+    prefix: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", f"bcd.{_token(self.node_id, 'node_id')}")
+
+    def subject(self, service: str, verb: str) -> str:
+        if service not in SERVICES:
+            raise ValueError(f"unknown service {service!r}")
+        return f"{self.prefix}.{service}.{verb}"
+
+    def service_wildcard(self, service: str) -> str:
+        return f"{self.prefix}.{service}.>"
+
+    # inventory
+    @property
+    def inventory_get(self) -> str:
+        return self.subject("inventory", "get")
+
+    @property
+    def inventory_rescan(self) -> str:
+        return self.subject("inventory", "rescan")
+
+    @property
+    def inventory_changed(self) -> str:
+        """Published (plain) after every change; the KV holds the value."""
+        return self.subject("inventory", "changed")
+
+    @property
+    def inventory_bucket(self) -> str:
+        return f"bcd_node_{self.node_id}_inventory"
+
+    # signer
+    @property
+    def signer_sign(self) -> str:
+        return self.subject("signer", "sign")
+
+    @property
+    def signer_key(self) -> str:
+        return self.subject("signer", "key")
+
+    def kv_subjects(self, bucket: str) -> tuple[str, ...]:
+        """What a client needs to create, read and write one KV bucket."""
+        stream = f"KV_{bucket}"
+        return (
+            f"$KV.{bucket}.>",
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.CREATE.{stream}",
+            f"$JS.API.STREAM.UPDATE.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            "$JS.API.INFO",
+        )
+
+    def kv_read_subjects(self, bucket: str) -> tuple[str, ...]:
+        stream = f"KV_{bucket}"
+        return (
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            "$JS.API.INFO",
+        )
+
+    def permissions(self, user: str) -> Permissions:
+        """The exact subjects one NATS user may touch on the node bus."""
+        micro = _micro_subjects(user) if user in SERVICES else ()
+        inbox = (f"{inbox_prefix(user)}.>",)
+        table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+            "inventory": (
+                (self.inventory_changed, *self.kv_subjects(self.inventory_bucket)),
+                (self.service_wildcard("inventory"),),
+            ),
+            "signer": ((), (self.service_wildcard("signer"),)),
+            "converger": (
+                (self.inventory_get, self.signer_sign, self.signer_key, *self.kv_read_subjects(self.inventory_bucket)),
+                (self.service_wildcard("converger"), self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
+            ),
+            "gateway_bridge": (
+                (self.inventory_get, self.signer_key, *self.kv_read_subjects(self.inventory_bucket)),
+                (self.service_wildcard("gateway_bridge"), self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
+            ),
+            "kube_reaper": ((self.inventory_get,), (self.service_wildcard("kube_reaper"),)),
+            "vfio_switcher": ((self.inventory_get,), (self.service_wildcard("vfio_switcher"),)),
+            "helper": ((), (self.service_wildcard("helper"),)),
+            OPERATOR_USER: (
+                (
+                    "$SRV.>",
+                    self.inventory_get,
+                    self.inventory_rescan,
+                    self.signer_key,
+                    *self.kv_read_subjects(self.inventory_bucket),
+                ),
+                (self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
+            ),
+        }
+        if user not in table:
+            raise ValueError(f"unknown node-bus user {user!r}")
+        publish, subscribe = table[user]
+        return Permissions(
+            publish=tuple(publish),
+            subscribe=tuple((*subscribe, *micro, *inbox)),
+        )
+
+
+def _micro_subjects(service: str) -> tuple[str, ...]:
+    """`$SRV.PING|INFO|STATS`, by kind and by id, for one micro service."""
+    return tuple(
+        s
+        for verb in ("PING", "INFO", "STATS")
+        for s in (f"$SRV.{verb}", f"$SRV.{verb}.{service}", f"$SRV.{verb}.{service}.*")
+    )
+
+
+NODE_BUS_USERS: tuple[str, ...] = (*SERVICES, OPERATOR_USER)
+
+__all__ = [
+    "SERVICES",
+    "OPERATOR_USER",
+    "NODE_BUS_USERS",
+    "UPSTREAM_NODESPECS_BUCKET",
+    "UPSTREAM_NODES_BUCKET",
+    "UPSTREAM_INVENTORY_BUCKET",
+    "UPSTREAM_EVENTS_STREAM",
+    "MSG_ID_HEADER",
+    "SERVICE_ERROR_HEADER",
+    "SERVICE_ERROR_CODE_HEADER",
+    "RESERVED_NODE_IDS",
+    "upstream_event",
+    "upstream_events_filter",
+    "inbox_prefix",
+    "Permissions",
+    "NodeSubjects",
+]

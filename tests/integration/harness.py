@@ -1,0 +1,153 @@
+"""A real node bus per test and bcd services as real OS processes.
+
+`NodeBus` starts the wheel's nats-server on a free port with the config
+`bcd.nodebus` writes (the same users and permissions as production), and
+starts services with `python -m services.<name>` under their own NATS user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client
+
+from bcd.nodebus import NatsServer, prepare_node_bus
+from shared.subjects import inbox_prefix
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE_HOSTS = REPO / "examples" / "hosts"
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    #: the test looked at the exit code itself (an expected exit).
+    observed: bool = False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 20.0) -> int:
+        self.observed = True
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        self.observed = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"{self.name} did not stop on SIGTERM within {timeout}s:\n{self.log()[-3000:]}")
+        return self.proc.returncode
+
+
+@dataclass
+class NodeBus:
+    root: Path
+    node_id: str = "node-1"
+    server: NatsServer | None = None
+    creds: dict[str, Path] = field(default_factory=dict)
+    services: list[ServiceProcess] = field(default_factory=list)
+    clients: list[Client] = field(default_factory=list)
+
+    def start(self) -> "NodeBus":
+        conf, self.creds = prepare_node_bus(self.root / "bus", self.root / "js", self.node_id, admin=True)
+        self.server = NatsServer(conf, self.root / "bus" / "nats-server.log").start()
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def password(self, user: str) -> str:
+        return self.creds[user].read_text().strip()
+
+    def env(self, user: str, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
+        env.update(
+            BCD_NODE_ID=self.node_id,
+            BCD_NATS_URL=self.url,
+            BCD_NATS_USER=user,
+            BCD_NATS_PASSWORD_FILE=str(self.creds[user]),
+            BCD_METRICS_PORT="0",
+            BCD_DATA_DIR=str(self.root / "data"),
+            BCD_RUN_DIR=str(self.root / "run"),
+            BCD_CDI_DIR=str(self.root / "cdi"),
+        )
+        env.update(extra)
+        return env
+
+    def start_service(self, name: str, *args: str, user: str | None = None, **env: str) -> ServiceProcess:
+        log_path = self.root / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(  # noqa: S603
+                [sys.executable, "-m", f"services.{name}", *args],
+                env=self.env(user or name, **env),
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+            )
+        sp = ServiceProcess(name, proc, log_path)
+        self.services.append(sp)
+        return sp
+
+    async def connect(self, user: str = "cli", **kw: object) -> Client:
+        nc = await nats.connect(
+            self.url,
+            user=user,
+            password=self.password(user),
+            inbox_prefix=inbox_prefix(user).encode(),
+            allow_reconnect=False,
+            **kw,  # type: ignore[arg-type]
+        )
+        self.clients.append(nc)
+        return nc
+
+    async def wait_service(self, name: str, timeout: float = 20.0) -> dict:
+        """Wait until `name` answers `$SRV.PING.<name>`; fail with its log if it died."""
+        import json
+
+        nc = await self.connect("cli")
+        deadline = time.monotonic() + timeout
+        sp = next((s for s in reversed(self.services) if s.name == name), None)
+        while time.monotonic() < deadline:
+            if sp is not None and sp.proc.poll() is not None:
+                raise AssertionError(f"{name} exited with {sp.proc.returncode}:\n{sp.log()[-3000:]}")
+            try:
+                msg = await nc.request(f"$SRV.PING.{name}", b"", timeout=0.5)
+                return json.loads(msg.data)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"{name} did not answer $SRV.PING in {timeout}s:\n{sp.log()[-3000:] if sp else ''}")
+
+    async def aclose(self) -> None:
+        for nc in self.clients:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        codes = {}
+        for sp in self.services:
+            if sp.observed and sp.proc.poll() is not None:
+                continue
+            codes[sp.name] = sp.stop()
+        if self.server is not None:
+            self.server.stop()
+        bad = {n: c for n, c in codes.items() if c not in (0, None)}
+        # A service that had to be killed or crashed is a failure of the test.
+        assert not bad or all(c == -signal.SIGKILL for c in bad.values()), f"services exited badly: {bad}"

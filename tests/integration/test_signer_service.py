@@ -1,0 +1,152 @@
+"""The signer as a real process on a real node bus."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+
+import nats
+import pytest
+
+from shared.runtime import ServiceCallError, call
+from shared.schemas import (
+    ATTESTED_REPORT_CODEC,
+    SIGNER_KEY_CODEC,
+    AllocationBound,
+    AllocationReleased,
+    Empty,
+    SignRequest,
+    encode,
+)
+from shared.signing import VerificationError, verify_report
+from shared.subjects import NodeSubjects
+
+pytestmark = pytest.mark.integration
+
+BOOT_ID = "0f7e1c9a-9d5e-4d8b-8a3e-5f0b6f2c1d11"
+
+
+@pytest.fixture
+def fake_host(tmp_path):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"boot_id": BOOT_ID}))
+    return path
+
+
+@pytest.fixture
+async def signer(node_bus, fake_host):
+    node_bus.start_service("signer", BCD_FAKE_HOST=str(fake_host))
+    await node_bus.wait_service("signer")
+    return node_bus
+
+
+def bound(alloc="alloc_01", gen=3):
+    return AllocationBound(
+        allocation_id=alloc,
+        reservation_id="rsv_01",
+        generation=gen,
+        devices=["GPU-5f1c2a90-0000-4000-8000-000000000001"],
+        cgroup_parent=f"bcd-alloc-{alloc}.slice",
+        cdi_devices=["bcd.dev/gpu=GPU-5f1c2a90-0000-4000-8000-000000000001"],
+    )
+
+
+async def test_signs_and_report_verifies_with_published_key(signer):
+    subjects = NodeSubjects(signer.node_id)
+    # The converger is the signer's client on a real node.
+    nc = await signer.connect("converger")
+    key = await call(nc, subjects.signer_key, Empty(), SIGNER_KEY_CODEC)
+    assert key.node_id == "node-1" and key.boot_id == BOOT_ID and len(key.public_key) == 32
+
+    event = bound()
+    report = await call(nc, subjects.signer_sign, SignRequest(purpose="attested-report", event_id="ev-1", event=event), ATTESTED_REPORT_CODEC)
+    body = verify_report(report, key.public_key)
+    assert body.node_id == "node-1"
+    assert body.boot_id == BOOT_ID
+    assert body.event_id == "ev-1"
+    assert body.event == event
+    assert report.key_id == key.key_id
+
+    released = AllocationReleased(allocation_id="alloc_01", reservation_id="rsv_01", generation=4, devices=event.devices)
+    report2 = await call(nc, subjects.signer_sign, SignRequest(purpose="attested-report", event_id="ev-2", event=released), ATTESTED_REPORT_CODEC)
+    assert verify_report(report2, key.public_key).event == released
+
+    # A tampered body no longer verifies.
+    tampered = report.body.replace(b"alloc_01", b"alloc_02")
+    with pytest.raises(VerificationError):
+        verify_report(type(report)(key_id=report.key_id, body=tampered, signature=report.signature), key.public_key)
+
+
+async def test_refuses_other_purposes_and_bad_messages_without_dying(signer):
+    subjects = NodeSubjects(signer.node_id)
+    nc = await signer.connect("converger")
+    with pytest.raises(ServiceCallError) as refused:
+        await call(nc, subjects.signer_sign, SignRequest(purpose="node-spec", event_id="ev-1", event=bound()), ATTESTED_REPORT_CODEC)
+    assert refused.value.code == "403"
+    assert "node-spec" in refused.value.description and "attested-report" in refused.value.description
+
+    bad = json.loads(encode(SignRequest(purpose="attested-report", event_id="ev-1", event=bound())))
+    bad["event"]["allocation_id"] = "../../etc/passwd"
+    with pytest.raises(ServiceCallError) as rejected:
+        await call(nc, subjects.signer_sign, json.dumps(bad).encode(), ATTESTED_REPORT_CODEC)
+    assert rejected.value.code == "400"
+    assert "$.event.allocation_id" in rejected.value.description
+
+    with pytest.raises(ServiceCallError) as garbage:
+        await call(nc, subjects.signer_sign, b"\xff not json", ATTESTED_REPORT_CODEC)
+    assert garbage.value.code == "400"
+
+    # still serving
+    key = await call(nc, subjects.signer_key, Empty(), SIGNER_KEY_CODEC)
+    assert key.node_id == "node-1"
+
+
+async def test_key_file_is_0600_and_survives_restart(node_bus, fake_host):
+    node_bus.start_service("signer", BCD_FAKE_HOST=str(fake_host))
+    await node_bus.wait_service("signer")
+    key_file = node_bus.root / "data" / "signer" / "node.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    nc = await node_bus.connect("cli")
+    first = await call(nc, NodeSubjects("node-1").signer_key, Empty(), SIGNER_KEY_CODEC)
+
+    assert node_bus.services[-1].stop() == 0
+    node_bus.start_service("signer", BCD_FAKE_HOST=str(fake_host))
+    await node_bus.wait_service("signer")
+    second = await call(nc, NodeSubjects("node-1").signer_key, Empty(), SIGNER_KEY_CODEC)
+    assert second.public_key == first.public_key
+
+
+async def test_refuses_to_start_on_a_key_readable_by_others(node_bus, fake_host):
+    node_bus.start_service("signer", BCD_FAKE_HOST=str(fake_host))
+    await node_bus.wait_service("signer")
+    assert node_bus.services[-1].stop() == 0
+    key_file = node_bus.root / "data" / "signer" / "node.key"
+    os.chmod(key_file, 0o644)
+
+    sp = node_bus.start_service("signer", BCD_FAKE_HOST=str(fake_host))
+    code = await asyncio.to_thread(sp.wait, 20)
+    assert code == 2
+    log = sp.log()
+    assert "readable by others" in log and "Traceback" not in log
+
+
+async def test_inventory_user_may_not_ask_for_signatures(signer):
+    nc = await signer.connect("inventory")
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc2 = await signer.connect("inventory", error_cb=on_error)
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await nc2.request(NodeSubjects("node-1").signer_sign, encode(SignRequest(purpose="attested-report", event_id="ev-x", event=bound())), timeout=1)
+    await nc.flush()
+    assert any("permissions violation" in str(e) and "signer.sign" in str(e) for e in errors)
+
+
+async def test_sigterm_stops_cleanly(signer):
+    sp = signer.services[-1]
+    assert sp.stop(timeout=10) == 0
+    assert '"msg": "stopping"' in sp.log()

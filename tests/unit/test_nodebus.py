@@ -1,0 +1,56 @@
+"""The embedded bus: binary lookup and the config bcd writes for nats-server."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from bcd.nodebus import BusConfig, NatsServerNotFound, ensure_passwords, find_nats_server, node_bus_users, prepare_node_bus
+from shared.subjects import NODE_BUS_USERS, NodeSubjects
+
+
+def test_finds_the_wheels_binary():
+    path = find_nats_server()
+    assert path.name == "nats-server" and path.stat().st_mode & stat.S_IXUSR
+
+
+def test_override_must_be_executable(monkeypatch, tmp_path):
+    monkeypatch.setenv("BCD_NATS_SERVER", str(tmp_path / "missing"))
+    with pytest.raises(NatsServerNotFound, match="BCD_NATS_SERVER"):
+        find_nats_server()
+
+
+def test_config_has_jetstream_sync_always_and_one_user_per_service(tmp_path):
+    conf_path, creds = prepare_node_bus(tmp_path / "bus", tmp_path / "js", "node-7")
+    conf = json.loads(conf_path.read_text())
+    assert conf["jetstream"] == {"store_dir": str(tmp_path / "js"), "sync_interval": "always"}
+    assert conf["host"] == "127.0.0.1"
+    users = {u["user"]: u for u in conf["authorization"]["users"]}
+    assert set(users) == set(NODE_BUS_USERS)
+    subjects = NodeSubjects("node-7")
+    for name, entry in users.items():
+        perms = subjects.permissions(name)
+        assert entry["permissions"]["subscribe"]["allow"] == list(perms.subscribe)
+        assert entry["password"] == creds[name].read_text().strip()
+    # the inventory may not publish to the signer
+    assert subjects.signer_sign not in users["inventory"]["permissions"]["publish"]["allow"]
+
+
+def test_secrets_are_0600_and_stable(tmp_path):
+    first = ensure_passwords(tmp_path / "creds", ["signer", "inventory"])
+    again = ensure_passwords(tmp_path / "creds", ["signer", "inventory"])
+    for user, path in first.items():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert again[user].read_text() == path.read_text()
+    assert first["signer"].read_text() != first["inventory"].read_text()
+    conf_path, _ = prepare_node_bus(tmp_path / "bus", tmp_path / "js", "n")
+    assert stat.S_IMODE(conf_path.stat().st_mode) == 0o600
+
+
+def test_user_without_publish_rights_gets_a_deny_all_placeholder(tmp_path):
+    cfg = BusConfig(store_dir=tmp_path, users=node_bus_users("n", {"signer": "pw"}))
+    signer = json.loads(cfg.render())["authorization"]["users"][0]
+    # an empty allow list would mean "everything" to nats-server
+    assert signer["permissions"]["publish"]["allow"] == ["_bcd_nothing_"]

@@ -1,0 +1,362 @@
+"""Subjects, upstream names and node-bus permissions (DESIGN 2 and 3).
+
+Node-bus subjects are `bcd.<node_id>.<service>.<verb>`; each NATS user may
+touch exactly its own subjects. Permissions are checked with NATS' own wildcard
+rules (`*` one token, `>` one or more trailing tokens), so a pattern that would
+let one service reach another's endpoints fails here, not in production.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shared.schemas.events import EVENT_TYPES
+from shared.subjects import (
+    MSG_ID_HEADER,
+    NODE_BUS_USERS,
+    OPERATOR_USER,
+    RESERVED_NODE_IDS,
+    SERVICES,
+    UPSTREAM_EVENTS_STREAM,
+    UPSTREAM_INVENTORY_BUCKET,
+    UPSTREAM_NODES_BUCKET,
+    UPSTREAM_NODESPECS_BUCKET,
+    NodeSubjects,
+    Permissions,
+    inbox_prefix,
+    upstream_event,
+    upstream_events_filter,
+)
+
+NODE = "n1"
+S = NodeSubjects(NODE)
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """Does a NATS subscription/permission pattern cover a literal subject?"""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Is there a subject both patterns cover?"""
+    x, y = a.split("."), b.split(".")
+    for i in range(min(len(x), len(y))):
+        if x[i] == ">" or y[i] == ">":
+            return True
+        if x[i] != y[i] and "*" not in (x[i], y[i]):
+            return False
+    return len(x) == len(y)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "expected"),
+    [
+        ("bcd.n1.signer.>", "bcd.n1.signer.sign", True),
+        ("bcd.n1.signer.>", "bcd.n1.signer", False),
+        ("bcd.n1.*.sign", "bcd.n1.signer.sign", True),
+        ("bcd.n1.signer.sign", "bcd.n1.signer.sign.x", False),
+        ("$SRV.>", "$SRV.PING.signer", True),
+        (">", "a", True),
+    ],
+)
+def test_matcher(pattern: str, subject: str, expected: bool) -> None:
+    assert matches(pattern, subject) is expected
+    assert overlaps(pattern, subject) is expected
+
+
+# --- node subjects --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("prefix", "bcd.n1"),
+        ("inventory_get", "bcd.n1.inventory.get"),
+        ("inventory_rescan", "bcd.n1.inventory.rescan"),
+        ("inventory_changed", "bcd.n1.inventory.changed"),
+        ("inventory_bucket", "bcd_node_n1_inventory"),
+        ("signer_sign", "bcd.n1.signer.sign"),
+        ("signer_key", "bcd.n1.signer.key"),
+    ],
+)
+def test_named_subjects(name: str, expected: str) -> None:
+    assert getattr(S, name) == expected
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_subject_shape_for_every_service(service: str) -> None:
+    subject = S.subject(service, "verb")
+    assert subject == f"bcd.{NODE}.{service}.verb"
+    assert subject.split(".") == ["bcd", NODE, service, "verb"]
+    assert S.service_wildcard(service) == f"bcd.{NODE}.{service}.>"
+    assert matches(S.service_wildcard(service), subject)
+
+
+@pytest.mark.parametrize("service", ["nope", "", "Signer", "signer.x", "*", ">"])
+def test_unknown_service_refused(service: str) -> None:
+    with pytest.raises(ValueError, match="unknown service"):
+        S.subject(service, "get")
+
+
+BAD_NODE_IDS = [
+    pytest.param("", id="empty"),
+    pytest.param("Node", id="uppercase"),
+    pytest.param("a.b", id="dot-splits-token"),
+    pytest.param("*", id="star"),
+    pytest.param(">", id="gt"),
+    pytest.param("a b", id="space"),
+    pytest.param("a\n", id="trailing-newline"),
+    pytest.param("-a", id="leading-dash"),
+    pytest.param("a" * 64, id="64-chars"),
+    pytest.param("a/b", id="slash"),
+    pytest.param("$SRV", id="dollar"),
+]
+
+
+@pytest.mark.parametrize("node_id", BAD_NODE_IDS)
+def test_invalid_node_ids_refused(node_id: str) -> None:
+    with pytest.raises(ValueError, match="node_id .* is not a valid subject token"):
+        NodeSubjects(node_id)
+    with pytest.raises(ValueError, match="node_id .* is not a valid subject token"):
+        upstream_event(node_id, "bound")
+
+
+@pytest.mark.parametrize("node_id", ["a", "0", "a" * 63, "gpu-node_01"])
+def test_valid_node_ids(node_id: str) -> None:
+    subjects = NodeSubjects(node_id)
+    assert subjects.signer_sign == f"bcd.{node_id}.signer.sign"
+    assert re.fullmatch(r"[a-zA-Z0-9_-]+", subjects.inventory_bucket), "a valid KV bucket name"
+
+
+def test_node_subjects_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        S.node_id = "n2"  # type: ignore[misc]
+
+
+# --- permissions ------------------------------------------------------------------------
+
+PERMS: dict[str, Permissions] = {user: S.permissions(user) for user in NODE_BUS_USERS}
+KV_PUT = f"$KV.{S.inventory_bucket}.gpus"
+KV_STREAM = f"KV_{S.inventory_bucket}"
+
+
+def test_users_are_the_services_and_the_operator() -> None:
+    assert NODE_BUS_USERS == (*SERVICES, OPERATOR_USER)
+    assert len(set(NODE_BUS_USERS)) == len(NODE_BUS_USERS)
+
+
+@pytest.mark.parametrize("user", ["root", "", "INVENTORY", "admin", "inventory.x"])
+def test_unknown_user_refused(user: str) -> None:
+    with pytest.raises(ValueError, match="unknown node-bus user"):
+        S.permissions(user)
+
+
+def publishers(subject: str) -> set[str]:
+    return {u for u, p in PERMS.items() if any(matches(pat, subject) for pat in p.publish)}
+
+
+def subscribers(subject: str) -> set[str]:
+    return {u for u, p in PERMS.items() if any(matches(pat, subject) for pat in p.subscribe)}
+
+
+READERS = {"converger", "gateway_bridge", "cli"}
+
+#: who may publish to each subject: every row is a decision (DESIGN 2).
+PUBLISH_MATRIX = [
+    pytest.param(S.signer_sign, {"converger"}, id="signer.sign"),
+    pytest.param(S.signer_key, {"converger", "gateway_bridge", "cli"}, id="signer.key"),
+    pytest.param(S.subject("signer", "other"), set(), id="signer.other"),
+    pytest.param(
+        S.inventory_get, {"converger", "gateway_bridge", "kube_reaper", "vfio_switcher", "cli"}, id="inventory.get"
+    ),
+    pytest.param(S.inventory_rescan, {"cli"}, id="inventory.rescan"),
+    pytest.param(S.inventory_changed, {"inventory"}, id="inventory.changed"),
+    pytest.param(S.subject("vfio_switcher", "switch"), set(), id="vfio_switcher.switch"),
+    pytest.param(S.subject("helper", "file.write"), set(), id="helper.file.write"),
+    pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
+    pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
+    pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-update"),
+    pytest.param(f"$JS.API.STREAM.DELETE.{KV_STREAM}", set(), id="inventory-kv-delete"),
+    pytest.param(f"$JS.API.STREAM.PURGE.{KV_STREAM}", set(), id="inventory-kv-purge"),
+    pytest.param(f"$JS.API.STREAM.MSG.GET.{KV_STREAM}", {"inventory", *READERS}, id="inventory-kv-get"),
+    pytest.param(
+        f"$JS.API.DIRECT.GET.{KV_STREAM}.$KV.{S.inventory_bucket}.x",
+        {"inventory", *READERS},
+        id="inventory-kv-direct-get",
+    ),
+    pytest.param("$SRV.PING", {"cli"}, id="srv-ping"),
+    pytest.param("$SRV.INFO.signer", {"cli"}, id="srv-info"),
+    pytest.param("bcd.n2.signer.sign", set(), id="other-node-sign"),
+    pytest.param("bcd.n2.inventory.get", set(), id="other-node-get"),
+    pytest.param("bcd.events.n1.bound", set(), id="upstream-subject-not-on-node-bus"),
+]
+
+
+@pytest.mark.parametrize(("subject", "allowed"), PUBLISH_MATRIX)
+def test_who_may_publish(subject: str, allowed: set[str]) -> None:
+    assert publishers(subject) == allowed
+
+
+def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
+    inv = PERMS["inventory"].publish
+    for target in ("signer", "vfio_switcher", "helper", "converger", "kube_reaper", "gateway_bridge"):
+        assert not any(overlaps(p, S.service_wildcard(target)) for p in inv), target
+    assert not any(matches(p, S.signer_sign) for p in inv)
+
+
+@pytest.mark.parametrize("user", NODE_BUS_USERS)
+def test_no_user_publishes_to_its_own_endpoints_or_another_node(user: str) -> None:
+    for pattern in PERMS[user].publish:
+        assert not overlaps(pattern, "bcd.n2.>"), pattern
+        if user in SERVICES:
+            assert not overlaps(pattern, S.service_wildcard(user)) or pattern == S.inventory_changed, pattern
+
+
+#: subjects of another service a user may subscribe to (notifications, not endpoints).
+FOREIGN_SUBSCRIBE_OK = {S.inventory_changed}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> None:
+    wildcard = S.service_wildcard(service)
+    assert wildcard in PERMS[service].subscribe
+    for user, perms in PERMS.items():
+        if user == service:
+            continue
+        for pattern in perms.subscribe:
+            if overlaps(pattern, wildcard):
+                assert pattern in FOREIGN_SUBSCRIBE_OK, f"{user} subscribes {pattern} inside {wildcard}"
+
+
+@pytest.mark.parametrize(
+    ("subject", "allowed"),
+    [
+        pytest.param(S.signer_sign, {"signer"}, id="signer.sign"),
+        pytest.param(S.inventory_get, {"inventory"}, id="inventory.get"),
+        pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "cli"}, id="inventory.changed"),
+        pytest.param(S.subject("vfio_switcher", "switch"), {"vfio_switcher"}, id="vfio_switcher.switch"),
+        pytest.param(S.subject("helper", "file.write"), {"helper"}, id="helper.file.write"),
+        pytest.param("bcd.n2.signer.sign", set(), id="other-node"),
+    ],
+)
+def test_who_may_subscribe(subject: str, allowed: set[str]) -> None:
+    assert subscribers(subject) == allowed
+
+
+@pytest.mark.parametrize("user", NODE_BUS_USERS)
+def test_no_catch_all_patterns(user: str) -> None:
+    perms = PERMS[user]
+    for pattern in (*perms.publish, *perms.subscribe):
+        first = pattern.split(".")[0]
+        assert first not in {">", "*"}, pattern
+        assert not overlaps(pattern, "bcd.*.>") or pattern.startswith(f"bcd.{NODE}."), pattern
+    for pattern in perms.subscribe:
+        assert pattern not in {"$SRV.>", "$JS.>", "$KV.>", "_INBOX.>", "bcd.>"}, pattern
+    if user != OPERATOR_USER:
+        assert "$SRV.>" not in perms.publish
+
+
+@pytest.mark.parametrize("user", NODE_BUS_USERS)
+def test_each_user_has_its_own_inbox(user: str) -> None:
+    prefix = inbox_prefix(user)
+    assert prefix == f"_INBOX_{user}"
+    assert "." not in prefix and "*" not in prefix and ">" not in prefix
+    assert f"{prefix}.>" in PERMS[user].subscribe
+    for other in NODE_BUS_USERS:
+        if other == user:
+            continue
+        reply = f"{inbox_prefix(other)}.abc123.1"
+        assert not any(matches(p, reply) for p in PERMS[user].subscribe), f"{user} can read {other}'s replies"
+        assert not any(matches(p, reply) for p in PERMS[user].publish), f"{user} can forge {other}'s replies"
+    assert not any(matches(p, "_INBOX.abc.1") for p in PERMS[user].subscribe), "the shared default inbox"
+
+
+def test_inbox_prefixes_are_distinct() -> None:
+    prefixes = [inbox_prefix(u) for u in NODE_BUS_USERS]
+    assert len(set(prefixes)) == len(prefixes)
+    for a in prefixes:
+        for b in prefixes:
+            if a != b:
+                assert not overlaps(f"{a}.>", f"{b}.>")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_services_answer_srv_discovery(service: str) -> None:
+    sub = PERMS[service].subscribe
+    for verb in ("PING", "INFO", "STATS"):
+        for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{service}", f"$SRV.{verb}.{service}.*"):
+            assert subject in sub
+        assert any(matches(p, f"$SRV.{verb}.{service}.abcdef") for p in sub)
+        for other in SERVICES:
+            if other != service:
+                assert not any(overlaps(p, f"$SRV.{verb}.{other}.>") for p in sub), other
+                assert f"$SRV.{verb}.{other}" not in sub
+    assert PERMS[service].allow_responses
+
+
+def test_operator_discovers_but_does_not_answer_srv() -> None:
+    cli = PERMS[OPERATOR_USER]
+    assert "$SRV.>" in cli.publish
+    assert not any(p.startswith("$SRV") for p in cli.subscribe)
+
+
+def test_kv_read_subjects_are_a_subset_without_writes() -> None:
+    bucket = S.inventory_bucket
+    read, full = S.kv_read_subjects(bucket), S.kv_subjects(bucket)
+    assert set(read) < set(full)
+    assert not any(overlaps(p, f"$KV.{bucket}.>") for p in read), "readers may not put"
+    assert not any(".CREATE.KV_" in p and "CONSUMER" not in p for p in read)
+    assert not any(".UPDATE." in p for p in read)
+
+
+# --- upstream ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("event_type", EVENT_TYPES)
+def test_upstream_event_subject(event_type: str) -> None:
+    subject = upstream_event("gpu-node-01", event_type)
+    assert subject == f"bcd.events.gpu-node-01.{event_type}"
+    assert matches(upstream_events_filter(), subject)
+
+
+def test_event_types_are_the_design_list() -> None:
+    assert set(EVENT_TYPES) == {"bound", "released", "failed", "section", "condition", "gpu"}
+
+
+@pytest.mark.parametrize("event_type", ["", "bogus", "bound.x", "*", ">", "Bound"])
+def test_unknown_event_type_refused(event_type: str) -> None:
+    with pytest.raises(ValueError, match="event type"):
+        upstream_event("n1", event_type)
+
+
+def test_upstream_names() -> None:
+    assert upstream_events_filter() == "bcd.events.>"
+    assert UPSTREAM_NODESPECS_BUCKET == "bcd_nodespecs"
+    assert UPSTREAM_NODES_BUCKET == "bcd_nodes"
+    assert UPSTREAM_INVENTORY_BUCKET == "bcd_inventory"
+    assert UPSTREAM_EVENTS_STREAM == "BCD_EVENTS"
+    assert MSG_ID_HEADER == "Nats-Msg-Id"
+
+
+def test_node_id_events_is_reserved() -> None:
+    """In the embedded default one nats-server carries both buses: the BCD_EVENTS stream
+    (`bcd.events.>`) would capture every request of a node named "events"."""
+    assert "events" in RESERVED_NODE_IDS
+    with pytest.raises(ValueError, match="reserved"):
+        NodeSubjects("events")
+    with pytest.raises(ValueError, match="reserved"):
+        upstream_event("events", "bound")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_node_subjects_never_fall_under_the_events_filter(service: str) -> None:
+    for node_id in ("n1", "events1", "event", "a" * 63):
+        assert not overlaps(upstream_events_filter(), NodeSubjects(node_id).service_wildcard(service))
