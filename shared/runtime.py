@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import nats
-import nats.micro
+from nats.micro.service import Service, ServiceConfig
 from nats.aio.client import Client
 from nats.micro.request import Request, ServiceError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
@@ -171,7 +171,7 @@ class ServiceContext(Generic[T]):
     app: ServiceApp
     opts: argparse.Namespace
     nc: Client
-    service: nats.micro.service.Service
+    service: Service
     subjects: NodeSubjects
     registry: CollectorRegistry
     log: logs.StructLogger
@@ -294,12 +294,15 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
     ctx: ServiceContext[Any] | None = None
     try:
         nc = await connect(opts, app.name, log, connected)
-        service = await nats.micro.add_service(
+        # The $SRV handlers start only after setup, so a PING answer means "ready".
+        service = Service(
             nc,
-            name=app.name,
-            version=VERSION,
-            description=app.description or f"bcd {app.name}",
-            metadata={"node_id": opts.node_id, "metrics": f"{opts.metrics_addr}:{metrics_port}", "pid": str(os.getpid())},
+            ServiceConfig(
+                name=app.name,
+                version=VERSION,
+                description=app.description or f"bcd {app.name}",
+                metadata={"node_id": opts.node_id, "metrics": f"{opts.metrics_addr}:{metrics_port}", "pid": str(os.getpid())},
+            ),
         )
         ctx = ServiceContext(
             app=app,
@@ -315,6 +318,7 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
             _latency=latency,
         )
         await app.setup(ctx)
+        await service.start()
         log.info(
             "started",
             node_id=opts.node_id,

@@ -118,14 +118,11 @@ class NodeSubjects:
     def signer_key(self) -> str:
         return self.subject("signer", "key")
 
-    def kv_subjects(self, bucket: str) -> tuple[str, ...]:
-        """What a client needs to create, read and write one KV bucket."""
+    def kv_read_subjects(self, bucket: str) -> tuple[str, ...]:
+        """What a client needs to read and watch one KV bucket."""
         stream = f"KV_{bucket}"
         return (
-            f"$KV.{bucket}.>",
             f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.CREATE.{stream}",
-            f"$JS.API.STREAM.UPDATE.{stream}",
             f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}.>",
             f"$JS.API.CONSUMER.CREATE.{stream}",
@@ -134,16 +131,14 @@ class NodeSubjects:
             "$JS.API.INFO",
         )
 
-    def kv_read_subjects(self, bucket: str) -> tuple[str, ...]:
+    def kv_subjects(self, bucket: str) -> tuple[str, ...]:
+        """What a client needs to create, read and write one KV bucket."""
         stream = f"KV_{bucket}"
         return (
-            f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.CONSUMER.CREATE.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DELETE.{stream}.>",
-            "$JS.API.INFO",
+            f"$KV.{bucket}.>",
+            f"$JS.API.STREAM.CREATE.{stream}",
+            f"$JS.API.STREAM.UPDATE.{stream}",
+            *self.kv_read_subjects(bucket),
         )
 
     def permissions(self, user: str) -> Permissions:

@@ -75,8 +75,18 @@ def driver_mode(driver: str) -> DriverMode:
     return "Compute"
 
 
-def adapter_ready(mode: DriverMode, driver: str, *, now: datetime) -> Condition:
-    """The AdapterReady condition the binding alone implies."""
+def adapter_ready(mode: DriverMode, driver: str, *, now: datetime, readable: bool = True) -> Condition:
+    """The AdapterReady condition the binding (and whether the vendor library reads the card) implies."""
+    if mode == "Compute" and not readable:
+        # bound to its driver, yet the vendor library cannot read it (a GPU
+        # that fell off the bus): never Ready, so nothing is placed on it.
+        return Condition(
+            type=ADAPTER_READY,
+            status="False",
+            reason="VendorLibraryCannotRead",
+            message=f"bound to {driver}, but the vendor library does not see the card",
+            since=now,
+        )
     if mode == "Compute":
         return Condition(
             type=ADAPTER_READY,
@@ -156,10 +166,16 @@ def _keep_since(conditions: list[Condition], previous: Sequence[Condition]) -> l
     return out
 
 
-def derive_status(driver: str, *, now: datetime, previous: PhysicalGPUStatus | None = None) -> PhysicalGPUStatus:
+def derive_status(
+    driver: str,
+    *,
+    now: datetime,
+    readable: bool = True,
+    previous: PhysicalGPUStatus | None = None,
+) -> PhysicalGPUStatus:
     """A card's first PhysicalGPU status from what the kernel has bound to it."""
     mode = driver_mode(driver)
-    conditions = [adapter_ready(mode, driver, now=now), managed_unknown(now=now)]
+    conditions = [adapter_ready(mode, driver, now=now, readable=readable), managed_unknown(now=now)]
     if previous is not None:
         conditions = _keep_since(conditions, previous.conditions)
     return PhysicalGPUStatus(
@@ -187,8 +203,11 @@ def _build_gpu(
         # an adapter without VFIO knows only cards its vendor library drives,
         # i.e. cards on their native driver, which it names after the vendor.
         driver, base_driver = adapter.vendor(), adapter.vendor()
-    status = derive_status(driver, now=now, previous=previous.status if previous is not None else None)
-    compute = status.driver_binding.mode == "Compute"
+    status = derive_status(
+        driver, now=now, readable=facts.readable, previous=previous.status if previous is not None else None
+    )
+    # MIG instances and slots only on a card its compute driver runs and the vendor library reads.
+    compute = status.driver_binding.mode == "Compute" and facts.readable
     uuid = facts.uuid
     atom = gpu_atom_id(uuid) if uuid else ""
 

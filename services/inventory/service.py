@@ -124,6 +124,7 @@ class InventoryApp(ServiceApp):
                     node_id=ctx.opts.node_id,
                     revision=revision,
                     now=datetime.now(timezone.utc),
+                    previous=self.current,
                 )
             except (AdapterError, OSError) as exc:
                 self.m_scans.labels(outcome="error").inc()

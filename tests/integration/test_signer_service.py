@@ -150,3 +150,21 @@ async def test_sigterm_stops_cleanly(signer):
     sp = signer.services[-1]
     assert sp.stop(timeout=10) == 0
     assert '"msg": "stopping"' in sp.log()
+
+
+async def test_serves_metrics_on_loopback_and_logs_json_lines(signer):
+    import urllib.request
+
+    pong = await signer.wait_service("signer")
+    addr = pong["metadata"]["metrics"]
+    assert addr.startswith("127.0.0.1:")
+    nc = await signer.connect("converger")
+    await call(nc, NodeSubjects("node-1").signer_sign, SignRequest(purpose="attested-report", event_id="ev-m", event=bound()), ATTESTED_REPORT_CODEC)
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode())
+    assert 'bcd_signatures_total{outcome="signed",purpose="attested-report"} 1.0' in text
+    assert 'bcd_requests_total{endpoint="sign",outcome="ok"} 1.0' in text
+    assert "process_cpu_seconds_total" in text
+
+    lines = [json.loads(line) for line in signer.services[-1].log().splitlines() if line.strip()]
+    assert {"ts", "level", "service", "msg"} <= set(lines[0])
+    assert any(entry["msg"] == "signed" and entry["event_id"] == "ev-m" for entry in lines)

@@ -43,8 +43,10 @@ def load_adapter(name: str, **kw: Any) -> VendorAdapter:
     """The adapter called `name`, built from the options it understands.
 
     fakehw: `fake_host` (or `host_file`), `cdi_dir`.
-    nvidia: `sysfs_root`, `proc_root`, `cdi_dir`, `slots_per_gpu`, `mps_pipe_dir`,
-    `known_uuids`, `nvml` (an NvmlPort; tests only).
+    nvidia: `sysfs_root`, `proc_root`, `cdi_dir`, `slots_per_gpu` (an int for every
+    card, or a mapping keyed by GPU uuid or PCI address), `mps_pipe_dir`,
+    `known_uuids` (PCI address -> uuid), `nvml` (an NvmlPort; tests only).
+    None values are ignored.
     Options meant for the other adapter are ignored; unknown options are a
     TypeError. Raises AdapterUnavailable (clear text, no traceback needed) when
     the adapter cannot run here, and HostFileError for a bad host file.

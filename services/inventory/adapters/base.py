@@ -76,6 +76,10 @@ class GpuFacts:
     numa_node: int | None = None
     compute_capability: str = ""  # "9.0"
     mig_mode: bool = False
+    #: the vendor library reads the card now. False for a card seen only on the
+    #: PCI bus: on vfio-pci or no driver (expected), or on the native driver but
+    #: lost to the library (e.g. NVML's GPU_IS_LOST), which must not look Ready.
+    readable: bool = True
 
 
 @dataclass(frozen=True)

@@ -51,26 +51,26 @@ class _HostStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Base of the host file's types: a field the format does not know is an error."""
 
 
-class HostMemory(_HostStruct, kw_only=True):
+class HostMemory(_HostStruct, frozen=True, kw_only=True):
     #: null describes a host whose memory cannot be read (admission is skipped).
     total_bytes: NonNegInt | None = None
     available_bytes: NonNegInt | None = None
 
 
-class HostHugePages(_HostStruct, kw_only=True):
+class HostHugePages(_HostStruct, frozen=True, kw_only=True):
     page_size_kib: PositiveInt
     total: NonNegInt
     free: NonNegInt
 
 
-class HostNumaNode(_HostStruct, kw_only=True):
+class HostNumaNode(_HostStruct, frozen=True, kw_only=True):
     node: NonNegInt
     cpus: CpuList | Literal[""] = ""
     memory_bytes: NonNegInt | None = None
     hugepages: list[HostHugePages] = []
 
 
-class HostMigProfile(_HostStruct, kw_only=True):
+class HostMigProfile(_HostStruct, frozen=True, kw_only=True):
     name: Name
     profile_id: NonNegInt
     slices: NonNegInt = 0
@@ -78,7 +78,7 @@ class HostMigProfile(_HostStruct, kw_only=True):
     instances_max: NonNegInt = 0
 
 
-class HostMigInstance(_HostStruct, kw_only=True):
+class HostMigInstance(_HostStruct, frozen=True, kw_only=True):
     gi: NonNegInt
     ci: NonNegInt
     profile: Name = ""
@@ -86,7 +86,7 @@ class HostMigInstance(_HostStruct, kw_only=True):
     memory_bytes: NonNegInt = 0
 
 
-class HostGpu(_HostStruct, kw_only=True):
+class HostGpu(_HostStruct, frozen=True, kw_only=True):
     uuid: GpuUuid
     index: NonNegInt
     pci_address: PciAddress
@@ -105,18 +105,18 @@ class HostGpu(_HostStruct, kw_only=True):
     slots: NonNegInt = 0
 
 
-class HostProcess(_HostStruct, kw_only=True):
+class HostProcess(_HostStruct, frozen=True, kw_only=True):
     pid: NonNegInt
     gpu_uuid: GpuUuid
     cgroup: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
-class HostDomain(_HostStruct, kw_only=True):
+class HostDomain(_HostStruct, frozen=True, kw_only=True):
     name: Name
     gpus: list[PciAddress] = []
 
 
-class FakeHost(_HostStruct, kw_only=True):
+class FakeHost(_HostStruct, frozen=True, kw_only=True):
     """A whole host description file (examples/hosts/README.md documents it)."""
 
     boot_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -184,12 +184,20 @@ def _check(host: FakeHost) -> str | None:
     for i, proc in enumerate(host.processes):
         if proc.gpu_uuid not in gpu_uuids:
             return f"{proc.gpu_uuid!r} is not a GPU of this host - at `$.processes[{i}].gpu_uuid`"
+    gpu_pcis = {g.pci_address for g in host.gpus}
+    for i, domain in enumerate(host.domains):
+        for j, pci in enumerate(domain.gpus):
+            if pci not in gpu_pcis:
+                return f"{pci!r} is not a GPU of this host - at `$.domains[{i}].gpus[{j}]`"
     if host.vendor_cdi_spec is not None:
         try:
             vendor_cdi_from_json(msgspec.json.encode(host.vendor_cdi_spec), "vendor_cdi_spec")
         except AdapterError as exc:
             # vendor_cdi_from_json's paths start at the spec; re-root them at the file.
-            return str(exc).replace("vendor_cdi_spec: ", "", 1).replace("`$", "`$.vendor_cdi_spec")
+            message = str(exc).removeprefix("vendor_cdi_spec: ")
+            if " - at `$" in message:
+                return message.replace(" - at `$", " - at `$.vendor_cdi_spec")
+            return f"{message} - at `$.vendor_cdi_spec`"
     return None
 
 

@@ -180,7 +180,7 @@ class PynvmlNvml:
             if exc.code == pynvml.NVML_ERROR_NOT_SUPPORTED:
                 return False  # not a MIG-capable card
             raise
-        return int(current) == pynvml.NVML_DEVICE_MIG_ENABLE
+        return bool(int(current) == pynvml.NVML_DEVICE_MIG_ENABLE)
 
     def gpu_instance_profiles(self, index: int) -> list[NvmlGiProfile]:
         handle = self._handle(index)
@@ -317,6 +317,13 @@ class NvidiaAdapter:
         except (NvmlError, pynvml.NVMLError):
             return default
 
+    @staticmethod
+    def _try_list(fn: Callable[[], list[T]]) -> list[T]:
+        try:
+            return fn()
+        except (NvmlError, pynvml.NVMLError):
+            return []
+
     def known_uuids(self) -> dict[str, str]:
         """PCI address -> GPU uuid of every card this adapter has identified (for the service to persist)."""
         out = dict(self._known_uuids)
@@ -365,21 +372,22 @@ class NvidiaAdapter:
                 continue
             last = self._last.get(pci)
             if last is not None:
-                seen[pci] = last
+                seen[pci] = replace(last, readable=False)
             else:
-                seen[pci] = GpuFacts(uuid=self._known_uuids.get(pci, ""), index=0, pci_address=pci)
+                seen[pci] = GpuFacts(uuid=self._known_uuids.get(pci, ""), index=0, pci_address=pci, readable=False)
 
         gpus: list[GpuFacts] = []
         for position, pci in enumerate(sorted(seen)):
             facts = replace(seen[pci], index=position, numa_node=hostfs.read_numa_node(self.sysfs_root, pci))
             gpus.append(facts)
-        self._last.update({g.pci_address: g for g in gpus})
+        # what NVML said is worth remembering; a sysfs-only sighting adds nothing.
+        self._last.update({g.pci_address: g for g in gpus if g.readable})
         self._nvml_index = nvml_index
         self._mig_mode = {g.uuid: g.mig_mode for g in gpus if g.uuid in nvml_index}
 
         processes: dict[tuple[int, str], RunningProcess] = {}
         for uuid, i in nvml_index.items():
-            for p in self._try(lambda: self.nvml.compute_processes(i), []):
+            for p in self._try_list(lambda: self.nvml.compute_processes(i)):
                 processes[(p.pid, uuid)] = RunningProcess(
                     pid=p.pid, gpu_uuid=uuid, cgroup=hostfs.read_cgroup(self.proc_root, p.pid)
                 )
@@ -422,18 +430,18 @@ class NvidiaAdapter:
                 memory_bytes=p.memory_mib * MIB,
                 instances_max=p.instance_count,
             )
-            for p in self._try(lambda: self.nvml.gpu_instance_profiles(i), [])
+            for p in self._try_list(lambda: self.nvml.gpu_instance_profiles(i))
         ]
 
     def mig_instances(self, gpu_uuid: str) -> list[MigInstanceFacts]:
         i = self._nvml_index.get(gpu_uuid)
         if i is None or not self._mig_mode.get(gpu_uuid, False):
             return []
-        devices = self._try(lambda: self.nvml.mig_devices(i), [])
+        devices = self._try_list(lambda: self.nvml.mig_devices(i))
         if not devices:
             return []
-        profiles = {p.profile_id: p for p in self._try(lambda: self.nvml.gpu_instance_profiles(i), [])}
-        gi_profile = {g.gi_id: g.profile_id for g in self._try(lambda: self.nvml.gpu_instances(i), [])}
+        profiles = {p.profile_id: p for p in self._try_list(lambda: self.nvml.gpu_instance_profiles(i))}
+        gi_profile = {g.gi_id: g.profile_id for g in self._try_list(lambda: self.nvml.gpu_instances(i))}
         out: list[MigInstanceFacts] = []
         for dev in devices:
             profile = profiles.get(gi_profile.get(dev.gi_id, -1))
