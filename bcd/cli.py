@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FAKE_HOST = REPO_ROOT / "examples" / "hosts" / "h200x8.json"
 
 #: the services `bcd up` runs today, in start order.
-NODE_SERVICES: tuple[str, ...] = ("signer", "inventory")
+NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger")
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -118,6 +118,47 @@ class NodeSubjects:
     def signer_key(self) -> str:
         return self.subject("signer", "key")
 
+    # converger
+    @property
+    def converger_spec(self) -> str:
+        """The bridge hands a verified NodeSpec to the converger here."""
+        return self.subject("converger", "spec")
+
+    @property
+    def converger_status(self) -> str:
+        return self.subject("converger", "status")
+
+    @property
+    def converger_holder(self) -> str:
+        """Which allocation, instance or pending release holds a GPU (asked before a switch or reset)."""
+        return self.subject("converger", "holder")
+
+    @property
+    def converger_pass(self) -> str:
+        """Ask for a pass now (operator, reaper)."""
+        return self.subject("converger", "pass")
+
+    # the node's durable outbox (node-bus JetStream), drained upstream by the bridge
+    @property
+    def outbox_stream(self) -> str:
+        return f"BCD_OUTBOX_{self.node_id}"
+
+    def outbox_subject(self, event_type: str) -> str:
+        if event_type not in EVENT_TYPES:
+            raise ValueError(f"unknown event type {event_type!r}")
+        return f"{self.prefix}.outbox.{event_type}"
+
+    @property
+    def outbox_filter(self) -> str:
+        return f"{self.prefix}.outbox.>"
+
+    def stream_subjects(self, stream: str, *, create: bool) -> tuple[str, ...]:
+        return (
+            f"$JS.API.STREAM.INFO.{stream}",
+            *((f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}") if create else ()),
+            "$JS.API.INFO",
+        )
+
     def kv_read_subjects(self, bucket: str) -> tuple[str, ...]:
         """What a client needs to read and watch one KV bucket."""
         stream = f"KV_{bucket}"
@@ -152,11 +193,23 @@ class NodeSubjects:
             ),
             "signer": ((), (self.service_wildcard("signer"),)),
             "converger": (
-                (self.inventory_get, self.signer_sign, self.signer_key, *self.kv_read_subjects(self.inventory_bucket)),
+                (
+                    self.inventory_get,
+                    self.signer_sign,
+                    self.signer_key,
+                    *self.kv_read_subjects(self.inventory_bucket),
+                    self.outbox_filter,
+                    *self.stream_subjects(self.outbox_stream, create=True),
+                ),
                 (self.service_wildcard("converger"), self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
             ),
             "gateway_bridge": (
-                (self.inventory_get, self.signer_key, *self.kv_read_subjects(self.inventory_bucket)),
+                (
+                    self.inventory_get,
+                    self.signer_key,
+                    self.converger_spec,
+                    *self.kv_read_subjects(self.inventory_bucket),
+                ),
                 (self.service_wildcard("gateway_bridge"), self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
             ),
             "kube_reaper": ((self.inventory_get,), (self.service_wildcard("kube_reaper"),)),
@@ -165,6 +218,10 @@ class NodeSubjects:
             OPERATOR_USER: (
                 (
                     "$SRV.>",
+                    self.converger_status,
+                    self.converger_holder,
+                    self.converger_pass,
+                    *self.stream_subjects(self.outbox_stream, create=False),
                     self.inventory_get,
                     self.inventory_rescan,
                     self.signer_key,

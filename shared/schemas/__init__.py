@@ -7,7 +7,7 @@ wire type inside a service.
 
 from __future__ import annotations
 
-from .bus import Empty, SignerKey, SignRequest
+from .bus import ConvergerStatus, Empty, HolderQuery, HolderReply, HoldSummary, SignerKey, SignRequest, SpecAck
 from .codec import DEFAULT_MAX_BYTES, BadMessage, Codec, encode
 from .common import *  # noqa: F403
 from .common import __all__ as _common_all
@@ -31,6 +31,10 @@ NODE_EVENT_CODEC: Codec[NodeEvent] = Codec(NodeEvent, max_bytes=256 * 1024)  # t
 SIGN_REQUEST_CODEC: Codec[SignRequest] = Codec(SignRequest, max_bytes=256 * 1024)
 SIGNER_KEY_CODEC: Codec[SignerKey] = Codec(SignerKey, max_bytes=4096)
 EMPTY_CODEC: Codec[Empty] = Codec(Empty, max_bytes=4096)
+SPEC_ACK_CODEC: Codec[SpecAck] = Codec(SpecAck, max_bytes=4096)
+CONVERGER_STATUS_CODEC: Codec[ConvergerStatus] = Codec(ConvergerStatus, max_bytes=8 * DEFAULT_MAX_BYTES)
+HOLDER_QUERY_CODEC: Codec[HolderQuery] = Codec(HolderQuery, max_bytes=4096)
+HOLDER_REPLY_CODEC: Codec[HolderReply] = Codec(HolderReply, max_bytes=4096)
 
 #: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
 UPSTREAM_TYPES: dict[str, object] = {
@@ -56,6 +60,15 @@ __all__ = [  # noqa: PLE0604
     *_nodespec_all,
     "Empty",
     "SignerKey",
+    "SpecAck",
+    "HoldSummary",
+    "ConvergerStatus",
+    "HolderQuery",
+    "HolderReply",
+    "SPEC_ACK_CODEC",
+    "CONVERGER_STATUS_CODEC",
+    "HOLDER_QUERY_CODEC",
+    "HOLDER_REPLY_CODEC",
     "SignRequest",
     "BadMessage",
     "Codec",

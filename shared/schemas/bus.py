@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 import msgspec
 
 from .common import EventId, Id, KeyId, Name
-from .events import AttestedEvent
+from .events import AttestedEvent, SectionStatus
 
 
 class SignRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,4 +34,48 @@ class Empty(msgspec.Struct, frozen=True, kw_only=True):
     """A request with no arguments (an empty body also decodes as this)."""
 
 
-__all__ = ["SignRequest", "SignerKey", "Empty"]
+
+
+class SpecAck(msgspec.Struct, frozen=True, kw_only=True):
+    """The converger's answer to a handed-over NodeSpec."""
+
+    generation: int
+    #: False when the spec was the one already applied (nothing new to do).
+    changed: bool = True
+
+
+class HoldSummary(msgspec.Struct, frozen=True, kw_only=True):
+    allocation_id: str
+    reservation_id: str
+    generation: int
+    binding: str
+    devices: list[str]
+    cgroup_parent: str = ""
+    reported: bool = True
+
+
+class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    generation: int | None = None
+    section: SectionStatus | None = None
+    holds: list[HoldSummary] = []
+    #: allocation id -> reason, for the failures of the current generation.
+    failures: dict[str, str] = {}
+    last_pass_at: datetime | None = None
+    next_retry_in_s: float | None = None
+
+
+class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """A GPU by canonical PCI address or GPU atom id."""
+
+    gpu: Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class HolderReply(msgspec.Struct, frozen=True, kw_only=True):
+    held: bool
+    #: "allocation", "instance", "domain", "release" or "" when free.
+    kind: str = ""
+    holder: str = ""
+    gpu: str = ""
+
+
+__all__ = ["SignRequest", "SignerKey", "Empty", "SpecAck", "HoldSummary", "ConvergerStatus", "HolderQuery", "HolderReply"]

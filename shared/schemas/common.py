@@ -76,7 +76,7 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 Generation = Annotated[int, msgspec.Meta(ge=0)]
 
 #: event ids are derived by the caller (hex digests), so a replay keeps its id.
-EVENT_ID_PATTERN = r"^[a-z0-9][a-z0-9_.:-]{0,127}" + END
+EVENT_ID_PATTERN = r"^[a-z0-9][a-z0-9_.:-]{0,199}" + END
 EventId = Annotated[str, msgspec.Meta(pattern=EVENT_ID_PATTERN)]
 
 KEY_ID_PATTERN = r"^[0-9a-f]{16}" + END

@@ -81,7 +81,7 @@ def up(tmp_path):
 
 def test_up_runs_every_service_restarts_crashes_and_stops_clean(up):
     proc, state, log = up
-    services = wait_for(lambda: (lambda p: p if {"inventory", "signer"} <= set(p) else None)(ping(state)), 60, "services to answer $SRV.PING")
+    services = wait_for(lambda: (lambda p: p if {"inventory", "signer", "converger"} <= set(p) else None)(ping(state)), 60, "services to answer $SRV.PING")
     assert all(s["metadata"]["node_id"] == "node-up" for s in services.values())
 
     inv = bcd("inventory", "--state-dir", str(state), "--json")
@@ -115,7 +115,7 @@ def test_up_runs_every_service_restarts_crashes_and_stops_clean(up):
 
 def test_kill_9_of_the_supervisor_takes_the_children_down(up):
     proc, state, log = up
-    services = wait_for(lambda: (lambda p: p if {"inventory", "signer"} <= set(p) else None)(ping(state)), 60, "services")
+    services = wait_for(lambda: (lambda p: p if {"inventory", "signer", "converger"} <= set(p) else None)(ping(state)), 60, "services")
     pids = {int(s["metadata"]["pid"]) for s in services.values()}
     proc.kill()
     proc.wait()

@@ -15,17 +15,17 @@ see the same hardware yield the same inventory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import msgspec
-
+from shared import vendorcdi as _vendorcdi
 from shared.schemas import HostResources, MigProfile, RunningProcess
 
-#: the file name of the vendor's own CDI spec inside cdi_dir.
-VENDOR_CDI_FILE = "nvidia.json"
+# The vendor-spec reader lives in shared (the converger reads the same file);
+# its names stay importable from here.
+from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi
 
 
 class AdapterError(Exception):
@@ -40,8 +40,14 @@ class AdapterUnavailable(AdapterError):
     """
 
 
-class VendorSpecError(AdapterError):
-    """The vendor CDI spec exists but cannot be read or decoded; the text names file and field."""
+class VendorSpecError(AdapterError, _vendorcdi.VendorSpecError):
+    """The vendor CDI spec exists but cannot be read or decoded; the text names file and field.
+
+    Both an AdapterError (the inventory's catch sites) and shared's
+    VendorSpecError (what a reader of shared.vendorcdi catches). shared cannot
+    subclass an inventory class, so the readers below re-raise shared's error
+    as this one.
+    """
 
 
 # --------------------------------------------------------------------------- facts
@@ -102,83 +108,23 @@ class RunningDomain:
     gpus: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class VendorCdi:
-    """The vendor's CDI edits, from its JSON spec in cdi_dir (never from the wire).
-
-    `devices` is keyed by the names the vendor spec uses: the GPU index ("0"),
-    the UUID ("GPU-..."), a MIG device ("0:1" or "MIG-..."), "all". The edit
-    objects are the spec's JSON as decoded; treat them as read-only and copy
-    before changing.
-    """
-
-    path: str
-    cdi_version: str
-    kind: str
-    container_edits: Mapping[str, Any] = field(default_factory=dict)
-    devices: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-
-    def edits_for(self, *names: str) -> Mapping[str, Any] | None:
-        """The edits of the first of `names` the vendor spec has (e.g. UUID, then index)."""
-        for name in names:
-            if name in self.devices:
-                return self.devices[name]
-        return None
-
-
 # --------------------------------------------------------------------------- reading the vendor spec
 
 
-class _CdiDevice(msgspec.Struct):
-    name: str
-    containerEdits: dict[str, Any] = {}
-
-
-class _CdiSpecFile(msgspec.Struct):
-    """Only the parts of a CDI spec the inventory reads; the rest is left alone."""
-
-    cdiVersion: str
-    kind: str
-    devices: list[_CdiDevice] = []
-    containerEdits: dict[str, Any] = {}
-
-
-_CDI_DECODER = msgspec.json.Decoder(_CdiSpecFile)
-
-
 def vendor_cdi_from_json(data: bytes, path: str) -> VendorCdi:
-    """Decode a vendor CDI spec; VendorSpecError names the file and the field."""
+    """Decode a vendor CDI spec (shared.vendorcdi); VendorSpecError names the file and the field."""
     try:
-        spec = _CDI_DECODER.decode(data)
-    except msgspec.ValidationError as exc:
-        raise VendorSpecError(f"{path}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise VendorSpecError(f"{path}: not valid JSON ({exc})") from None
-    devices: dict[str, Mapping[str, Any]] = {}
-    for i, dev in enumerate(spec.devices):
-        if dev.name in devices:
-            # a CDI runtime drops a name that appears twice; so do we, loudly.
-            raise VendorSpecError(f"{path}: device name {dev.name!r} appears twice - at `$.devices[{i}].name`")
-        devices[dev.name] = dev.containerEdits
-    return VendorCdi(
-        path=path,
-        cdi_version=spec.cdiVersion,
-        kind=spec.kind,
-        container_edits=spec.containerEdits,
-        devices=devices,
-    )
+        return _vendorcdi.vendor_cdi_from_json(data, path)
+    except _vendorcdi.VendorSpecError as exc:
+        raise VendorSpecError(str(exc)) from None
 
 
 def read_vendor_cdi(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> VendorCdi | None:
-    """The vendor spec `<cdi_dir>/<filename>`; None when there is none."""
-    path = Path(cdi_dir) / filename
+    """The vendor spec `<cdi_dir>/<filename>` (shared.vendorcdi); None when there is none."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise VendorSpecError(f"{path}: cannot read ({exc.strerror})") from None
-    return vendor_cdi_from_json(data, str(path))
+        return _vendorcdi.read_vendor_cdi(cdi_dir, filename)
+    except _vendorcdi.VendorSpecError as exc:
+        raise VendorSpecError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- the contract

@@ -1,0 +1,3 @@
+from services.converger.service import main
+
+main()

@@ -1,0 +1,238 @@
+"""Apply a plan: idempotent steps, in order, intent journaled before side effects.
+
+A bind records its intent (boot id stamped), then writes slice, CDI spec and
+env file, has the signer sign AllocationBound, puts it in the outbox and only
+then records completion. A release records intent (with everything its
+Released event needs, since the CDI spec is about to go), removes CDI spec and
+env file, stops the slice once empty, and reports. Every step can be run
+again after a crash and does the same thing, and every event keeps its id.
+
+A failed write or an unreachable signer/outbox is retryable: the step stops,
+no event for it is sent, the section reads PROGRESSING and the pass is tried
+again. If any release fails, no bind runs in this pass: a bind must never
+take an atom whose old hold is still on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import msgspec
+
+from shared import logs
+from shared.schemas import SectionStatus, encode
+
+from .eventids import section_id
+from .hostwriter import HostWriteError, HostWriter
+from .model import (
+    BindHold,
+    ConvergerState,
+    EnsureSlice,
+    Intent,
+    Plan,
+    ReleaseHold,
+    RemoveTemp,
+    ReportBound,
+    ReportFailed,
+    Step,
+    StopSlice,
+    WriteEnv,
+)
+from .outbox import Outbox, OutboxError, Signer
+
+log = logs.get_logger("bcd.converger.apply")
+
+
+@dataclass
+class ApplyResult:
+    errors: list[str] = field(default_factory=list)
+    done: int = 0
+    section: SectionStatus | None = None
+
+    @property
+    def retry(self) -> bool:
+        return bool(self.errors)
+
+
+class Applier:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        writer: HostWriter,
+        signer: Signer,
+        outbox: Outbox,
+        save_state: Callable[[ConvergerState], None],
+        boot_id: Callable[[], str],
+        crash: Callable[[str], None] = lambda _: None,
+        clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+    ) -> None:
+        self.node_id = node_id
+        self.writer = writer
+        self.signer = signer
+        self.outbox = outbox
+        self.save_state = save_state
+        self.boot_id = boot_id
+        self.crash = crash
+        self.clock = clock
+
+    async def apply(self, plan: Plan, state: ConvergerState) -> ApplyResult:
+        """Run the steps; mutates and saves `state`. Publishes the section when it changes."""
+        result = ApplyResult()
+        release_failed = False
+        for step in plan.steps:
+            if release_failed and isinstance(step, BindHold):
+                result.errors.append(f"{step.allocation_id}: not bound in this pass: a release before it failed")
+                continue
+            try:
+                await self._run(step, state)
+                result.done += 1
+            except (HostWriteError, OutboxError) as exc:
+                result.errors.append(f"{_alloc(step)}: {exc}")
+                log.warning("step failed; will retry", step=type(step).__name__, allocation_id=_alloc(step), error=str(exc))
+                if isinstance(step, ReleaseHold):
+                    release_failed = True
+        section = plan.section
+        if section is not None and result.errors:
+            lines = [section.message] if section.message else []
+            section = msgspec.structs.replace(
+                section, state="PROGRESSING", message="\n".join([*lines, *(f"{e}" for e in result.errors)])
+            )
+        result.section = section
+        if section is not None and section != state.last_section:
+            try:
+                await self._publish_section(section)
+                state.last_section = section
+                self.save_state(state)
+            except OutboxError as exc:
+                result.errors.append(f"section status: {exc}")
+        return result
+
+    async def _publish_section(self, section: SectionStatus) -> None:
+        event_id = section_id(self.node_id, section.section, section.observed_generation, section.state, section.message)
+        await self.outbox.publish("section", event_id, encode(section))
+
+    # ------------------------------------------------------------------ steps
+
+    async def _run(self, step: Step, state: ConvergerState) -> None:
+        if isinstance(step, RemoveTemp):
+            self.writer.remove_temp(step.path)
+        elif isinstance(step, ReleaseHold):
+            await self._release(step, state)
+        elif isinstance(step, StopSlice):
+            if self.writer.stop_slice(step.allocation_id):
+                log.info("leftover slice stopped", allocation_id=step.allocation_id)
+        elif isinstance(step, EnsureSlice):
+            self.writer.apply_slice(step.allocation_id, step.limits)
+            log.info("slice recreated", allocation_id=step.allocation_id)
+        elif isinstance(step, WriteEnv):
+            self.writer.write_env(step.content)
+            log.info("env file rewritten", allocation_id=step.allocation_id)
+        elif isinstance(step, BindHold):
+            await self._bind(step, state)
+        elif isinstance(step, ReportBound):
+            await self._report_bound(step.allocation_id, step.event_id, step.event, state)
+        elif isinstance(step, ReportFailed):
+            await self.outbox.publish("failed", step.event_id, encode(step.event))
+            state.reported_failures[step.allocation_id] = step.event.generation
+            self.save_state(state)
+            log.warning(
+                "hold refused",
+                allocation_id=step.allocation_id,
+                reason=step.event.reason,
+                detail=step.event.message,
+                generation=step.event.generation,
+            )
+        else:  # pragma: no cover - the Step union is closed
+            raise AssertionError(step)
+
+    def _record(self, state: ConvergerState, intent: Intent) -> None:
+        state.intents[intent.allocation_id] = intent
+        self.save_state(state)
+
+    async def _bind(self, step: BindHold, state: ConvergerState) -> None:
+        content, event = step.content, step.event
+        self._record(
+            state,
+            Intent(
+                op="bind",
+                allocation_id=step.allocation_id,
+                reservation_id=event.reservation_id,
+                generation=event.generation,
+                devices=list(event.devices),
+                event_id=step.event_id,
+                boot_id=self.boot_id(),
+                started_at=self.clock(),
+                cgroup_parent=content.cgroup_parent,
+                sliced=bool(content.cgroup_parent),
+            ),
+        )
+        self.crash("bind.intent-recorded")
+        if content.cgroup_parent and content.limits is not None:
+            self.writer.apply_slice(step.allocation_id, content.limits)
+            self.crash("bind.slice-applied")
+        self.writer.write_cdi(content)
+        self.crash("bind.cdi-written")
+        self.writer.write_env(content)
+        self.crash("bind.env-written")
+        await self._report_bound(step.allocation_id, step.event_id, event, state)
+        log.info("hold bound", allocation_id=step.allocation_id, devices=list(event.devices), cgroup_parent=event.cgroup_parent, event_id=step.event_id)
+
+    async def _report_bound(self, alloc: str, event_id: str, event, state: ConvergerState) -> None:  # noqa: ANN001
+        report = await self.signer.sign(event_id, event)
+        self.crash("bind.signed")
+        await self.outbox.publish("bound", event_id, encode(report))
+        self.crash("bind.published")
+        state.reported[alloc] = event_id
+        state.intents.pop(alloc, None)
+        self.save_state(state)
+        self.crash("bind.completed")
+
+    async def _release(self, step: ReleaseHold, state: ConvergerState) -> None:
+        alloc, event = step.allocation_id, step.event
+        existing = state.intents.get(alloc)
+        if step.report and (existing is None or existing.op != "release"):
+            self._record(
+                state,
+                Intent(
+                    op="release",
+                    allocation_id=alloc,
+                    reservation_id=event.reservation_id,
+                    generation=event.generation,
+                    devices=list(event.devices),
+                    event_id=step.event_id,
+                    boot_id=self.boot_id(),
+                    started_at=self.clock(),
+                    sliced=step.sliced,
+                ),
+            )
+            self.crash("release.intent-recorded")
+        self.writer.remove_cdi(alloc)
+        self.crash("release.cdi-removed")
+        self.writer.remove_env(alloc)
+        self.crash("release.env-removed")
+        if step.sliced and not self.writer.stop_slice(alloc):
+            log.info("slice kept: a workload still runs in it", allocation_id=alloc)
+        self.crash("release.slice-stopped")
+        if step.report:
+            report = await self.signer.sign(step.event_id, event)
+            self.crash("release.signed")
+            await self.outbox.publish("released", step.event_id, encode(report))
+            self.crash("release.published")
+            log.info("hold released", allocation_id=alloc, event_id=step.event_id)
+        else:
+            log.info("unreported bind undone", allocation_id=alloc)
+        state.reported.pop(alloc, None)
+        state.intents.pop(alloc, None)
+        self.save_state(state)
+        if step.report:
+            self.crash("release.completed")
+
+
+def _alloc(step: Step) -> str:
+    return getattr(step, "allocation_id", getattr(step, "path", "?"))
+
+
+__all__ = ["Applier", "ApplyResult"]

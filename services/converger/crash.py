@@ -1,0 +1,55 @@
+"""Crash points: named instants of a bind or release where a test kills the converger.
+
+`BCD_CONVERGER_CRASH_AT=bind.cdi-written` (optionally `:N` for the Nth time
+that point is reached) makes the process SIGKILL itself there, exactly like
+`kill -9` from outside, so the crash tests can hit every step, not a few.
+Unset, a crash point costs one comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+#: every crash point, in the order a bind and a release pass them.
+BIND_POINTS: tuple[str, ...] = (
+    "bind.intent-recorded",
+    "bind.slice-applied",
+    "bind.cdi-temp-written",
+    "bind.cdi-written",
+    "bind.env-temp-written",
+    "bind.env-written",
+    "bind.signed",
+    "bind.published",
+    "bind.completed",
+)
+RELEASE_POINTS: tuple[str, ...] = (
+    "release.intent-recorded",
+    "release.cdi-removed",
+    "release.env-removed",
+    "release.slice-stopped",
+    "release.signed",
+    "release.published",
+    "release.completed",
+)
+CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
+ENV = "BCD_CONVERGER_CRASH_AT"
+
+
+class CrashPoints:
+    def __init__(self, spec: str | None = None) -> None:
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        name, _, nth = spec.partition(":")
+        if name and name not in CRASH_POINTS:
+            raise ValueError(f"{ENV}={spec}: unknown crash point (known: {', '.join(CRASH_POINTS)})")
+        self.name = name
+        self.left = int(nth or 1)
+
+    def __call__(self, point: str) -> None:
+        if point == self.name:
+            self.left -= 1
+            if self.left == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+__all__ = ["BIND_POINTS", "RELEASE_POINTS", "CRASH_POINTS", "ENV", "CrashPoints"]

@@ -1,0 +1,35 @@
+"""Deterministic event ids, so a replayed event keeps its id and upstream dedupes it.
+
+An id names the node, the allocation, what happened and the generation it
+happened at: the same bind or release, retried after a crash, gets the same
+id; a later generation's failure report gets a new one. Ids are readable on
+purpose - they appear in logs, the outbox and the control plane's event log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def _id(*parts: str) -> str:
+    return ".".join(parts)
+
+
+def bound_id(node_id: str, allocation_id: str, generation: int) -> str:
+    return _id(node_id, allocation_id, "bound", f"g{generation}")
+
+
+def released_id(node_id: str, allocation_id: str, generation: int) -> str:
+    return _id(node_id, allocation_id, "released", f"g{generation}")
+
+
+def failed_id(node_id: str, allocation_id: str, generation: int) -> str:
+    return _id(node_id, allocation_id, "failed", f"g{generation}")
+
+
+def section_id(node_id: str, section: str, generation: int, state: str, message: str) -> str:
+    digest = hashlib.sha256(message.encode()).hexdigest()[:12]
+    return _id(node_id, section, "section", f"g{generation}", state.lower(), digest)
+
+
+__all__ = ["bound_id", "released_id", "failed_id", "section_id"]

@@ -1,0 +1,672 @@
+"""The two files of a hold: its CDI spec (`<cdi_dir>/bcd-<allocation>.json`) and its env file.
+
+Pure builders, a parser and validators; no I/O except what a caller hands in
+as bytes. The hold IS its CDI spec: every fact the converger needs to keep or
+release it (allocation, reservation, generation, binding, slice, limits, the
+real atom ids) is in the spec's annotations, so `parse_hold` reads a hold back
+from disk without any other record.
+
+Decisions (DESIGN 5, "CDI rules" and "Env file"; the seed's example is the
+target shape):
+
+* Device names. A CDI device name allows letters, digits and `_ . - :`,
+  alphanumeric at both ends, and no `/`. An atom id made of those characters
+  plus `/` (every GPU, MIG and slot atom) is named by turning each `/` into
+  `_` ("GPU-<uuid>/gi1/ci0" -> "GPU-<uuid>_gi1_ci0"), which is reversible
+  because such ids contain no `_`. Any other id gets a sanitised stem, `__`
+  and 16 hex digits of its sha256; `__` never occurs in the first form, so
+  names stay unique per atom. The real id is always in the device annotation
+  `bcd.dev/device-id`.
+* Device edits. Each device copies `deviceNodes`, `mounts`, `hooks` and
+  `additionalGids` of the vendor device found by `HoldDevice.vendor_names`
+  (a slot copies its GPU's). Vendor `env` is never copied: NVIDIA's spec sets
+  `NVIDIA_VISIBLE_DEVICES=void` and bcd sets that variable itself. When the
+  copied edits hold none of env, deviceNodes, hooks or mounts (no vendor
+  spec, a stale one, or a vendor device with nothing else) the device gets
+  one env entry `BCD_DEVICE_<device name, non-alphanumerics as _>=<atom id>`:
+  a CDI runtime rejects a device whose edits are empty (older runtimes count
+  only those four fields), and a per-atom key, unlike a per-position one,
+  cannot clash between two holds requested into one container.
+* Vendor names of a MIG device. NVIDIA's `nvidia-ctk cdi generate` names a
+  MIG device by its MIG uuid and/or `<gpu index>:<mig index>`, where the mig
+  index is the position of the device in NVML's MIG device handle list, NOT
+  the GPU instance id (on the example host gi5/ci0 is "6:2"). The inventory
+  does not carry that index, so `HoldDevice.for_mig` names the MIG uuid and
+  adds `<gpu index>:<mig index>` only when the caller knows the index.
+* `cdiVersion` is the lowest version that expresses the content, following
+  the CDI library's `MinimumRequiredVersion` (specs-go/version.go).
+* The seed's example shows `"env": null` in the device edits; the official
+  schema types `env` as an array, so bcd omits the key instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any, Literal
+
+import msgspec
+
+from shared.schemas import Limits
+from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, reserved_env_key
+from shared.vendorcdi import VendorCdi
+
+#: the CDI kind of every hold; a container asks for `bcd.dev/gpu=<device name>`.
+KIND = "bcd.dev/gpu"
+
+ANN_ALLOCATION = "bcd.dev/allocation-id"
+ANN_RESERVATION = "bcd.dev/reservation-id"
+ANN_GENERATION = "bcd.dev/generation"
+ANN_CGROUP_PARENT = "bcd.dev/cgroup-parent"
+ANN_BINDING = "bcd.dev/binding"
+ANN_LIMITS = "bcd.dev/limits"
+ANN_DEVICE_ID = "bcd.dev/device-id"
+
+BINDING_HOLD = "BINDING_HOLD"
+BINDING_KUBERNETES = "BINDING_KUBERNETES"
+#: the bindings that make a hold (BINDING_INSTANCE is the VFIO side's).
+HOLD_BINDINGS: tuple[str, ...] = (BINDING_HOLD, BINDING_KUBERNETES)
+
+#: the vendor edits a hold copies, at spec and at device level (never env).
+COPIED_EDITS: tuple[str, ...] = ("deviceNodes", "mounts", "hooks", "additionalGids")
+#: what a CDI runtime counts when it rejects a device with empty edits. Newer
+#: runtimes also count additionalGids, intelRdt and netDevices; older ones
+#: only these, so bcd requires one of these.
+RUNTIME_COUNTED_EDITS: tuple[str, ...] = ("env", "deviceNodes", "hooks", "mounts")
+
+#: released CDI spec versions, oldest first (SPEC.md's table).
+CDI_VERSIONS: tuple[str, ...] = (
+    "0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0",
+)  # fmt: skip
+
+# Patterns end in `\Z`, not `$`: `$` also matches before a trailing newline.
+_HOLD_FILE_RE = re.compile(r"^bcd-(?P<allocation>.+)\.json\Z")
+_ATOM_RE = re.compile(ATOM_PATTERN)
+_ENV_LINE_RE = re.compile(ENV_LINE_PATTERN)
+_VISIBLE_ID_RE = re.compile(r"^[!-+\--~]+\Z")  # printable ASCII without ',' (0x2c)
+_GENERATION_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\Z")
+#: CDI device names: letters, digits, `_ . - :`, alphanumeric at both ends.
+_DEVICE_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")
+#: atom ids named by plain `/` -> `_` (no `_`, alphanumeric at both ends).
+_SIMPLE_ATOM_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.:/-]*[A-Za-z0-9])?\Z")
+#: a vendor or class name of a kind: starts with a letter, ends alphanumeric.
+_KIND_PART = r"[A-Za-z](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?"
+_KIND_RE = re.compile(rf"^{_KIND_PART}/{_KIND_PART}\Z")
+#: an annotation key as Kubernetes (and so the CDI library) checks it: an
+#: optional DNS-subdomain prefix and `/`, then a name of at most 63 characters.
+_ANN_PREFIX_RE = re.compile(r"^[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*\Z")
+_ANN_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
+_ANNOTATIONS_MAX_BYTES = 256 * 1024
+
+
+def hold_file_name(allocation_id: str) -> str:
+    """The CDI spec's file name inside cdi_dir."""
+    return f"bcd-{allocation_id}.json"
+
+
+def env_file_name(allocation_id: str) -> str:
+    """The env file's name inside the allocations' env directory."""
+    return f"{allocation_id}.env"
+
+
+def slice_name(allocation_id: str) -> str:
+    """The systemd slice of a sliced hold, also its `bcd.dev/cgroup-parent`."""
+    return f"bcd-alloc-{allocation_id}.slice"
+
+
+# ---------------------------------------------------------------------------- content
+
+
+@dataclass(frozen=True)
+class HoldDevice:
+    """One atom of a hold, with what its two files need to know about it."""
+
+    atom_id: str
+    kind: Literal["gpu", "mig", "slot"]
+    gpu_uuid: str
+    gpu_index: int
+    #: what NVIDIA_VISIBLE_DEVICES takes: the GPU uuid (gpu, slot) or the MIG uuid.
+    visible_id: str
+    #: names to look up in the vendor spec, in preference order.
+    vendor_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpu", "mig", "slot"):
+            raise ValueError(f"{self.atom_id}: unknown device kind {self.kind!r}")
+        if not _ATOM_RE.search(self.atom_id):
+            raise ValueError(f"{self.atom_id!r} is not an atom id")
+        # it lands in an env line and a comma-separated list.
+        if not _VISIBLE_ID_RE.match(self.visible_id):
+            raise ValueError(f"{self.atom_id}: visible id {self.visible_id!r} is empty or has a comma or space")
+
+    @classmethod
+    def for_gpu(cls, gpu_uuid: str, gpu_index: int) -> HoldDevice:
+        return cls(gpu_uuid, "gpu", gpu_uuid, gpu_index, gpu_uuid, (gpu_uuid, str(gpu_index)))
+
+    @classmethod
+    def for_mig(
+        cls, gpu_uuid: str, gpu_index: int, gi: int, ci: int, mig_uuid: str, mig_index: int | None = None
+    ) -> HoldDevice:
+        """A MIG instance. `mig_index` is NVML's MIG device index (not `gi`); pass it only when known."""
+        names: tuple[str, ...] = (mig_uuid,) if mig_uuid else ()
+        index_name = f"{gpu_index}:{mig_index}" if mig_index is not None else ""
+        if index_name:
+            names += (index_name,)
+        # never fall back to the GPU uuid: that would expose the whole card.
+        visible = mig_uuid or index_name
+        return cls(f"{gpu_uuid}/gi{gi}/ci{ci}", "mig", gpu_uuid, gpu_index, visible, names)
+
+    @classmethod
+    def for_slot(cls, gpu_uuid: str, gpu_index: int, slot: int) -> HoldDevice:
+        return cls(f"{gpu_uuid}/slot{slot}", "slot", gpu_uuid, gpu_index, gpu_uuid, (gpu_uuid, str(gpu_index)))
+
+
+@dataclass(frozen=True)
+class HoldContent:
+    """Everything a hold's two files say, built by the converger from an assignment and the inventory."""
+
+    allocation_id: str
+    reservation_id: str
+    generation: int
+    binding: str
+    #: in the assignment's order.
+    devices: tuple[HoldDevice, ...]
+    #: slice_name(allocation_id) for a sliced hold, else "".
+    cgroup_parent: str = ""
+    #: the assignment's KEY=VALUE lines.
+    env: tuple[str, ...] = ()
+    #: the MPS pipe directory; "" unless the hold has slots and MPS is running.
+    mps_pipe_dir: str = ""
+    limits: Limits | None = None
+
+    def __post_init__(self) -> None:
+        # Each rule here is one parse_hold enforces on the way back, so a
+        # hold that builds also reads back.
+        if not ID_RE.search(self.allocation_id):
+            raise ValueError(f"allocation id {self.allocation_id!r} is not a valid id")
+        if not ID_RE.search(self.reservation_id):
+            raise ValueError(f"{self.allocation_id}: reservation id {self.reservation_id!r} is not a valid id")
+        if self.generation < 0:
+            raise ValueError(f"{self.allocation_id}: negative generation")
+        if self.binding not in HOLD_BINDINGS:
+            raise ValueError(f"{self.allocation_id}: {self.binding} does not make a hold")
+        if not self.devices:
+            # a CDI spec without devices is rejected by the runtimes.
+            raise ValueError(f"{self.allocation_id}: a hold needs at least one device")
+        atoms = [d.atom_id for d in self.devices]
+        if len(set(atoms)) != len(atoms):
+            raise ValueError(f"{self.allocation_id}: an atom appears twice")
+        if self.cgroup_parent not in ("", slice_name(self.allocation_id)):
+            raise ValueError(f"{self.allocation_id}: cgroup parent must be {slice_name(self.allocation_id)}")
+        if self.cgroup_parent and self.binding == BINDING_KUBERNETES:
+            raise ValueError(f"{self.allocation_id}: a Kubernetes hold is never sliced")
+        if self.mps_pipe_dir and not any(d.kind == "slot" for d in self.devices):
+            raise ValueError(f"{self.allocation_id}: an MPS pipe directory without slots")
+        if not _ENV_LINE_RE.search(f"CUDA_MPS_PIPE_DIRECTORY={self.mps_pipe_dir}"):
+            raise ValueError(f"{self.allocation_id}: MPS pipe directory {self.mps_pipe_dir!r} cannot be an env value")
+        for line in self.env:
+            if not _ENV_LINE_RE.search(line) or reserved_env_key(line.split("=", 1)[0]):
+                raise ValueError(f"{self.allocation_id}: env line {line!r} is not allowed")
+
+    @property
+    def visible_devices(self) -> str:
+        """NVIDIA_VISIBLE_DEVICES: the unique visible ids, in device order."""
+        return ",".join(dict.fromkeys(d.visible_id for d in self.devices))
+
+
+# ---------------------------------------------------------------------------- the CDI spec
+
+
+def device_name(atom_id: str) -> str:
+    """The CDI device name of an atom: valid, unique per atom id, readable (see the module docstring)."""
+    if _SIMPLE_ATOM_RE.match(atom_id) and "//" not in atom_id:
+        return atom_id.replace("/", "_")
+    digest = hashlib.sha256(atom_id.encode()).hexdigest()[:16]
+    stem = re.sub(r"[^A-Za-z0-9.:-]+", "-", atom_id).strip(".:-")[:64].strip(".:-") or "atom"
+    return f"{stem}__{digest}"
+
+
+def device_env_key(name: str) -> str:
+    """The env key of the stand-in edit of a device without vendor edits."""
+    return "BCD_DEVICE_" + re.sub(r"[^A-Za-z0-9]", "_", name)
+
+
+def _copied(edits: Mapping[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if edits:
+        for key in COPIED_EDITS:
+            value = edits.get(key)
+            if value:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+def _runtime_counts(edits: Mapping[str, Any]) -> bool:
+    return any(edits.get(key) for key in RUNTIME_COUNTED_EDITS)
+
+
+def _device_entry(device: HoldDevice, vendor: VendorCdi | None) -> dict[str, Any]:
+    name = device_name(device.atom_id)
+    edits = _copied(vendor.edits_for(*device.vendor_names) if vendor is not None else None)
+    if not _runtime_counts(edits):
+        edits = {"env": [f"{device_env_key(name)}={device.atom_id}"], **edits}
+    return {"name": name, "annotations": {ANN_DEVICE_ID: device.atom_id}, "containerEdits": edits}
+
+
+def _cdi_env(hold: HoldContent) -> list[str]:
+    env = [f"BCD_ALLOCATION_ID={hold.allocation_id}"]
+    if hold.cgroup_parent:
+        env.append(f"BCD_CGROUP_PARENT={hold.cgroup_parent}")
+    if hold.mps_pipe_dir:
+        env.append(f"CUDA_MPS_PIPE_DIRECTORY={hold.mps_pipe_dir}")
+    if hold.binding != BINDING_KUBERNETES:
+        # for a Kubernetes hold the device plugin decides what a pod sees.
+        env.append(f"NVIDIA_VISIBLE_DEVICES={hold.visible_devices}")
+    env.extend(hold.env)
+    return env
+
+
+def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any]:
+    """The hold's CDI spec as a JSON-ready dict, in the seed's shape and key order."""
+    annotations = {
+        ANN_ALLOCATION: hold.allocation_id,
+        ANN_RESERVATION: hold.reservation_id,
+        ANN_GENERATION: str(hold.generation),
+    }
+    if hold.cgroup_parent:
+        annotations[ANN_CGROUP_PARENT] = hold.cgroup_parent
+    annotations[ANN_BINDING] = hold.binding
+    if hold.limits is not None:
+        annotations[ANN_LIMITS] = msgspec.json.encode(hold.limits).decode()
+    edits: dict[str, Any] = {"env": _cdi_env(hold)}
+    edits.update(_copied(vendor.container_edits if vendor is not None else None))
+    spec: dict[str, Any] = {
+        "cdiVersion": "",
+        "kind": KIND,
+        "annotations": annotations,
+        "devices": [_device_entry(d, vendor) for d in hold.devices],
+        "containerEdits": edits,
+    }
+    spec["cdiVersion"] = min_cdi_version(spec)
+    return spec
+
+
+def render_cdi_spec(spec: Mapping[str, Any]) -> bytes:
+    """The file's bytes: JSON, indent 2, keys in the dict's order, trailing newline."""
+    return (json.dumps(spec, indent=2) + "\n").encode()
+
+
+def qualified_names(spec: Mapping[str, Any]) -> list[str]:
+    """`<kind>=<name>` of each device, as a container asks for it."""
+    kind = spec.get("kind", "")
+    return [f"{kind}={d.get('name', '')}" for d in _dicts(spec.get("devices"))]
+
+
+# ---------------------------------------------------------------------------- cdiVersion
+
+
+def _dicts(value: Any) -> list[Mapping[str, Any]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _all_edits(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    edits = [spec.get("containerEdits")] + [d.get("containerEdits") for d in _dicts(spec.get("devices"))]
+    return [e for e in edits if isinstance(e, Mapping)]
+
+
+def min_cdi_version(spec: Mapping[str, Any]) -> str:
+    """The lowest CDI version that expresses `spec` (the CDI library's MinimumRequiredVersion).
+
+    1.1.0: netDevices, or intelRdt with schemata or enableMonitoring.
+    0.7.0: intelRdt, additionalGids (spec or device level).
+    0.6.0: annotations (spec or device level), a `.` in the kind's class.
+    0.5.0: a device name starting with a digit, a device node's hostPath.
+    0.4.0: a mount's type.
+    Otherwise 0.3.0, the earliest the library accepts. 0.8.0 and 1.0.0 changed
+    only the Go API, and hook env/timeout exist since the first versions.
+    """
+    edits = _all_edits(spec)
+    devices = _dicts(spec.get("devices"))
+    for e in edits:
+        rdt = e.get("intelRdt")
+        if e.get("netDevices") or (
+            isinstance(rdt, Mapping) and (rdt.get("schemata") is not None or rdt.get("enableMonitoring") is True)
+        ):
+            return "1.1.0"
+    if any(e.get("intelRdt") is not None or e.get("additionalGids") for e in edits):
+        return "0.7.0"
+    kind = spec.get("kind")
+    if (
+        spec.get("annotations")
+        or any(d.get("annotations") for d in devices)
+        or (isinstance(kind, str) and "." in kind.partition("/")[2])
+    ):
+        return "0.6.0"
+    if any(isinstance(d.get("name"), str) and d["name"][:1].isdigit() for d in devices) or any(
+        n.get("hostPath") for e in edits for n in _dicts(e.get("deviceNodes"))
+    ):
+        return "0.5.0"
+    if any(m.get("type") for e in edits for m in _dicts(e.get("mounts"))):
+        return "0.4.0"
+    return "0.3.0"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+# ---------------------------------------------------------------------------- the env file
+
+
+def env_lines(hold: HoldContent) -> list[str]:
+    """The env file's lines in the seed's order (NVIDIA_VISIBLE_DEVICES for every binding)."""
+    lines = [f"BCD_ALLOCATION_ID={hold.allocation_id}"]
+    if hold.cgroup_parent:
+        lines.append(f"BCD_CGROUP_PARENT={hold.cgroup_parent}")
+    if hold.mps_pipe_dir:
+        lines.append(f"CUDA_MPS_PIPE_DIRECTORY={hold.mps_pipe_dir}")
+    lines.append(f"BCD_RESERVATION_ID={hold.reservation_id}")
+    lines.append(f"NVIDIA_VISIBLE_DEVICES={hold.visible_devices}")
+    lines.extend(hold.env)
+    return lines
+
+
+def render_env_file(hold: HoldContent) -> bytes:
+    """One KEY=VALUE per line, trailing newline."""
+    return ("\n".join(env_lines(hold)) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------- reading a hold back
+
+
+@dataclass(frozen=True)
+class HoldOnDisk:
+    """A hold as its CDI spec on disk says it is."""
+
+    allocation_id: str
+    reservation_id: str
+    generation: int
+    binding: str
+    #: the real atom ids, from each device's bcd.dev/device-id, in file order.
+    devices: tuple[str, ...]
+    cgroup_parent: str = ""
+    limits: Limits | None = None
+    #: "bcd.dev/gpu=<name>" of each device.
+    cdi_names: tuple[str, ...] = ()
+
+    @property
+    def sliced(self) -> bool:
+        return bool(self.cgroup_parent)
+
+
+class NotAHold(Exception):
+    """A `bcd-*.json` file that is not a bcd hold; the converger logs it and leaves it alone."""
+
+    def __init__(self, filename: str, reason: str) -> None:
+        super().__init__(f"{filename}: {reason}")
+        self.filename = filename
+        self.reason = reason
+
+
+def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
+    """Read a hold back from its CDI spec; NotAHold says why a file is not one.
+
+    `filename` is the file's name (a path is reduced to its name), which must
+    be `bcd-<allocation>.json` for the allocation its annotation names.
+    """
+    name = PurePath(filename).name
+
+    def refuse(reason: str) -> NotAHold:
+        return NotAHold(name, reason)
+
+    try:
+        spec = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise refuse(f"not valid JSON ({exc})") from None
+    if not isinstance(spec, dict):
+        raise refuse("not a JSON object")
+    if spec.get("kind") != KIND:
+        raise refuse(f"kind is {spec.get('kind')!r}, not {KIND!r}")
+    annotations = spec.get("annotations")
+    if not isinstance(annotations, dict):
+        raise refuse("no annotations")
+    allocation = annotations.get(ANN_ALLOCATION)
+    if not isinstance(allocation, str):
+        raise refuse(f"no {ANN_ALLOCATION} annotation")
+    if not ID_RE.search(allocation):
+        raise refuse(f"{ANN_ALLOCATION} {allocation!r} is not a valid id")
+    if name != hold_file_name(allocation):
+        raise refuse(f"{ANN_ALLOCATION} {allocation!r} does not match the file name")
+    reservation = annotations.get(ANN_RESERVATION)
+    if not isinstance(reservation, str) or not ID_RE.search(reservation):
+        raise refuse(f"{ANN_RESERVATION} missing or not a valid id")
+    generation = annotations.get(ANN_GENERATION)
+    if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
+        raise refuse(f"{ANN_GENERATION} missing or not a non-negative integer")
+    cgroup_parent = annotations.get(ANN_CGROUP_PARENT, "")
+    # the converger stops this unit by name: only our own slice name is trusted.
+    if cgroup_parent not in ("", slice_name(allocation)):
+        raise refuse(f"{ANN_CGROUP_PARENT} {cgroup_parent!r} is not {slice_name(allocation)}")
+    binding = annotations.get(ANN_BINDING)
+    if binding is None:
+        binding = _binding_without_annotation(spec)
+    elif binding not in HOLD_BINDINGS:
+        raise refuse(f"{ANN_BINDING} {binding!r} is not one of {', '.join(HOLD_BINDINGS)}")
+    limits: Limits | None = None
+    if ANN_LIMITS in annotations:
+        raw = annotations[ANN_LIMITS]
+        try:
+            limits = msgspec.json.decode(raw if isinstance(raw, str) else b"", type=Limits)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise refuse(f"{ANN_LIMITS} is not valid limits ({exc})") from None
+    devices = spec.get("devices")
+    if not isinstance(devices, list) or not devices:
+        raise refuse("no devices")
+    atoms: list[str] = []
+    for i, device in enumerate(devices):
+        dev_annotations = device.get("annotations") if isinstance(device, dict) else None
+        atom = dev_annotations.get(ANN_DEVICE_ID) if isinstance(dev_annotations, dict) else None
+        if not isinstance(atom, str) or not _ATOM_RE.search(atom):
+            raise refuse(f"devices[{i}] has no valid {ANN_DEVICE_ID} annotation")
+        if not isinstance(device.get("name"), str):
+            raise refuse(f"devices[{i}] has no name")
+        atoms.append(atom)
+    return HoldOnDisk(
+        allocation_id=allocation,
+        reservation_id=reservation,
+        generation=int(generation),
+        binding=binding,
+        devices=tuple(atoms),
+        cgroup_parent=cgroup_parent,
+        limits=limits,
+        cdi_names=tuple(qualified_names(spec)),
+    )
+
+
+def _binding_without_annotation(spec: Mapping[str, Any]) -> str:
+    """The binding of a spec written without bcd.dev/binding (the seed's writer).
+
+    That writer put NVIDIA_VISIBLE_DEVICES into the CDI spec for every hold
+    except a Kubernetes one. In doubt the answer is Kubernetes, whose release
+    waits for pods to let go of the devices.
+    """
+    edits = spec.get("containerEdits")
+    env = edits.get("env") if isinstance(edits, Mapping) else None
+    if isinstance(env, list) and any(isinstance(e, str) and e.startswith("NVIDIA_VISIBLE_DEVICES=") for e in env):
+        return BINDING_HOLD
+    return BINDING_KUBERNETES
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _annotation_problems(where: str, annotations: Any) -> list[str]:
+    if annotations is None:
+        return []
+    if not isinstance(annotations, Mapping):
+        return [f"{where}: annotations are not an object"]
+    problems: list[str] = []
+    size = 0
+    for key, value in annotations.items():
+        if not isinstance(value, str):
+            problems.append(f"{where}: annotation {key!r} is not a string")
+            continue
+        size += len(key) + len(value)
+        prefix, slash, rest = key.rpartition("/")
+        if (slash and (len(prefix) > 253 or not _ANN_PREFIX_RE.match(prefix))) or len(rest) > 63 or not (
+            _ANN_NAME_RE.match(rest)
+        ):
+            problems.append(f"{where}: annotation key {key!r} is not a qualified name")
+    if size > _ANNOTATIONS_MAX_BYTES:
+        problems.append(f"{where}: annotations exceed {_ANNOTATIONS_MAX_BYTES} bytes")
+    return problems
+
+
+def _env_problems(where: str, edits: Mapping[str, Any]) -> list[str]:
+    env = edits.get("env")
+    if env is None:
+        return []
+    if not isinstance(env, list):
+        return [f"{where}: env is not a list"]
+    # the CDI library: a '=' after at least one character.
+    return [f"{where}: env entry {e!r} is not KEY=VALUE" for e in env if not isinstance(e, str) or e.find("=") <= 0]
+
+
+def check_cdi_rules(files: Mapping[str, Any]) -> list[str]:
+    """bcd's own checks of the CDI rules the schema does not cover, over every file of a CDI directory.
+
+    `files` maps a file name to its parsed JSON. Files named `bcd-*.json` are
+    ours and must declare exactly min_cdi_version; any other file only at
+    least that (what a runtime requires). A device name must be unique per
+    kind across ALL files: a runtime drops a name it finds twice. Returns
+    readable problems, [] when all is well.
+    """
+    problems: list[str] = []
+    owners: dict[tuple[str, str], list[str]] = {}
+    for fname in sorted(files):
+        spec = files[fname]
+        if not isinstance(spec, Mapping):
+            problems.append(f"{fname}: not a JSON object")
+            continue
+        kind = spec.get("kind")
+        if not isinstance(kind, str) or not _KIND_RE.match(kind):
+            problems.append(f"{fname}: kind {kind!r} is not of the form vendor.com/class")
+        version = spec.get("cdiVersion")
+        wanted = min_cdi_version(spec)
+        ours = bool(_HOLD_FILE_RE.match(fname))
+        if not isinstance(version, str) or (version if ours else version.removeprefix("v")) not in CDI_VERSIONS:
+            problems.append(f"{fname}: cdiVersion {version!r} is not a released CDI version")
+        elif ours and version != wanted:
+            problems.append(f"{fname}: cdiVersion is {version}, the lowest that expresses the content is {wanted}")
+        elif _version_key(version.removeprefix("v")) < _version_key(wanted):
+            problems.append(f"{fname}: cdiVersion is {version}, the content needs at least {wanted}")
+        problems += _annotation_problems(fname, spec.get("annotations"))
+        edits = spec.get("containerEdits")
+        if edits is not None:
+            if isinstance(edits, Mapping):
+                problems += _env_problems(f"{fname}: containerEdits", edits)
+            else:
+                problems.append(f"{fname}: containerEdits is not an object")
+        devices = spec.get("devices")
+        if not isinstance(devices, list) or not devices:
+            problems.append(f"{fname}: no devices (a runtime rejects the spec)")
+            continue
+        seen: set[str] = set()
+        for i, device in enumerate(devices):
+            where = f"{fname}: devices[{i}]"
+            if not isinstance(device, Mapping):
+                problems.append(f"{where}: not an object")
+                continue
+            name = device.get("name")
+            if not isinstance(name, str) or not _DEVICE_NAME_RE.match(name):
+                problems.append(
+                    f"{where}: name {name!r} is not a valid CDI device name "
+                    "(letters, digits, '_', '.', '-', ':', alphanumeric at both ends)"
+                )
+            elif name in seen:
+                problems.append(f"{where}: name {name!r} appears twice in the file")
+            else:
+                seen.add(name)
+                if isinstance(kind, str):
+                    owners.setdefault((kind, name), []).append(fname)
+            problems += _annotation_problems(where, device.get("annotations"))
+            dev_edits = device.get("containerEdits")
+            if not isinstance(dev_edits, Mapping) or not _runtime_counts(dev_edits):
+                problems.append(f"{where}: containerEdits are empty (a runtime rejects the device)")
+            else:
+                problems += _env_problems(f"{where}: containerEdits", dev_edits)
+    for (kind, name), where_found in owners.items():
+        if len(where_found) > 1:
+            problems.append(
+                f"device {kind}={name} appears in {', '.join(where_found)}: a runtime drops it from every file"
+            )
+    return problems
+
+
+def _json_path(path: Iterable[Any]) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+def validate_against_schema(spec: Mapping[str, Any], schema_dir: Path) -> list[str]:
+    """Problems of `spec` against the official CDI JSON schema (draft-07) in `schema_dir`; [] when valid.
+
+    `schema.json` refers to `defs.json` by a relative `$ref`; both are
+    registered under their file URIs so the reference resolves. jsonschema is
+    imported here: it is a test dependency, and the service never calls this.
+    Raises OSError when the schema files cannot be read.
+    """
+    import jsonschema
+    from referencing import Registry
+    from referencing.jsonschema import DRAFT7
+
+    schema_dir = Path(schema_dir).resolve()
+    schema = json.loads((schema_dir / "schema.json").read_text())
+    defs = json.loads((schema_dir / "defs.json").read_text())
+    base = schema_dir.as_uri() + "/"
+    schema = {"$id": base + "schema.json", **schema}
+    registry: Registry[Any] = Registry().with_resources(
+        [(base + "schema.json", DRAFT7.create_resource(schema)), (base + "defs.json", DRAFT7.create_resource(defs))]
+    )
+    validator = jsonschema.Draft7Validator(schema, registry=registry)
+    errors = sorted(validator.iter_errors(spec), key=lambda e: [str(p) for p in e.absolute_path])
+    return [f"{_json_path(e.absolute_path)}: {e.message}" for e in errors]
+
+
+__all__ = [
+    "KIND",
+    "ANN_ALLOCATION",
+    "ANN_RESERVATION",
+    "ANN_GENERATION",
+    "ANN_CGROUP_PARENT",
+    "ANN_BINDING",
+    "ANN_LIMITS",
+    "ANN_DEVICE_ID",
+    "BINDING_HOLD",
+    "BINDING_KUBERNETES",
+    "HOLD_BINDINGS",
+    "COPIED_EDITS",
+    "CDI_VERSIONS",
+    "hold_file_name",
+    "env_file_name",
+    "slice_name",
+    "HoldDevice",
+    "HoldContent",
+    "device_name",
+    "device_env_key",
+    "build_cdi_spec",
+    "render_cdi_spec",
+    "qualified_names",
+    "min_cdi_version",
+    "env_lines",
+    "render_env_file",
+    "HoldOnDisk",
+    "NotAHold",
+    "parse_hold",
+    "check_cdi_rules",
+    "validate_against_schema",
+]

@@ -1,0 +1,209 @@
+"""What the converger observes, what it plans, and the state it keeps across crashes.
+
+`Observed` is everything one pass reads (holds on disk, env files, slices,
+inventory, vendor CDI spec, VFIO claims, and the converger's own journal);
+`Plan` is what the pure planner returns: ordered steps, failures, and the
+section status the pass aims for. `ConvergerState` is the journal on disk:
+intent recorded before side effects (boot id stamped), which holds have been
+reported Bound, which failures and section status were reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+import msgspec
+
+from shared.schemas import (
+    AllocationBound,
+    AllocationFailed,
+    AllocationReleased,
+    FailureReason,
+    Inventory,
+    Limits,
+    NodeSpec,
+    SectionStatus,
+)
+from shared.vendorcdi import VendorCdi
+
+from .holdfiles import HoldContent, HoldOnDisk
+
+SECTION = "devices"
+
+# ---------------------------------------------------------------------------- journal
+
+
+class Intent(msgspec.Struct, frozen=True, kw_only=True):
+    """An operation started and not yet completed (written before its first side effect)."""
+
+    op: Literal["bind", "release"]
+    allocation_id: str
+    reservation_id: str
+    generation: int
+    devices: list[str]
+    event_id: str
+    boot_id: str
+    started_at: datetime
+    cgroup_parent: str = ""
+    sliced: bool = False
+
+
+class ConvergerState(msgspec.Struct, kw_only=True):
+    """`<data_dir>/converger/state.json` (0600, written atomically)."""
+
+    boot_id: str = ""
+    #: allocation id -> event id of the Bound in the outbox.
+    reported: dict[str, str] = {}
+    #: allocation id -> generation whose AllocationFailed is in the outbox.
+    reported_failures: dict[str, int] = {}
+    last_section: SectionStatus | None = None
+    intents: dict[str, Intent] = {}
+    #: PCI address -> domain name, for domains running at the last pass.
+    domain_gpus: dict[str, str] = {}
+
+
+# ---------------------------------------------------------------------------- observed
+
+
+@dataclass(frozen=True)
+class Observed:
+    holds: Mapping[str, HoldOnDisk] = field(default_factory=dict)
+    #: allocation id -> env file content, for the env files present.
+    env_files: Mapping[str, bytes] = field(default_factory=dict)
+    #: allocation ids with a bcd-alloc-<id>.slice present, and those of them that are empty.
+    slices: frozenset[str] = frozenset()
+    empty_slices: frozenset[str] = frozenset()
+    inventory: Inventory | None = None
+    vendor: VendorCdi | None = None
+    #: PCI address -> holder text, GPUs claimed by the VFIO side (instance specs, running domains).
+    vfio_claims: Mapping[str, str] = field(default_factory=dict)
+    #: leftover temp files of interrupted atomic writes.
+    temp_files: tuple[str, ...] = ()
+    state: ConvergerState = field(default_factory=ConvergerState)
+    #: devices of Kubernetes releases still pending: atom id -> allocation (the Kubernetes issue fills it).
+    pending_release_atoms: Mapping[str, str] = field(default_factory=dict)
+    #: the releases file could not be read: every GPU counts as held.
+    releases_unreadable: bool = False
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    node_id: str
+    privileged: bool = True
+    #: bindings this node binds as holds; BINDING_KUBERNETES joins with the Kubernetes releases.
+    supported_bindings: frozenset[str] = frozenset({"BINDING_HOLD"})
+    system_reserve_bytes: int = 0
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True)
+class ReleaseHold:
+    allocation_id: str
+    event_id: str
+    event: AllocationReleased
+    sliced: bool
+    #: False for a bind that was never reported (abandoned): undo files, send nothing.
+    report: bool = True
+
+
+@dataclass(frozen=True)
+class StopSlice:
+    allocation_id: str
+
+
+@dataclass(frozen=True)
+class EnsureSlice:
+    allocation_id: str
+    limits: Limits
+
+
+@dataclass(frozen=True)
+class WriteEnv:
+    allocation_id: str
+    content: HoldContent
+
+
+@dataclass(frozen=True)
+class BindHold:
+    """Slice (when limits), CDI spec, env file, then AllocationBound.
+
+    The step carries typed fields, not file bytes: the HostWriter builds the
+    files itself (the root helper must never take content from the wire).
+    """
+
+    allocation_id: str
+    event_id: str
+    event: AllocationBound
+    content: HoldContent
+
+
+@dataclass(frozen=True)
+class ReportBound:
+    """A hold on disk whose Bound is not in the outbox yet (a bind interrupted after its files)."""
+
+    allocation_id: str
+    event_id: str
+    event: AllocationBound
+
+
+@dataclass(frozen=True)
+class ReportFailed:
+    allocation_id: str
+    event_id: str
+    event: AllocationFailed
+
+
+@dataclass(frozen=True)
+class RemoveTemp:
+    path: str
+
+
+Step = ReleaseHold | StopSlice | EnsureSlice | WriteEnv | BindHold | ReportBound | ReportFailed | RemoveTemp
+
+
+@dataclass(frozen=True)
+class Failure:
+    allocation_id: str
+    reservation_id: str
+    reason: FailureReason
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    steps: tuple[Step, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    #: what the section reads when every step succeeds.
+    section: SectionStatus | None = None
+    #: log lines the pass should emit (the planner is pure and does not log).
+    notes: tuple[str, ...] = ()
+
+    def kinds(self) -> list[str]:
+        return [type(s).__name__ for s in self.steps]
+
+
+__all__ = [
+    "SECTION",
+    "Intent",
+    "ConvergerState",
+    "Observed",
+    "PlanConfig",
+    "ReleaseHold",
+    "StopSlice",
+    "EnsureSlice",
+    "WriteEnv",
+    "BindHold",
+    "ReportBound",
+    "ReportFailed",
+    "RemoveTemp",
+    "Step",
+    "Failure",
+    "Plan",
+    "NodeSpec",
+]

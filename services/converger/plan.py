@@ -1,0 +1,474 @@
+"""The pure planner: `plan(spec, observed, config)` -> ordered steps, failures, section.
+
+It follows the seed's pass to the letter ("One pass"): releases first (so a
+GPU can move between allocations in one generation), then leftover slices,
+then the holds still wanted (missing slice or env file recreated), then new
+holds in spec order through the checks - binding, privilege, atoms,
+conflicts, host admission; the first failure decides - counting every atom
+bound earlier in the same pass. It reads nothing and writes nothing: the same
+inputs always give the same plan, and a plan made right after a successful
+apply is empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from shared.schemas import (
+    AllocationBound,
+    AllocationFailed,
+    AllocationReleased,
+    DeviceAssignment,
+    HostResources,
+    Limits,
+    NodeSpec,
+    SectionStatus,
+)
+
+from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
+from .eventids import bound_id, failed_id, released_id
+from .holdfiles import HoldContent, HoldDevice, HoldOnDisk, build_cdi_spec
+from .model import (
+    SECTION,
+    BindHold,
+    EnsureSlice,
+    Failure,
+    Observed,
+    Plan,
+    PlanConfig,
+    ReleaseHold,
+    RemoveTemp,
+    ReportBound,
+    ReportFailed,
+    Step,
+    StopSlice,
+    WriteEnv,
+)
+from .slices import slice_name
+
+MIB = 1024 * 1024
+UNREADABLE_RELEASES_HOLDER = "(pending Kubernetes releases that could not be read)"
+HOLD_BINDINGS = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# ------------------------------------------------------------------------------ claims
+
+
+@dataclass
+class Claims:
+    """Who holds what in this pass: atoms, whole GPUs, and each GPU's partition style."""
+
+    #: atom id -> holder (allocation id or a parenthesised reason).
+    atoms: dict[str, str] = field(default_factory=dict)
+    #: GPU atom id -> holders of its MIG instances / slots: {"mig"|"slot": {atom: holder}}.
+    parts: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
+    #: GPU atom id -> holder of the whole card through the VFIO side.
+    vfio: dict[str, str] = field(default_factory=dict)
+    all_gpus_held_by: str = ""
+
+    def add(self, atom_id: str, holder: str) -> None:
+        self.atoms[atom_id] = holder
+        try:
+            ref = parse_atom(atom_id)
+        except AtomError:
+            return
+        if ref.kind != "gpu":
+            self.parts.setdefault(ref.gpu, {}).setdefault(ref.kind, {})[atom_id] = holder
+
+    def conflict(self, resolved: ResolvedAtom) -> str | None:
+        """The overlap message for one atom, naming the holder, or None."""
+        ref = resolved.ref
+        if self.all_gpus_held_by:
+            return f"{ref.id}: every GPU of this node is held by {self.all_gpus_held_by}"
+        if ref.gpu in self.vfio:
+            return f"{ref.id}: {ref.gpu} is claimed by {self.vfio[ref.gpu]}"
+        if ref.id in self.atoms:
+            return f"{ref.id} is held by {self.atoms[ref.id]}"
+        parts = self.parts.get(ref.gpu, {})
+        if ref.kind == "gpu":
+            for kind in ("mig", "slot"):
+                if parts.get(kind):
+                    atom, holder = sorted(parts[kind].items())[0]
+                    return f"{ref.id}: its {'MIG instance' if kind == 'mig' else 'slot'} {atom.split('/', 1)[1]} is held by {holder}"
+            return None
+        if ref.gpu in self.atoms:
+            return f"{ref.id}: {ref.gpu} is held whole by {self.atoms[ref.gpu]}"
+        other = "slot" if ref.kind == "mig" else "mig"
+        if parts.get(other):
+            atom, holder = sorted(parts[other].items())[0]
+            return (
+                f"{ref.id}: {ref.gpu} is partitioned by {'slots' if other == 'slot' else 'MIG'} "
+                f"({atom.split('/', 1)[1]} held by {holder}); MIG instances and slots do not mix on one GPU"
+            )
+        return None
+
+
+# ------------------------------------------------------------------------------ host admission
+
+
+@dataclass
+class HostLedger:
+    """Host memory and huge pages left for holds, read once per pass (lazily)."""
+
+    host: HostResources | None
+    reserve: int
+    promised_memory: int = 0
+    #: (page_size_kib, frozenset of nodes or None for host-wide) -> pages promised
+    promised_pages: list[tuple[int, frozenset[int] | None, int]] = field(default_factory=list)
+
+    def promise(self, limits: Limits | None) -> None:
+        if limits is None:
+            return
+        self.promised_memory += limits.memory_bytes or 0
+        nodes = frozenset(expand_list(limits.mems)) if limits.mems else None
+        for hp in limits.hugepages:
+            self.promised_pages.append((hp.page_size_kib, nodes, hp.count))
+
+    def readable(self) -> bool:
+        return self.host is not None and self.host.memory_bytes is not None
+
+    def admit(self, limits: Limits) -> str | None:
+        """None when the hold fits; else the seed's ResourcesExhausted message."""
+        assert self.host is not None and self.host.memory_bytes is not None
+        if limits.memory_bytes:
+            left = max(0, self.host.memory_bytes - self.promised_memory - self.reserve)
+            if limits.memory_bytes > left:
+                need = -(-limits.memory_bytes // MIB)
+                return f"ResourcesExhausted: {need} MiB of memory needed, {left // MIB} MiB left on this host"
+        nodes = frozenset(expand_list(limits.mems)) if limits.mems else None
+        for hp in limits.hugepages:
+            if hp.count == 0:
+                continue
+            free = self.pages_left(hp.page_size_kib, nodes)
+            if hp.count > free:
+                return f"ResourcesExhausted: {hp.count} hugepages of {hp.page_size_kib} KiB needed, {free} free"
+        return None
+
+    def pages_left(self, size: int, nodes: frozenset[int] | None) -> int:
+        assert self.host is not None
+        if self.host.numa_nodes:
+            pools = [
+                p
+                for n in self.host.numa_nodes
+                if nodes is None or n.node in nodes
+                for p in n.hugepages
+                if p.page_size_kib == size
+            ]
+        else:
+            pools = [p for p in self.host.hugepages if p.page_size_kib == size]
+        total = sum(p.total for p in pools)
+        free = sum(p.free for p in pools)
+        promised = sum(
+            count
+            for s, held_nodes, count in self.promised_pages
+            if s == size and (nodes is None or held_nodes is None or held_nodes & nodes)
+        )
+        # free already excludes pages workloads use; total - promised excludes pages
+        # promised to holds whose workload has not started: take the smaller.
+        return max(0, min(free, total - promised))
+
+
+def expand_list(text: str | None) -> list[int]:
+    """cpulist / nodelist syntax to numbers ("0-2,5" -> [0, 1, 2, 5])."""
+    out: list[int] = []
+    for part in (text or "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def hold_devices(resolved: Iterable[ResolvedAtom]) -> tuple[HoldDevice, ...]:
+    return tuple(
+        HoldDevice(
+            atom_id=r.ref.id,
+            kind=r.ref.kind,
+            gpu_uuid=r.gpu.uuid,
+            gpu_index=r.gpu.index,
+            visible_id=r.visible_id,
+            vendor_names=_vendor_names(r),
+        )
+        for r in resolved
+    )
+
+
+def _vendor_names(r: ResolvedAtom) -> tuple[str, ...]:
+    if r.ref.kind == "mig":
+        return (r.visible_id,) if r.visible_id.startswith("MIG-") else ()
+    return (r.gpu.uuid, str(r.gpu.index))
+
+
+def hold_content(assignment: DeviceAssignment, devices: tuple[HoldDevice, ...], observed: Observed) -> HoldContent:
+    sliced = assignment.sliced and assignment.binding != "BINDING_KUBERNETES"
+    inv = observed.inventory
+    mps = ""
+    if inv is not None and any(d.kind == "slot" for d in devices):
+        gpus = {g.uuid: g for g in inv.gpus}
+        if any(gpus.get(d.gpu_uuid) is not None and gpus[d.gpu_uuid].mps_running for d in devices if d.kind == "slot"):
+            mps = inv.mps_pipe_dir
+    return HoldContent(
+        allocation_id=assignment.allocation_id,
+        reservation_id=assignment.reservation_id,
+        generation=0,
+        binding=assignment.binding,
+        devices=devices,
+        cgroup_parent=slice_name(assignment.allocation_id) if sliced else "",
+        env=tuple(assignment.env),
+        mps_pipe_dir=mps,
+        limits=assignment.limits if sliced else None,
+    )
+
+
+def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
+    state = observed.state
+    gen = spec.generation
+    node = config.node_id
+    wanted: dict[str, DeviceAssignment] = {
+        a.allocation_id: a for a in spec.devices if a.binding in HOLD_BINDINGS
+    }
+    steps: list[Step] = [RemoveTemp(p) for p in observed.temp_files]
+    notes: list[str] = []
+
+    # 1. (Kubernetes releases pending from earlier passes: the Kubernetes issue.)
+
+    # 2. Release holds no longer wanted (and finish releases a crash interrupted).
+    released: set[str] = set()
+    for alloc, intent in sorted(state.intents.items()):
+        if intent.op == "release":
+            steps.append(
+                ReleaseHold(
+                    alloc,
+                    intent.event_id,
+                    AllocationReleased(
+                        allocation_id=alloc,
+                        reservation_id=intent.reservation_id,
+                        generation=intent.generation,
+                        devices=list(intent.devices),
+                    ),
+                    sliced=intent.sliced,
+                )
+            )
+            released.add(alloc)
+    for alloc, hold in sorted(observed.holds.items()):
+        if alloc in released or alloc in wanted:
+            continue
+        reported = alloc in state.reported or state.intents.get(alloc) is None
+        # a bind interrupted before its Bound reached the outbox never existed upstream
+        steps.append(
+            ReleaseHold(
+                alloc,
+                released_id(node, alloc, gen),
+                AllocationReleased(
+                    allocation_id=alloc, reservation_id=hold.reservation_id, generation=gen, devices=list(hold.devices)
+                ),
+                sliced=bool(hold.cgroup_parent),
+                report=reported,
+            )
+        )
+        released.add(alloc)
+    for alloc, intent in sorted(state.intents.items()):
+        # an interrupted bind whose CDI spec never landed and that is no longer wanted
+        if intent.op == "bind" and alloc not in wanted and alloc not in observed.holds and alloc not in released:
+            steps.append(
+                ReleaseHold(
+                    alloc,
+                    intent.event_id,
+                    AllocationReleased(
+                        allocation_id=alloc, reservation_id=intent.reservation_id, generation=gen, devices=list(intent.devices)
+                    ),
+                    sliced=intent.sliced,
+                    report=False,
+                )
+            )
+            released.add(alloc)
+
+    # 3. Leftover slices whose hold is neither wanted nor released in this pass.
+    for alloc in sorted(observed.slices):
+        if alloc not in wanted and alloc not in released and alloc in observed.empty_slices:
+            steps.append(StopSlice(alloc))
+
+    # Who holds what after the releases: kept holds, pending releases, VFIO side.
+    index = AtomIndex(observed.inventory)
+    claims = Claims()
+    for pci, holder in observed.vfio_claims.items():
+        gpu = index.by_pci.get(pci)
+        if gpu is not None and gpu.atom_id:
+            claims.vfio[gpu.atom_id] = holder
+    for atom, alloc in observed.pending_release_atoms.items():
+        claims.add(atom, f"{alloc} (pending Kubernetes release)")
+    if observed.releases_unreadable:
+        claims.all_gpus_held_by = UNREADABLE_RELEASES_HOLDER
+    ledger = HostLedger(observed.inventory.host if observed.inventory else None, config.system_reserve_bytes)
+
+    # 4. Holds still wanted are kept; a missing slice or env file is recreated.
+    kept: dict[str, HoldOnDisk] = {a: h for a, h in observed.holds.items() if a in wanted and a not in released}
+    for alloc, hold in sorted(kept.items()):
+        for atom in hold.devices:
+            claims.add(atom, alloc)
+        ledger.promise(hold.limits)
+    for alloc, hold in sorted(kept.items()):
+        assignment = wanted[alloc]
+        if hold.cgroup_parent and alloc not in observed.slices:
+            limits = hold.limits or assignment.limits
+            if limits is not None:
+                steps.append(EnsureSlice(alloc, limits))
+        if alloc not in observed.env_files:
+            try:
+                devices = hold_devices(index.resolve(a) for a in hold.devices)
+            except AtomError as exc:
+                notes.append(f"{alloc}: env file missing and cannot be rebuilt: {exc.message}")
+            else:
+                steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed), hold)))
+        if alloc not in state.reported:
+            intent = state.intents.get(alloc)
+            event_id = intent.event_id if intent is not None and intent.op == "bind" else bound_id(node, alloc, hold.generation)
+            steps.append(
+                ReportBound(
+                    alloc,
+                    event_id,
+                    AllocationBound(
+                        allocation_id=alloc,
+                        reservation_id=hold.reservation_id,
+                        generation=hold.generation,
+                        devices=list(hold.devices),
+                        cgroup_parent=hold.cgroup_parent,
+                        cdi_devices=list(hold.cdi_names),
+                    ),
+                )
+            )
+
+    # 5. New holds, in spec order: check, then bind or collect the failure.
+    failures: list[Failure] = []
+    host_checked = False
+    for assignment in spec.devices:
+        alloc = assignment.allocation_id
+        if alloc in kept:
+            continue
+        try:
+            resolved = _check(assignment, index, claims, config)
+            limits = assignment.limits if assignment.binding != "BINDING_KUBERNETES" else None
+            if limits is not None and (limits.memory_bytes or any(h.count for h in limits.hugepages)):
+                if not ledger.readable():
+                    if not host_checked:
+                        notes.append("host memory unreadable; binding without host-side admission")
+                    host_checked = True
+                else:
+                    problem = ledger.admit(limits)
+                    if problem:
+                        raise _Refused("resources-exhausted", problem)
+        except _Refused as exc:
+            failures.append(Failure(alloc, assignment.reservation_id, exc.reason, exc.message))  # type: ignore[arg-type]
+            continue
+        devices = hold_devices(resolved)
+        content = dataclasses.replace(hold_content(assignment, devices, observed), generation=gen)
+        cdi_spec = build_cdi_spec(content, observed.vendor)
+        for r in resolved:
+            claims.add(r.ref.id, alloc)
+        ledger.promise(content.limits)
+        steps.append(
+            BindHold(
+                alloc,
+                bound_id(node, alloc, gen),
+                AllocationBound(
+                    allocation_id=alloc,
+                    reservation_id=assignment.reservation_id,
+                    generation=gen,
+                    devices=[r.ref.id for r in resolved],
+                    cgroup_parent=content.cgroup_parent,
+                    cdi_devices=_qualified(cdi_spec),
+                ),
+                content,
+            )
+        )
+
+    # 6. One AllocationFailed per failing allocation, once per generation.
+    for f in failures:
+        if state.reported_failures.get(f.allocation_id) != gen:
+            steps.append(
+                ReportFailed(
+                    f.allocation_id,
+                    failed_id(node, f.allocation_id, gen),
+                    AllocationFailed(
+                        allocation_id=f.allocation_id,
+                        reservation_id=f.reservation_id,
+                        generation=gen,
+                        reason=f.reason,
+                        message=f.message,
+                    ),
+                )
+            )
+    section = SectionStatus(
+        section=SECTION,
+        state="FAILED" if failures else "CONVERGED",
+        observed_generation=gen,
+        message="\n".join(f"{f.allocation_id}: {f.reason}" for f in failures),
+    )
+    return Plan(generation=gen, steps=tuple(steps), failures=tuple(failures), section=section, notes=tuple(notes))
+
+
+def _with_hold(content: HoldContent, hold: HoldOnDisk) -> HoldContent:
+    """A kept hold's env file is rebuilt from the hold as bound, not from a newer assignment."""
+    return dataclasses.replace(
+        content,
+        reservation_id=hold.reservation_id,
+        generation=hold.generation,
+        cgroup_parent=hold.cgroup_parent,
+        limits=hold.limits,
+    )
+
+
+def _qualified(cdi_spec: Mapping[str, object]) -> list[str]:
+    kind = cdi_spec["kind"]
+    return [f"{kind}={d['name']}" for d in cdi_spec["devices"]]  # type: ignore[index, union-attr]
+
+
+def _check(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, config: PlanConfig) -> list[ResolvedAtom]:
+    """binding, privilege, atoms, conflicts: the first failure decides."""
+    if assignment.binding not in config.supported_bindings:
+        if assignment.binding == "BINDING_INSTANCE":
+            msg = "BINDING_INSTANCE is not a hold: GPUs for VMs come in the instances section"
+        else:
+            msg = f"{assignment.binding} is not supported by this node"
+        raise _Refused("unsupported-binding", msg)
+    if not config.privileged:
+        raise _Refused(
+            "node-unprivileged",
+            "this node runs unprivileged (not root, no helper): it cannot write CDI specs or create slices",
+        )
+    if not assignment.devices:
+        raise _Refused("unsupported-device", "the assignment lists no devices")
+    resolved: list[ResolvedAtom] = []
+    for atom in assignment.devices:
+        try:
+            resolved.append(index.resolve(atom))
+        except AtomError as exc:
+            raise _Refused(exc.reason, exc.message) from None
+    seen: set[str] = set()
+    mine = Claims()
+    for r in resolved:
+        if r.ref.id in seen:
+            raise _Refused("overlap", f"{r.ref.id} is listed twice in this assignment")
+        seen.add(r.ref.id)
+        if r.gpu.driver == "vfio-pci":
+            raise _Refused("overlap", f"{r.ref.id}: {r.ref.gpu} is bound to vfio-pci (passthrough)")
+        problem = claims.conflict(r) or mine.conflict(r)
+        if problem:
+            raise _Refused("overlap", problem.replace(f"held by {assignment.allocation_id}", "held by this assignment"))
+        mine.add(r.ref.id, assignment.allocation_id)
+    return resolved
+
+
+__all__ = ["plan", "Claims", "HostLedger", "expand_list", "hold_devices", "hold_content", "UNREADABLE_RELEASES_HOLDER"]

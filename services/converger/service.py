@@ -1,0 +1,290 @@
+"""The converger micro service: takes NodeSpecs, runs passes, answers status and holder.
+
+Endpoints: `spec` (the bridge hands over a verified NodeSpec; kept on disk so
+a restart converges without it), `status`, `holder` (which allocation,
+instance or domain holds a GPU - asked before a VFIO switch, reset or MIG
+change), `pass` (run one now). It follows the inventory through the node-bus
+`inventory.changed` messages and never plans without an inventory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.host import HostFactError, read_boot_id
+from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
+from shared.schemas import (
+    EMPTY_CODEC,
+    HOLDER_QUERY_CODEC,
+    INVENTORY_CODEC,
+    NODE_SPEC_CODEC,
+    PCI_RE,
+    BadMessage,
+    ConvergerStatus,
+    Empty,
+    HolderQuery,
+    HolderReply,
+    HoldSummary,
+    Inventory,
+    NodeSpec,
+    SpecAck,
+)
+
+from .apply import Applier
+from .crash import CrashPoints
+from .domains import Domains, FakeDomains, NoDomains
+from .holdfiles import HoldOnDisk
+from .hostwriter import LocalHostWriter
+from .loop import PassLoop
+from .model import ConvergerState, PlanConfig
+from .observe import observe, read_disk
+from .outbox import BusSigner, JetStreamOutbox
+from .plan import plan
+from .slices import FakeSlices, Slices, SystemdSlices
+from .state import StateStore
+
+
+class ConvergerApp(ServiceApp):
+    name = "converger"
+    description = "turns the devices section of the NodeSpec into holds"
+
+    def __init__(self) -> None:
+        self.spec: NodeSpec | None = None
+        self.inventory: Inventory | None = None
+        self.state = ConvergerState()
+        self.failures: dict[str, str] = {}
+        self.last_pass_at: datetime | None = None
+        self.warned: set[str] = set()
+        self.lock = asyncio.Lock()
+
+    def options(self) -> list[Option]:
+        return [
+            Option("--cdi-dir", "CDI spec directory", default=Path("/etc/cdi"), type=Path),
+            Option("--run-dir", "runtime directory (env files; tmpfs)", default=Path("/run/bcd"), type=Path),
+            Option("--data-dir", "state directory", default=Path("/var/lib/bcd"), type=Path),
+            Option("--proc-root", "root of /proc (boot id)", default=Path("/proc"), type=Path),
+            Option("--fake-host", "fake host description file (boot id, domains; fake slices)", type=Path),
+            Option("--slices", "slice backend: fake (JSON records) or systemd (D-Bus)", default="auto", choices=("auto", "fake", "systemd")),
+            Option("--retry-interval", "seconds before a retryable pass runs again", default=30.0, type=float),
+            Option("--drift-interval", "seconds between drift passes", default=600.0, type=float),
+            Option("--system-reserve-bytes", "host memory never promised to holds", default=0, type=int),
+        ]
+
+    # ------------------------------------------------------------------ setup
+
+    def boot_id(self) -> str:
+        return read_boot_id(self.opts.proc_root, self.opts.fake_host)
+
+    async def setup(self, ctx: ServiceContext) -> None:
+        o = self.opts = ctx.opts
+        self.ctx = ctx
+        fake = o.fake_host is not None
+        backend = o.slices if o.slices != "auto" else ("fake" if fake else "systemd")
+        self.slices: Slices = FakeSlices(o.run_dir) if backend == "fake" else SystemdSlices()
+        self.domains: Domains = FakeDomains(o.fake_host) if fake else NoDomains()
+        self.privileged = fake or os.geteuid() == 0
+        self.config = PlanConfig(node_id=o.node_id, privileged=self.privileged, system_reserve_bytes=o.system_reserve_bytes)
+        self.store = StateStore(Path(o.data_dir) / "converger")
+        self.state = self.store.load()
+        try:
+            boot = self.boot_id()
+        except HostFactError as exc:
+            raise StartupError(str(exc)) from None
+        if self.state.boot_id and self.state.boot_id != boot:
+            ctx.log.info("new boot: slices and env files will be recreated for kept holds", previous_boot=self.state.boot_id, boot_id=boot)
+            # Domains that ran before the reboot do not run now.
+            self.state.domain_gpus = {}
+        self.state.boot_id = boot
+        self.store.save(self.state)
+        self.spec = self.store.load_spec()
+        if not self.privileged:
+            ctx.log.warning("running unprivileged (not root, no helper): every plain hold will fail with node-unprivileged")
+
+        crash = CrashPoints()
+        writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash)
+        self.outbox = JetStreamOutbox(ctx.nc, ctx.subjects)
+        await self.outbox.ensure()
+        self.applier = Applier(
+            node_id=o.node_id,
+            writer=writer,
+            signer=BusSigner(ctx.nc, ctx.subjects),
+            outbox=self.outbox,
+            save_state=self.store.save,
+            boot_id=self.boot_id,
+            crash=crash,
+        )
+        self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
+        self._metrics(ctx)
+
+        async def on_inventory(msg: Any) -> None:
+            try:
+                inv = INVENTORY_CODEC.decode(msg.data)
+            except BadMessage as exc:
+                ctx.log.warning("ignoring a bad inventory message", error=str(exc))
+                return
+            if self.inventory is None or inv.revision != self.inventory.revision:
+                self.inventory = inv
+                self.loop.trigger("inventory changed")
+
+        await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=on_inventory)
+        await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC)
+        await ctx.endpoint("status", ctx.subjects.converger_status, self.status, EMPTY_CODEC, allow_empty=True)
+        await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC)
+        await ctx.endpoint("pass", ctx.subjects.converger_pass, self.request_pass, EMPTY_CODEC, allow_empty=True)
+
+    def _metrics(self, ctx: ServiceContext) -> None:
+        reg = ctx.registry
+        self.m_holds = Gauge("bcd_holds", "Holds on disk by binding", ["binding"], registry=reg)
+        self.m_pass = Histogram("bcd_converger_pass_duration_seconds", "Duration of one pass", registry=reg)
+        self.m_passes = Counter("bcd_converger_passes", "Passes by outcome", ["outcome"], registry=reg)
+        self.m_failures = Counter("bcd_hold_failures", "Holds refused, by reason", ["reason"], registry=reg)
+        self.m_generation = Gauge("bcd_converger_observed_generation", "Generation of the last pass", registry=reg)
+        self.m_section = Gauge("bcd_section_state", "1 for the devices section's current state", ["state"], registry=reg)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def take_spec(self, spec: NodeSpec) -> SpecAck:
+        if spec.node_id != self.opts.node_id:
+            raise Refused(f"spec is for node {spec.node_id}, this is {self.opts.node_id}", code="400")
+        current = self.spec.generation if self.spec is not None else -1
+        if spec.generation < current:
+            raise Refused(f"generation {spec.generation} is lower than the applied {current}", code="409")
+        if self.spec is not None and spec == self.spec:
+            return SpecAck(generation=spec.generation, changed=False)
+        if spec.generation == current:
+            raise Refused(f"generation {spec.generation} is already applied with different content", code="409")
+        await asyncio.to_thread(self.store.save_spec, spec)
+        self.spec = spec
+        self.ctx.log.info("spec accepted", generation=spec.generation, assignments=len(spec.devices), instances=len(spec.instances))
+        self.loop.trigger(f"spec generation {spec.generation}")
+        return SpecAck(generation=spec.generation)
+
+    async def request_pass(self, _: Empty) -> SpecAck:
+        self.loop.trigger("requested")
+        return SpecAck(generation=self.spec.generation if self.spec else -1, changed=False)
+
+    def _holds(self) -> dict[str, HoldOnDisk]:
+        return read_disk(self.opts.cdi_dir, self.opts.run_dir, warned=self.warned).holds
+
+    async def status(self, _: Empty) -> ConvergerStatus:
+        holds = await asyncio.to_thread(self._holds)
+        return ConvergerStatus(
+            generation=self.spec.generation if self.spec else None,
+            section=self.state.last_section,
+            holds=[
+                HoldSummary(
+                    allocation_id=h.allocation_id,
+                    reservation_id=h.reservation_id,
+                    generation=h.generation,
+                    binding=h.binding,
+                    devices=list(h.devices),
+                    cgroup_parent=h.cgroup_parent,
+                    reported=h.allocation_id in self.state.reported,
+                )
+                for h in sorted(holds.values(), key=lambda h: h.allocation_id)
+            ],
+            failures=dict(self.failures),
+            last_pass_at=self.last_pass_at,
+            next_retry_in_s=self.loop.next_retry_in(),
+        )
+
+    async def holder(self, q: HolderQuery) -> HolderReply:
+        inv = self.inventory
+        gpu = None
+        if inv is not None:
+            gpu = next((g for g in inv.gpus if q.gpu in (g.pci_address, g.atom_id)), None)
+        if gpu is None:
+            raise Refused(f"{q.gpu} is not a GPU of this node", code="404")
+        holds = await asyncio.to_thread(self._holds)
+        for h in sorted(holds.values(), key=lambda h: h.allocation_id):
+            if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in h.devices):
+                return HolderReply(held=True, kind="allocation", holder=h.allocation_id, gpu=gpu.pci_address)
+        for alloc, intent in self.state.intents.items():
+            if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in intent.devices):
+                return HolderReply(held=True, kind="allocation", holder=alloc, gpu=gpu.pci_address)
+        if self.spec is not None:
+            for inst in self.spec.instances:
+                if gpu.pci_address in inst.gpus:
+                    return HolderReply(held=True, kind="instance", holder=inst.instance_id, gpu=gpu.pci_address)
+        if gpu.pci_address in self.state.domain_gpus:
+            return HolderReply(held=True, kind="domain", holder=self.state.domain_gpus[gpu.pci_address], gpu=gpu.pci_address)
+        return HolderReply(held=False, gpu=gpu.pci_address)
+
+    # ------------------------------------------------------------------ the pass
+
+    async def _fetch_inventory(self) -> None:
+        try:
+            inv = await call(self.ctx.nc, self.ctx.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=3)
+        except (ServiceCallError, BadMessage, Exception) as exc:  # noqa: BLE001 - logged, retried
+            self.ctx.log.warning("inventory not available yet; waiting for it", error=str(exc) or type(exc).__name__)
+            return
+        if self.inventory is None or inv.revision >= self.inventory.revision:
+            self.inventory = inv
+
+    async def run_pass(self, reason: str) -> bool:
+        """One pass; returns True when something is left to retry."""
+        async with self.lock:
+            if self.spec is None:
+                return False
+            if self.inventory is None:
+                await self._fetch_inventory()
+                if self.inventory is None:
+                    return True
+            spec, log = self.spec, self.ctx.log
+            with self.m_pass.time():
+                observed = await asyncio.to_thread(
+                    observe,
+                    spec=spec,
+                    cdi_dir=self.opts.cdi_dir,
+                    run_dir=self.opts.run_dir,
+                    slices=self.slices,
+                    inventory=self.inventory,
+                    domains=self.domains,
+                    state=self.state,
+                    warned=self.warned,
+                )
+                p = plan(spec, observed, self.config)
+                for note in p.notes:
+                    log.warning(note)
+                new_failures = [f for f in p.failures if self.state.reported_failures.get(f.allocation_id) != spec.generation]
+                result = await self.applier.apply(p, self.state)
+            self.last_pass_at = datetime.now(timezone.utc)
+            self.failures = {f.allocation_id: f.reason for f in p.failures}
+            for f in new_failures:
+                self.m_failures.labels(reason=f.reason).inc()
+            section = result.section
+            outcome = "retry" if result.retry else ("failed" if p.failures else "converged")
+            self.m_passes.labels(outcome=outcome).inc()
+            self.m_generation.set(spec.generation)
+            if section is not None:
+                self.m_section.clear()
+                self.m_section.labels(state=section.state).set(1)
+            holds_now = await asyncio.to_thread(self._holds)
+            self.m_holds.clear()
+            for binding in ("BINDING_HOLD", "BINDING_KUBERNETES"):
+                self.m_holds.labels(binding=binding).set(sum(1 for h in holds_now.values() if h.binding == binding))
+            fields = dict(reason=reason, generation=spec.generation, steps=len(p.steps), done=result.done)
+            if result.retry:
+                # seed: section failures are logged WARN while retrying, ERROR when failed
+                log.warning("pass incomplete; retrying", errors=result.errors, retry_in_s=self.opts.retry_interval, **fields)
+            elif p.failures:
+                log.error("section failed", failures={f.allocation_id: f"{f.reason}: {f.message}" for f in p.failures}, **fields)
+            elif p.steps:
+                log.info("pass converged", **fields)
+            else:
+                log.debug("nothing to do", **fields)
+            return result.retry
+
+    async def run(self, ctx: ServiceContext) -> None:
+        await self.loop.run(ctx.stopping)
+
+
+main = main_for(ConvergerApp)
+
+__all__ = ["ConvergerApp", "main"]

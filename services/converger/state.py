@@ -1,0 +1,66 @@
+"""The converger's journal on disk: `<data_dir>/converger/state.json` and `spec.json`.
+
+Intent is recorded here (fsynced, boot id stamped) before any side effect of
+a bind or release, and completion after its event is in the outbox; so a
+kill -9 at any instant leaves enough to finish the operation exactly once.
+The last accepted NodeSpec is kept beside it, so a restart converges to it
+without waiting for the control plane.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from shared import logs
+from shared.fsutil import atomic_write
+from shared.schemas import NODE_SPEC_CODEC, BadMessage, NodeSpec, encode
+
+from .model import ConvergerState
+
+log = logs.get_logger("bcd.converger.state")
+_STATE_DECODER = msgspec.json.Decoder(ConvergerState)
+
+
+class StateStore:
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = self.dir / "state.json"
+        self.spec_path = self.dir / "spec.json"
+
+    def load(self) -> ConvergerState:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return ConvergerState()
+        try:
+            return _STATE_DECODER.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            # Kept for an operator; holds on disk are re-reported with their
+            # deterministic ids, which upstream dedupes.
+            aside = self.path.with_name(f"state.json.unreadable-{int(time.time())}")
+            os.replace(self.path, aside)
+            log.error("converger state unreadable; starting afresh", file=str(self.path), kept_as=str(aside), error=str(exc))
+            return ConvergerState()
+
+    def save(self, state: ConvergerState) -> None:
+        atomic_write(self.path, encode(state), 0o600)
+
+    def load_spec(self) -> NodeSpec | None:
+        try:
+            return NODE_SPEC_CODEC.decode(self.spec_path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except BadMessage as exc:
+            log.error("stored spec unreadable; waiting for the next one", file=str(self.spec_path), error=str(exc))
+            return None
+
+    def save_spec(self, spec: NodeSpec) -> None:
+        atomic_write(self.spec_path, encode(spec), 0o600)
+
+
+__all__ = ["StateStore"]
