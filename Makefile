@@ -12,12 +12,14 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[systemd]' > $(VENV)/pystemd-install.log 2>&1 \
+	  || echo "pystemd not installed: systemd slice tests will skip (needs libsystemd-dev and pkg-config; see $(VENV)/pystemd-install.log)"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/bcd up --log-format text $(ARGS)
+	$(BIN)/bcd up --log-format text --apply examples/specs/demo.json $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

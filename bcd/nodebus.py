@@ -19,11 +19,19 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.subjects import NODE_BUS_USERS, NodeSubjects, Permissions
+from shared.subjects import (
+    CONTROLPLANE_USER,
+    NODE_BUS_USERS,
+    NodeSubjects,
+    Permissions,
+    upstream_controlplane_permissions,
+    upstream_node_permissions,
+    upstream_node_user,
+)
 
 _LISTEN_RE = re.compile(rb"Listening for client connections on ([0-9.]+):(\d+)")
 _MONITOR_RE = re.compile(rb"Starting http monitor on ([0-9.]+):(\d+)")
@@ -82,11 +90,34 @@ def ensure_passwords(creds_dir: Path, users: Iterable[str]) -> dict[str, Path]:
 class BusUser:
     user: str
     password: str
-    permissions: Permissions | None  # None: no restrictions (the upstream/test admin)
+    permissions: Permissions | None  # None: no restrictions (test admin)
+
+    def render(self) -> dict[str, object]:
+        entry: dict[str, object] = {"user": self.user, "password": self.password}
+        if self.permissions is not None:
+            p = self.permissions
+            entry["permissions"] = {
+                # an empty allow list would mean "everything" to nats-server
+                "publish": {"allow": list(p.publish) or ["_bcd_nothing_"]},
+                "subscribe": {"allow": list(p.subscribe) or ["_bcd_nothing_"]},
+                **({"allow_responses": True} if p.allow_responses else {}),
+            }
+        return entry
+
+
+NODE_ACCOUNT = "NODE"
+UPSTREAM_ACCOUNT = "UPSTREAM"
 
 
 @dataclass
 class BusConfig:
+    """One nats-server: the node bus account and, embedded, the upstream account.
+
+    Two accounts keep the buses apart even on one server: no subject, stream
+    or bucket of one is visible from the other, exactly as with a real
+    remote upstream.
+    """
+
     store_dir: Path
     host: str = "127.0.0.1"
     #: -1 lets the server pick a free port (read back from its log).
@@ -94,28 +125,24 @@ class BusConfig:
     #: HTTP monitoring (varz, connz, subsz, jsz) on loopback; 0 disables it, -1 picks a port.
     http_port: int = 0
     users: list[BusUser] = field(default_factory=list)
+    upstream_users: list[BusUser] = field(default_factory=list)
     server_name: str = "bcd-node-bus"
     max_payload: int = 1024 * 1024
 
     def render(self) -> str:
         """nats-server reads JSON as its config syntax."""
-        users = []
-        for u in self.users:
-            entry: dict[str, object] = {"user": u.user, "password": u.password}
-            if u.permissions is not None:
-                entry["permissions"] = {
-                    "publish": {"allow": list(u.permissions.publish) or ["_bcd_nothing_"]},
-                    "subscribe": {"allow": list(u.permissions.subscribe)},
-                    **({"allow_responses": True} if u.permissions.allow_responses else {}),
-                }
-            users.append(entry)
+        accounts: dict[str, object] = {
+            NODE_ACCOUNT: {"jetstream": "enabled", "users": [u.render() for u in self.users]},
+        }
+        if self.upstream_users:
+            accounts[UPSTREAM_ACCOUNT] = {"jetstream": "enabled", "users": [u.render() for u in self.upstream_users]}
         conf: dict[str, object] = {
             "server_name": self.server_name,
             "host": self.host,
             "port": self.port,
             "max_payload": self.max_payload,
             "jetstream": {"store_dir": str(self.store_dir), "sync_interval": "always"},
-            "authorization": {"users": users},
+            "accounts": accounts,
         }
         if self.http_port:
             conf["http"] = f"{self.host}:{self.http_port}"
@@ -127,6 +154,14 @@ def node_bus_users(node_id: str, passwords: Mapping[str, str], *, admin_password
     users = [BusUser(u, passwords[u], subjects.permissions(u)) for u in NODE_BUS_USERS if u in passwords]
     if admin_password is not None:
         users.append(BusUser("admin", admin_password, None))
+    return users
+
+
+def upstream_users(node_ids: Iterable[str], passwords: Mapping[str, str]) -> list[BusUser]:
+    users = [BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions())]
+    for node_id in node_ids:
+        name = upstream_node_user(node_id)
+        users.append(BusUser(name, passwords[name], upstream_node_permissions(node_id)))
     return users
 
 
@@ -206,16 +241,23 @@ def prepare_node_bus(
     port: int = -1,
     http_port: int = 0,
     admin: bool = False,
+    upstream_nodes: Sequence[str] = (),
 ) -> tuple[Path, dict[str, Path]]:
-    """Write credentials and config for one node; return (config path, password files)."""
-    users = [*NODE_BUS_USERS, *(["admin"] if admin else [])]
+    """Write credentials and config; return (config path, password file per user).
+
+    `upstream_nodes` non-empty embeds the upstream account too: the control
+    plane's user and one user per node, each limited to its own keys.
+    """
+    up_users = [CONTROLPLANE_USER, *(upstream_node_user(n) for n in upstream_nodes)] if upstream_nodes else []
+    users = [*NODE_BUS_USERS, *(["admin"] if admin else []), *up_users]
     creds = ensure_passwords(bus_dir / "creds", users)
     passwords = {u: p.read_text().strip() for u, p in creds.items()}
     cfg = BusConfig(
-        store_dir=store_dir,
+        store_dir=Path(store_dir).resolve(),
         port=port,
         http_port=http_port,
         users=node_bus_users(node_id, passwords, admin_password=passwords.get("admin")),
+        upstream_users=upstream_users(upstream_nodes, passwords) if upstream_nodes else [],
     )
     conf_path = bus_dir / "nats.conf"
     write_private(conf_path, cfg.render())
@@ -230,6 +272,9 @@ __all__ = [
     "BusUser",
     "BusConfig",
     "node_bus_users",
+    "upstream_users",
+    "NODE_ACCOUNT",
+    "UPSTREAM_ACCOUNT",
     "NatsServer",
     "prepare_node_bus",
 ]

@@ -53,6 +53,8 @@ class ProcessSpec:
     name: str
     argv: Sequence[str]
     env: dict[str, str] = field(default_factory=dict)
+    #: stdout and stderr go here (appended) instead of the supervisor's terminal.
+    log_path: Path | None = None
 
 
 @dataclass
@@ -83,9 +85,22 @@ class Supervisor:
 
     async def _spawn(self, child: _Child) -> None:
         env = {**os.environ, **child.spec.env}
-        child.proc = await asyncio.create_subprocess_exec(
-            *child.spec.argv, env=env, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent
-        )
+        out = None
+        if child.spec.log_path is not None:
+            child.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(child.spec.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *child.spec.argv,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                preexec_fn=die_with_parent,
+            )
+        finally:
+            if out is not None:
+                out.close()
         child.started_at = time.monotonic()
         log.info("service started", service=child.spec.name, pid=child.proc.pid)
 
@@ -126,11 +141,38 @@ class Supervisor:
                     p.kill()
                 await p.wait()
 
+    async def _watch_bus(self) -> None:
+        """The node bus is a child too: restart it on the same ports and store if it dies."""
+        assert self.bus is not None
+        attempt = 0
+        while not self.stopping.is_set():
+            proc = self.bus.proc
+            if proc is not None and proc.poll() is not None and not self.stopping.is_set():
+                attempt += 1
+                delay = self.backoff.delay(attempt)
+                log.warning("node bus exited; restarting", code=proc.returncode, restart_in_s=delay)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), timeout=delay)
+                if self.stopping.is_set():
+                    return
+                try:
+                    await asyncio.to_thread(self.bus.start, 15.0, die_with_parent)
+                    log.info("node bus restarted", url=self.bus.url)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    log.error("node bus did not restart", error=str(exc))
+                    continue
+            elif proc is not None and proc.poll() is None:
+                attempt = 0
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), timeout=0.5)
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         watchers = [asyncio.create_task(self._watch(c), name=f"watch.{c.spec.name}") for c in self.children]
+        if self.bus is not None:
+            watchers.append(asyncio.create_task(self._watch_bus(), name="watch.bus"))
         try:
             if self.on_ready is not None:
                 self.on_ready()

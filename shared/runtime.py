@@ -177,6 +177,8 @@ class ServiceContext(Generic[T]):
     log: logs.StructLogger
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     metrics_port: int = 0
+    #: facts shown in $SRV.PING/INFO (add in setup, before the service starts answering).
+    metadata: dict[str, str] = field(default_factory=dict)
     _requests: Counter | None = None
     _latency: Histogram | None = None
 
@@ -295,13 +297,15 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
     try:
         nc = await connect(opts, app.name, log, connected)
         # The $SRV handlers start only after setup, so a PING answer means "ready".
+        # `metadata` is shared with the service: setup may add facts for operators.
+        metadata = {"node_id": opts.node_id, "metrics": f"{opts.metrics_addr}:{metrics_port}", "pid": str(os.getpid())}
         service = Service(
             nc,
             ServiceConfig(
                 name=app.name,
                 version=VERSION,
                 description=app.description or f"bcd {app.name}",
-                metadata={"node_id": opts.node_id, "metrics": f"{opts.metrics_addr}:{metrics_port}", "pid": str(os.getpid())},
+                metadata=metadata,
             ),
         )
         ctx = ServiceContext(
@@ -314,6 +318,7 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
             log=log,
             stopping=stopping,
             metrics_port=metrics_port,
+            metadata=metadata,
             _requests=requests,
             _latency=latency,
         )

@@ -73,6 +73,54 @@ class Permissions:
     allow_responses: bool = True
 
 
+#: the control plane's user on upstream (the reference control plane, `bcd controlplane`).
+CONTROLPLANE_USER = "controlplane"
+UPSTREAM_BUCKETS: tuple[str, ...] = (UPSTREAM_NODESPECS_BUCKET, UPSTREAM_NODES_BUCKET, UPSTREAM_INVENTORY_BUCKET)
+
+
+def upstream_node_user(node_id: str) -> str:
+    return f"node-{_token(node_id, 'node_id')}"
+
+
+def upstream_spec_key_subject(node_id: str) -> str:
+    return f"$KV.{UPSTREAM_NODESPECS_BUCKET}.{_token(node_id, 'node_id')}"
+
+
+def upstream_spec_get_subject(node_id: str) -> str:
+    """Direct get of the last value of one key (the bucket allows direct gets)."""
+    return f"$JS.API.DIRECT.GET.KV_{UPSTREAM_NODESPECS_BUCKET}.{upstream_spec_key_subject(node_id)}"
+
+
+def upstream_node_permissions(node_id: str) -> Permissions:
+    """What one node's bridge may touch upstream: its own keys and its own event subjects.
+
+    It reads its spec by direct get and by subscribing to its key's subject
+    (a KV put is a publish there), so it needs no consumer, and no other
+    node's key is reachable. It needs no stream info either: a missing
+    bucket or stream shows as "no responders" to a get or a publish.
+    """
+    user = upstream_node_user(node_id)
+    return Permissions(
+        publish=(
+            f"$KV.{UPSTREAM_NODES_BUCKET}.{node_id}",
+            f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{node_id}",
+            f"bcd.events.{node_id}.>",
+            upstream_spec_get_subject(node_id),
+        ),
+        subscribe=(upstream_spec_key_subject(node_id), f"{inbox_prefix(user)}.>"),
+        allow_responses=False,
+    )
+
+
+def upstream_controlplane_permissions() -> Permissions:
+    """The control plane owns the upstream account's buckets and stream."""
+    return Permissions(
+        publish=("$JS.API.>", f"$KV.{UPSTREAM_NODESPECS_BUCKET}.>", f"$JS.ACK.{UPSTREAM_EVENTS_STREAM}.>"),
+        subscribe=(f"{inbox_prefix(CONTROLPLANE_USER)}.>", f"$KV.{UPSTREAM_NODES_BUCKET}.>", f"$KV.{UPSTREAM_INVENTORY_BUCKET}.>"),
+        allow_responses=False,
+    )
+
+
 @dataclass(frozen=True)
 class NodeSubjects:
     """Subjects and node-bus names of one node."""
@@ -208,9 +256,22 @@ class NodeSubjects:
                     self.inventory_get,
                     self.signer_key,
                     self.converger_spec,
+                    self.converger_status,
                     *self.kv_read_subjects(self.inventory_bucket),
+                    # drains the outbox: read by sequence, delete after upstream's PubAck
+                    f"$JS.API.STREAM.INFO.{self.outbox_stream}",
+                    f"$JS.API.STREAM.MSG.GET.{self.outbox_stream}",
+                    f"$JS.API.STREAM.MSG.DELETE.{self.outbox_stream}",
+                    # node conditions (NodeSpecRejected) go through the outbox too
+                    self.outbox_subject("condition"),
                 ),
-                (self.service_wildcard("gateway_bridge"), self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
+                (
+                    self.service_wildcard("gateway_bridge"),
+                    self.inventory_changed,
+                    f"$KV.{self.inventory_bucket}.>",
+                    # wake-up when the converger adds to the outbox
+                    self.outbox_filter,
+                ),
             ),
             "kube_reaper": ((self.inventory_get,), (self.service_wildcard("kube_reaper"),)),
             "vfio_switcher": ((self.inventory_get,), (self.service_wildcard("vfio_switcher"),)),
@@ -262,6 +323,13 @@ __all__ = [
     "SERVICE_ERROR_HEADER",
     "SERVICE_ERROR_CODE_HEADER",
     "RESERVED_NODE_IDS",
+    "CONTROLPLANE_USER",
+    "UPSTREAM_BUCKETS",
+    "upstream_node_user",
+    "upstream_spec_key_subject",
+    "upstream_spec_get_subject",
+    "upstream_node_permissions",
+    "upstream_controlplane_permissions",
     "upstream_event",
     "upstream_events_filter",
     "inbox_prefix",

@@ -8,6 +8,8 @@ The integration tests run the real processes instead.
 from __future__ import annotations
 
 import json
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,6 +90,10 @@ class MemoryOutbox:
     order: list[str] = field(default_factory=list)
     sends: int = 0
     fail: bool = False
+    full: bool = False
+
+    async def has_room(self) -> bool:
+        return not self.full and not self.fail
 
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None:
         if self.fail:
@@ -97,8 +103,25 @@ class MemoryOutbox:
             self.events[event_id] = (event_type, payload)
             self.order.append(event_id)
 
+    def ids(self, event_type: str) -> list[str]:
+        """Event ids of one type, in first-publish order."""
+        return [i for i in self.order if self.events[i][0] == event_type]
+
     def of_type(self, event_type: str) -> list[dict]:
         return [json.loads(p) for i in self.order for t, p in [self.events[i]] if t == event_type]
+
+    def hold_events(self, signer: MemorySigner) -> list[tuple[str, str, str, int]]:
+        """Bound and Released in outbox order, signatures verified: (type, event id, allocation, generation)."""
+        from shared.schemas import ATTESTED_REPORT_CODEC
+
+        out = []
+        for i in self.order:
+            t, p = self.events[i]
+            if t in ("bound", "released"):
+                body = verify_report(ATTESTED_REPORT_CODEC.decode(p), signer.key.public_key())
+                assert body.event_id == i, (body.event_id, i)
+                out.append((t, i, body.event.allocation_id, body.event.generation))
+        return out
 
     def reports(self, event_type: str, signer: MemorySigner) -> list[ReportBody]:
         out = []
@@ -112,9 +135,28 @@ class MemoryOutbox:
 
 
 class Node:
-    """One node's converger, in process, on real files under `root`."""
+    """One node's converger, in process, on real files under `root`.
 
-    def __init__(self, root: Path, host_file: Path = H200, *, privileged: bool = True, node_id: str = "node-1", reserve: int = 0) -> None:
+    `outbox` and `signer` stand for the durable outbox and the node key: pass
+    the previous Node's (or use `restart()`) to model a process restart on the
+    same host. `crash` is the crash-point hook (services/converger/crash.py
+    names), given to both the Applier and the LocalHostWriter.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        host_file: Path = H200,
+        *,
+        privileged: bool = True,
+        node_id: str = "node-1",
+        reserve: int = 0,
+        outbox: MemoryOutbox | None = None,
+        signer: MemorySigner | None = None,
+        crash: Callable[[str], None] | None = None,
+        boot_id: str = "boot-1",
+        supported_bindings: frozenset[str] | None = None,
+    ) -> None:
         self.root = root
         self.node_id = node_id
         self.cdi_dir = root / "cdi"
@@ -129,18 +171,29 @@ class Node:
         self.domains = FakeDomains(host_file)
         self.store = StateStore(root / "data" / "converger")
         self.state: ConvergerState = self.store.load()
-        self.signer = MemorySigner(node_id)
-        self.outbox = MemoryOutbox()
-        self.writer = LocalHostWriter(self.cdi_dir, self.run_dir, self.slices)
+        self.signer = signer if signer is not None else MemorySigner(node_id)
+        self.outbox = outbox if outbox is not None else MemoryOutbox()
+        self.crash = crash if crash is not None else (lambda _: None)
+        self.boot_id = boot_id
+        self.writer = LocalHostWriter(self.cdi_dir, self.run_dir, self.slices, self.crash)
         self.config = PlanConfig(node_id=node_id, privileged=privileged, system_reserve_bytes=reserve)
+        if supported_bindings is not None:
+            self.config = dataclasses.replace(self.config, supported_bindings=supported_bindings)
         self.applier = Applier(
             node_id=node_id,
             writer=self.writer,
             signer=self.signer,
             outbox=self.outbox,
             save_state=self.store.save,
-            boot_id=lambda: "boot-1",
+            boot_id=lambda: self.boot_id,
+            crash=self.crash,
         )
+        self._init_args = dict(host_file=host_file, privileged=privileged, node_id=node_id, reserve=reserve, supported_bindings=supported_bindings)
+
+    def restart(self, **changes) -> Node:
+        """A fresh process on the same host: same dirs, same durable outbox and key, state from disk."""
+        args = {**self._init_args, "outbox": self.outbox, "signer": self.signer, "boot_id": self.boot_id, **changes}
+        return Node(self.root, **args)
 
     def rescan(self) -> None:
         self.inventory = build_inventory(self.adapter, node_id=self.node_id, revision=self.inventory.revision + 1, now=datetime.now(timezone.utc))
@@ -176,4 +229,65 @@ class Node:
         return sorted(self.slices.list())
 
 
-__all__ = ["H200", "GPU", "host_inventory", "hold", "spec", "MemorySigner", "MemoryOutbox", "Node"]
+def check_hold_invariants(node: Node, *, reported: bool = True, settled: bool = True) -> dict[str, str]:
+    """The control plane's view against the disk; returns allocation -> Bound event id of the live holds.
+
+    Always: every Released follows a Bound of that allocation, no allocation
+    is bound twice without a Released in between, no atom is in two holds on
+    disk. `reported` (after a pass that ran to its end): every hold on disk
+    has a Bound whose event id matches its generation and no later Released.
+    `settled` (after a pass that converged): also nothing is bound upstream
+    that is not on disk.
+    """
+    live: dict[str, str] = {}
+    for kind, event_id, alloc, gen in node.outbox.hold_events(node.signer):
+        if kind == "bound":
+            assert alloc not in live, f"{alloc} bound twice ({live[alloc]}, {event_id}) without a Released between"
+            assert event_id == f"{node.node_id}.{alloc}.bound.g{gen}", event_id
+            live[alloc] = event_id
+        else:
+            assert alloc in live, f"Released {event_id} follows no Bound of {alloc}"
+            del live[alloc]
+    from services.converger.observe import read_disk
+
+    holds = read_disk(node.cdi_dir, node.run_dir, warned=set()).holds  # foreign files skipped
+    on_disk = {a: h.generation for a, h in holds.items()}
+    for alloc, gen in on_disk.items() if reported else ():
+        assert live.get(alloc) == f"{node.node_id}.{alloc}.bound.g{gen}", f"hold {alloc} (g{gen}) on disk, upstream has {live.get(alloc)}"
+    if settled:
+        assert set(live) == set(on_disk), f"bound upstream but not on disk: {sorted(set(live) - set(on_disk))}"
+    # no atom in two holds on disk
+    # no atom in two holds on disk; a GPU held whole has no MIG instance or
+    # slot held, and MIG instances and slots do not mix on one GPU
+    seen: dict[str, str] = {}
+    kinds: dict[str, set[str]] = {}
+    for alloc, h in sorted(holds.items()):
+        for atom in h.devices:
+            assert atom not in seen, f"{atom} held by {seen[atom]} and {alloc}"
+            seen[atom] = alloc
+            gpu, _, rest = atom.partition("/")
+            kinds.setdefault(gpu, set()).add("gpu" if not rest else "slot" if rest.startswith("slot") else "mig")
+    for gpu, k in kinds.items():
+        assert len(k) == 1, f"{gpu} is held as {sorted(k)} at once"
+    return live
+
+
+def host_copy(directory: Path, change: Callable[[dict], object] | None = None, name: str = "host.json") -> Path:
+    """A copy of the example host file under `directory`, changed in place by `change(doc)`."""
+    doc = json.loads(H200.read_text())
+    if change is not None:
+        change(doc)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(json.dumps(doc, indent=2))
+    return path
+
+
+def rewrite_host(path: Path, change: Callable[[dict], object]) -> None:
+    """Change a host file copy in place (a node then calls `rescan()`)."""
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+__all__ = ["H200", "GPU", "host_inventory", "hold", "spec", "MemorySigner", "MemoryOutbox", "Node", "host_copy", "rewrite_host", "check_hold_invariants"]

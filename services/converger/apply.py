@@ -82,9 +82,24 @@ class Applier:
         """Run the steps; mutates and saves `state`. Publishes the section when it changes."""
         result = ApplyResult()
         release_failed = False
+        unreported: set[str] = set()
+        # A full outbox holds back new binds (their Bound could not be journaled);
+        # releases and failure reports still go, into the headroom.
+        room = True
+        if any(isinstance(s, BindHold) for s in plan.steps):
+            room = await self.outbox.has_room()
         for step in plan.steps:
             if release_failed and isinstance(step, BindHold):
                 result.errors.append(f"{step.allocation_id}: not bound in this pass: a release before it failed")
+                continue
+            if not room and isinstance(step, BindHold):
+                result.errors.append(f"{step.allocation_id}: not bound in this pass: the outbox is full (upstream not draining)")
+                continue
+            if isinstance(step, ReleaseHold) and step.allocation_id in unreported:
+                # Fix: the plan reports an interrupted bind's Bound before releasing
+                # it; if that report failed, a Released now would follow no Bound.
+                result.errors.append(f"{step.allocation_id}: not released in this pass: its Bound could not be reported")
+                release_failed = True
                 continue
             try:
                 await self._run(step, state)
@@ -94,6 +109,8 @@ class Applier:
                 log.warning("step failed; will retry", step=type(step).__name__, allocation_id=_alloc(step), error=str(exc))
                 if isinstance(step, ReleaseHold):
                     release_failed = True
+                elif isinstance(step, ReportBound):
+                    unreported.add(step.allocation_id)
         section = plan.section
         if section is not None and result.errors:
             lines = [section.message] if section.message else []

@@ -93,8 +93,13 @@ class AtomIndex:
             if ref.kind == "slot":
                 raise AtomError("device-missing", f"{ref.gpu} has no slot{ref.slot}")
             raise AtomError("device-missing", f"{ref.gpu} is not on this node")
-        visible = self.mig_uuid.get(atom_id) or gpu.uuid if ref.kind == "mig" else gpu.uuid
-        return ResolvedAtom(ref, gpu, visible)
+        if ref.kind == "mig":
+            visible = self.mig_uuid.get(atom_id, "")
+            if not visible:
+                # exposing the whole card for a MIG instance would grant too much
+                raise AtomError("device-missing", f"{ref.gpu} reports no MIG device uuid for gi{ref.gi}/ci{ref.ci}")
+            return ResolvedAtom(ref, gpu, visible)
+        return ResolvedAtom(ref, gpu, gpu.uuid)
 
     def all_gpus(self) -> list[str]:
         return sorted(self.gpus)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import nats.errors
 from nats.aio.client import Client
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from shared.runtime import ServiceCallError, call
@@ -38,6 +38,10 @@ class Signer(Protocol):
 class Outbox(Protocol):
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None: ...
 
+    async def has_room(self) -> bool:
+        """False when the outbox is full: new binds wait (retryable) until it drains."""
+        ...
+
 
 class BusSigner:
     def __init__(self, nc: Client, subjects: NodeSubjects, timeout: float = 5.0) -> None:
@@ -57,27 +61,57 @@ class BusSigner:
 
 
 class JetStreamOutbox:
-    def __init__(self, nc: Client, subjects: NodeSubjects, *, max_bytes: int = 256 * 1024 * 1024, timeout: float = 5.0) -> None:
+    """Messages leave the stream only when the bridge deletes them after upstream's PubAck.
+
+    The stream is bounded (`max_msgs`, `max_bytes`) with discard-new: a full
+    outbox refuses new events instead of dropping old ones, and `has_room`
+    lets a pass hold back new binds (with headroom for the releases and
+    failures that must still be reported).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        subjects: NodeSubjects,
+        *,
+        max_msgs: int = 100_000,
+        max_bytes: int = 256 * 1024 * 1024,
+        headroom: int = 64,
+        timeout: float = 5.0,
+    ) -> None:
         self.js = nc.jetstream(timeout=timeout)
         self.subjects = subjects
+        self.max_msgs = max_msgs
         self.max_bytes = max_bytes
+        self.headroom = min(headroom, max(1, max_msgs // 4))
 
     def config(self) -> StreamConfig:
         return StreamConfig(
             name=self.subjects.outbox_stream,
             description="bcd events waiting for upstream acknowledgement",
             subjects=[self.subjects.outbox_filter],
-            retention=RetentionPolicy.WORK_QUEUE,
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.NEW,
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW.total_seconds(),
+            max_msgs=self.max_msgs,
             max_bytes=self.max_bytes,
         )
+
+    async def has_room(self) -> bool:
+        try:
+            info = await self.js.stream_info(self.subjects.outbox_stream)
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return info.state.messages + self.headroom < self.max_msgs and info.state.bytes < self.max_bytes * 0.9
 
     async def ensure(self) -> None:
         try:
             await self.js.stream_info(self.subjects.outbox_stream)
         except NotFoundError:
             await self.js.add_stream(self.config())
+        else:
+            await self.js.update_stream(self.config())
 
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None:
         try:

@@ -13,7 +13,7 @@ apply is empty.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.schemas import (
@@ -29,7 +29,7 @@ from shared.schemas import (
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
 from .eventids import bound_id, failed_id, released_id
-from .holdfiles import HoldContent, HoldDevice, HoldOnDisk, build_cdi_spec
+from .holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
 from .model import (
     SECTION,
     BindHold,
@@ -122,8 +122,10 @@ class HostLedger:
     host: HostResources | None
     reserve: int
     promised_memory: int = 0
-    #: (page_size_kib, frozenset of nodes or None for host-wide) -> pages promised
-    promised_pages: list[tuple[int, frozenset[int] | None, int]] = field(default_factory=list)
+    #: (page_size_kib, frozenset of nodes or None for host-wide) -> pages promised.
+    #: (Perf fix: a dict summed per key, not a list of every promise: pages_left
+    #: walked all earlier promises for each new hold, O(holds^2) per pass.)
+    promised_pages: dict[tuple[int, frozenset[int] | None], int] = field(default_factory=dict)
 
     def promise(self, limits: Limits | None) -> None:
         if limits is None:
@@ -131,7 +133,8 @@ class HostLedger:
         self.promised_memory += limits.memory_bytes or 0
         nodes = frozenset(expand_list(limits.mems)) if limits.mems else None
         for hp in limits.hugepages:
-            self.promised_pages.append((hp.page_size_kib, nodes, hp.count))
+            key = (hp.page_size_kib, nodes)
+            self.promised_pages[key] = self.promised_pages.get(key, 0) + hp.count
 
     def readable(self) -> bool:
         return self.host is not None and self.host.memory_bytes is not None
@@ -169,7 +172,7 @@ class HostLedger:
         free = sum(p.free for p in pools)
         promised = sum(
             count
-            for s, held_nodes, count in self.promised_pages
+            for (s, held_nodes), count in self.promised_pages.items()
             if s == size and (nodes is None or held_nodes is None or held_nodes & nodes)
         )
         # free already excludes pages workloads use; total - promised excludes pages
@@ -211,13 +214,29 @@ def _vendor_names(r: ResolvedAtom) -> tuple[str, ...]:
     return (r.gpu.uuid, str(r.gpu.index))
 
 
-def hold_content(assignment: DeviceAssignment, devices: tuple[HoldDevice, ...], observed: Observed) -> HoldContent:
+def mps_gpus(observed: Observed) -> frozenset[str]:
+    """uuids of the GPUs with MPS running."""
+    inv = observed.inventory
+    return frozenset(g.uuid for g in inv.gpus if g.mps_running) if inv is not None else frozenset()
+
+
+def hold_content(
+    assignment: DeviceAssignment,
+    devices: tuple[HoldDevice, ...],
+    observed: Observed,
+    mps_running: frozenset[str] | None = None,
+) -> HoldContent:
+    """`mps_running`: mps_gpus(observed), computed once per pass by the caller.
+
+    (Perf fix: this used to build a uuid -> GPU map of the whole inventory for
+    every assignment with a slot, O(assignments x GPUs) per pass.)
+    """
     sliced = assignment.sliced and assignment.binding != "BINDING_KUBERNETES"
     inv = observed.inventory
     mps = ""
     if inv is not None and any(d.kind == "slot" for d in devices):
-        gpus = {g.uuid: g for g in inv.gpus}
-        if any(gpus.get(d.gpu_uuid) is not None and gpus[d.gpu_uuid].mps_running for d in devices if d.kind == "slot"):
+        running = mps_gpus(observed) if mps_running is None else mps_running
+        if any(d.gpu_uuid in running for d in devices if d.kind == "slot"):
             mps = inv.mps_pipe_dir
     return HoldContent(
         allocation_id=assignment.allocation_id,
@@ -265,8 +284,16 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     for alloc, hold in sorted(observed.holds.items()):
         if alloc in released or alloc in wanted:
             continue
-        reported = alloc in state.reported or state.intents.get(alloc) is None
-        # a bind interrupted before its Bound reached the outbox never existed upstream
+        intent = state.intents.get(alloc)
+        if alloc not in state.reported and intent is not None and intent.op == "bind":
+            # Fix: a bind interrupted after its CDI spec landed may already have its
+            # Bound in the outbox (a crash between the publish and the journal's
+            # "completed"): releasing it unreported left upstream a Bound with no
+            # Released. Report the Bound first (same event id: a duplicate is
+            # dropped), then release it reported; apply skips the release when this
+            # report fails. A bind whose CDI spec never landed (below) cannot have
+            # published and is still undone silently.
+            steps.append(ReportBound(alloc, intent.event_id, _bound_event(hold)))
         steps.append(
             ReleaseHold(
                 alloc,
@@ -275,7 +302,6 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                     allocation_id=alloc, reservation_id=hold.reservation_id, generation=gen, devices=list(hold.devices)
                 ),
                 sliced=bool(hold.cgroup_parent),
-                report=reported,
             )
         )
         released.add(alloc)
@@ -302,6 +328,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
 
     # Who holds what after the releases: kept holds, pending releases, VFIO side.
     index = AtomIndex(observed.inventory)
+    mps = mps_gpus(observed)
     claims = Claims()
     for pci, holder in observed.vfio_claims.items():
         gpu = index.by_pci.get(pci)
@@ -331,24 +358,11 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
             except AtomError as exc:
                 notes.append(f"{alloc}: env file missing and cannot be rebuilt: {exc.message}")
             else:
-                steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed), hold)))
+                steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed, mps), hold)))
         if alloc not in state.reported:
             intent = state.intents.get(alloc)
             event_id = intent.event_id if intent is not None and intent.op == "bind" else bound_id(node, alloc, hold.generation)
-            steps.append(
-                ReportBound(
-                    alloc,
-                    event_id,
-                    AllocationBound(
-                        allocation_id=alloc,
-                        reservation_id=hold.reservation_id,
-                        generation=hold.generation,
-                        devices=list(hold.devices),
-                        cgroup_parent=hold.cgroup_parent,
-                        cdi_devices=list(hold.cdi_names),
-                    ),
-                )
-            )
+            steps.append(ReportBound(alloc, event_id, _bound_event(hold)))
 
     # 5. New holds, in spec order: check, then bind or collect the failure.
     failures: list[Failure] = []
@@ -373,8 +387,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
             failures.append(Failure(alloc, assignment.reservation_id, exc.reason, exc.message))  # type: ignore[arg-type]
             continue
         devices = hold_devices(resolved)
-        content = dataclasses.replace(hold_content(assignment, devices, observed), generation=gen)
-        cdi_spec = build_cdi_spec(content, observed.vendor)
+        content = dataclasses.replace(hold_content(assignment, devices, observed, mps), generation=gen)
         for r in resolved:
             claims.add(r.ref.id, alloc)
         ledger.promise(content.limits)
@@ -388,7 +401,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                     generation=gen,
                     devices=[r.ref.id for r in resolved],
                     cgroup_parent=content.cgroup_parent,
-                    cdi_devices=_qualified(cdi_spec),
+                    cdi_devices=_qualified(content),
                 ),
                 content,
             )
@@ -419,20 +432,41 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     return Plan(generation=gen, steps=tuple(steps), failures=tuple(failures), section=section, notes=tuple(notes))
 
 
+def _bound_event(hold: HoldOnDisk) -> AllocationBound:
+    """The AllocationBound of a hold as its CDI spec on disk says it was bound."""
+    return AllocationBound(
+        allocation_id=hold.allocation_id,
+        reservation_id=hold.reservation_id,
+        generation=hold.generation,
+        devices=list(hold.devices),
+        cgroup_parent=hold.cgroup_parent,
+        cdi_devices=list(hold.cdi_names),
+    )
+
+
 def _with_hold(content: HoldContent, hold: HoldOnDisk) -> HoldContent:
     """A kept hold's env file is rebuilt from the hold as bound, not from a newer assignment."""
     return dataclasses.replace(
         content,
         reservation_id=hold.reservation_id,
         generation=hold.generation,
+        # Fix: the binding too. An assignment whose binding changed after the
+        # bind (HOLD sliced -> KUBERNETES) made HoldContent refuse "a Kubernetes
+        # hold is never sliced" and plan() raise, so every pass failed.
+        binding=hold.binding,
         cgroup_parent=hold.cgroup_parent,
         limits=hold.limits,
     )
 
 
-def _qualified(cdi_spec: Mapping[str, object]) -> list[str]:
-    kind = cdi_spec["kind"]
-    return [f"{kind}={d['name']}" for d in cdi_spec["devices"]]  # type: ignore[index, union-attr]
+def _qualified(content: HoldContent) -> list[str]:
+    """`<kind>=<name>` of each device, as build_cdi_spec names them.
+
+    (Perf fix: the planner used to build the whole CDI spec - deep copies of
+    the vendor's edits - only to read these names back; the HostWriter builds
+    the spec when it writes it.)
+    """
+    return [f"{KIND}={device_name(d.atom_id)}" for d in content.devices]
 
 
 def _check(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, config: PlanConfig) -> list[ResolvedAtom]:
@@ -466,8 +500,11 @@ def _check(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, confi
             raise _Refused("overlap", f"{r.ref.id}: {r.ref.gpu} is bound to vfio-pci (passthrough)")
         problem = claims.conflict(r) or mine.conflict(r)
         if problem:
-            raise _Refused("overlap", problem.replace(f"held by {assignment.allocation_id}", "held by this assignment"))
-        mine.add(r.ref.id, assignment.allocation_id)
+            raise _Refused("overlap", problem)
+        # Fix: the holder of the assignment's own earlier atoms is named
+        # "this assignment" directly. A text replace of "held by <alloc>" missed
+        # "held whole by <alloc>" and also hit a prefix ("held by a10" for a1).
+        mine.add(r.ref.id, "this assignment")
     return resolved
 
 

@@ -39,6 +39,8 @@ from shared.schemas import (
 from .apply import Applier
 from .crash import CrashPoints
 from .domains import Domains, FakeDomains, NoDomains
+from shared.vendorcdi import VENDOR_CDI_FILE
+
 from .holdfiles import HoldOnDisk
 from .hostwriter import LocalHostWriter
 from .loop import PassLoop
@@ -192,6 +194,9 @@ class ConvergerApp(ServiceApp):
             failures=dict(self.failures),
             last_pass_at=self.last_pass_at,
             next_retry_in_s=self.loop.next_retry_in(),
+            privileged=self.privileged,
+            bindings=sorted(self.config.supported_bindings),
+            vendor_cdi_spec=str(vendor) if (vendor := Path(self.opts.cdi_dir) / VENDOR_CDI_FILE).exists() else "",
         )
 
     async def holder(self, q: HolderQuery) -> HolderReply:

@@ -404,7 +404,10 @@ class SystemdSlices:
     or an opened pystemd bus object. pystemd is imported and the Manager built
     on first use, so this module imports without pystemd; a missing pystemd or
     any D-Bus failure is a SliceError. Calls are serialised (an sd-bus
-    connection is not thread-safe).
+    connection is not thread-safe). pystemd waits for each reply holding the
+    GIL, so every thread of the process (an asyncio loop included, even when
+    the call runs in `asyncio.to_thread`) stalls for the call: a millisecond
+    normally, up to sd-bus's 25 s timeout when systemd does not answer.
 
     Slice names nest on '-': `bcd-alloc-a-1.slice` lives inside
     `bcd-alloc-a.slice`, which systemd creates implicitly. An allocation id

@@ -134,6 +134,7 @@ class InventoryApp(ServiceApp):
                 return self.current
             finally:
                 self.m_scan_seconds.observe(time.perf_counter() - started)
+            inv = msgspec.structs.replace(inv, adapter=ctx.opts.adapter)
             key = inventory_content_key(inv)
             if self.current is not None and key == self.content_key:
                 self.m_scans.labels(outcome="unchanged").inc()

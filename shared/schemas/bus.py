@@ -62,6 +62,12 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     failures: dict[str, str] = {}
     last_pass_at: datetime | None = None
     next_retry_in_s: float | None = None
+    #: the converger can write CDI specs and slices (root, fake host or helper).
+    privileged: bool = True
+    #: bindings it binds as holds.
+    bindings: list[str] = []
+    #: the vendor's CDI spec the holds copy edits from ("" when there is none).
+    vendor_cdi_spec: str = ""
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):

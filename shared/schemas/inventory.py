@@ -130,6 +130,8 @@ class Inventory(Struct, kw_only=True):
     revision: NonNegInt = 0
     observed_at: datetime
     vendor: Name = ""
+    #: the adapter that read the host ("nvidia": NVML answered; "fakehw").
+    adapter: Name = ""
     driver_version: Name = ""
     boot_id: Name = ""
     gpus: list[Gpu] = []

@@ -27,7 +27,7 @@ def test_config_has_jetstream_sync_always_and_one_user_per_service(tmp_path):
     conf = json.loads(conf_path.read_text())
     assert conf["jetstream"] == {"store_dir": str(tmp_path / "js"), "sync_interval": "always"}
     assert conf["host"] == "127.0.0.1"
-    users = {u["user"]: u for u in conf["authorization"]["users"]}
+    users = {u["user"]: u for u in conf["accounts"]["NODE"]["users"]}
     assert set(users) == set(NODE_BUS_USERS)
     subjects = NodeSubjects("node-7")
     for name, entry in users.items():
@@ -51,6 +51,18 @@ def test_secrets_are_0600_and_stable(tmp_path):
 
 def test_user_without_publish_rights_gets_a_deny_all_placeholder(tmp_path):
     cfg = BusConfig(store_dir=tmp_path, users=node_bus_users("n", {"signer": "pw"}))
-    signer = json.loads(cfg.render())["authorization"]["users"][0]
+    signer = json.loads(cfg.render())["accounts"]["NODE"]["users"][0]
     # an empty allow list would mean "everything" to nats-server
     assert signer["permissions"]["publish"]["allow"] == ["_bcd_nothing_"]
+
+
+def test_embedded_upstream_is_a_separate_account_with_per_node_users(tmp_path):
+    conf_path, creds = prepare_node_bus(tmp_path / "bus", tmp_path / "js", "n1", upstream_nodes=["n1", "n2"])
+    conf = json.loads(conf_path.read_text())
+    up = {u["user"]: u for u in conf["accounts"]["UPSTREAM"]["users"]}
+    assert set(up) == {"controlplane", "node-n1", "node-n2"}
+    assert not {"controlplane", "node-n1"} & {u["user"] for u in conf["accounts"]["NODE"]["users"]}
+    n1 = up["node-n1"]["permissions"]
+    assert "bcd.events.n1.>" in n1["publish"]["allow"]
+    assert not any("n2" in s for s in n1["publish"]["allow"] + n1["subscribe"]["allow"])
+    assert conf["accounts"]["UPSTREAM"]["jetstream"] == "enabled"

@@ -1,0 +1,1264 @@
+"""The reference control plane: signs and pushes NodeSpecs, verifies and applies node events.
+
+It speaks the upstream contract of DESIGN section 3 exactly, and nothing
+more: it owns the KV buckets `bcd_nodespecs`, `bcd_nodes`, `bcd_inventory`
+and the stream `BCD_EVENTS`; it puts each node's spec as a `SignedNodeSpec`
+signed with its own Ed25519 key; and it reads `bcd.events.<node>.<type>`
+through a durable pull consumer, checks every AttestedReport against the key
+the node announced in its Hello (signature, node, boot id, `Nats-Msg-Id`),
+rejects what does not check out, and runs a small reservation state machine:
+
+    binding  -> active    on a verified Bound
+    *        -> failed    on AllocationFailed (reason and message kept)
+    *        -> released  on a verified Released
+    active   -> releasing when a newer spec no longer names the reservation
+    binding  -> withdrawn when a newer spec no longer names it before it bound
+
+Everything it decides survives a restart: processed event ids, reservations,
+the boot ids each node announced and the last generation per node live in
+`<state_dir>/state.json` (atomic writes under a file lock, so `bcd apply` in
+another process and the running consumer never lose each other's updates).
+Each event is also printed as one readable line on stdout and appended, with
+all fields, to `<state_dir>/events.jsonl`.
+
+`bcd up` runs it embedded; `python -m bcd.controlplane serve|put` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import signal
+import stat
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from shared import logs
+from shared.fsutil import atomic_write
+from shared.schemas import (
+    ATTESTED_REPORT_CODEC,
+    HELLO_CODEC,
+    INVENTORY_CODEC,
+    NODE_EVENT_CODEC,
+    NODE_SPEC_CODEC,
+    REPORT_BODY_CODEC,
+    SIGNED_NODE_SPEC_CODEC,
+    AllocationBound,
+    AllocationFailed,
+    AllocationReleased,
+    BadMessage,
+    Condition,
+    GpuChanged,
+    Hello,
+    Inventory,
+    NodeCondition,
+    NodeSpec,
+    ReportBody,
+    SectionStatus,
+    encode,
+)
+from shared.schemas.events import EVENT_TYPES
+from shared.signing import VerificationError, key_id, sign_node_spec, verify_report
+from shared.subjects import (
+    CONTROLPLANE_USER,
+    MSG_ID_HEADER,
+    UPSTREAM_EVENTS_STREAM,
+    UPSTREAM_INVENTORY_BUCKET,
+    UPSTREAM_NODES_BUCKET,
+    UPSTREAM_NODESPECS_BUCKET,
+    inbox_prefix,
+    upstream_events_filter,
+    upstream_spec_key_subject,
+)
+
+log = logs.get_logger("bcd.controlplane")
+
+CONSUMER_NAME = "controlplane"
+#: the stream's dedupe window: a node replaying its outbox within it is dropped by JetStream itself.
+DUPLICATE_WINDOW = timedelta(hours=24)
+#: spec history kept per node (nodes read only the last; the rest is for operators).
+NODESPECS_HISTORY = 5
+BUCKET_HISTORY: dict[str, int] = {
+    UPSTREAM_NODESPECS_BUCKET: NODESPECS_HISTORY,
+    UPSTREAM_NODES_BUCKET: 1,
+    UPSTREAM_INVENTORY_BUCKET: 1,
+}
+#: how many processed event ids state.json remembers (oldest forgotten first).
+MAX_PROCESSED_IDS = 20_000
+
+STATE_FILE = "state.json"
+EVENTS_FILE = "events.jsonl"
+LOCK_FILE = "state.lock"
+KEY_FILE = "cp.key"
+PUB_FILE = "cp.pub"
+
+ReservationState = Literal["binding", "active", "failed", "releasing", "released", "withdrawn"]
+Outcome = Literal["applied", "duplicate", "rejected"]
+ATTESTED_TYPES = frozenset({"bound", "released"})
+KV_OPERATION_HEADER = "KV-Operation"
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """What the control plane knows of one reservation."""
+
+    reservation_id: str
+    node_id: str
+    allocation_id: str
+    state: ReservationState
+    #: the spec generation that last named it, or the event's generation after an event.
+    generation: int
+    reason: str = ""
+    message: str = ""
+    #: atom ids a Bound/Released reported.
+    devices: list[str] = []
+    #: the event that last moved it ("" after a spec put).
+    event_id: str = ""
+    updated_at: datetime
+
+
+class NodeRecord(msgspec.Struct, kw_only=True):
+    """Per-node memory: generations, announced boot ids, the last key, conditions, sections."""
+
+    last_generation: int = 0
+    #: every boot id the node announced in a Hello, oldest first.
+    boot_ids: list[str] = []
+    key_id: str = ""
+    conditions: dict[str, Condition] = {}
+    sections: dict[str, SectionStatus] = {}
+
+
+class ControlPlaneState(msgspec.Struct, kw_only=True):
+    """`<state_dir>/state.json`."""
+
+    version: int = 1
+    #: event id -> when it was applied (insertion order: oldest first).
+    processed: dict[str, datetime] = {}
+    reservations: dict[str, Reservation] = {}
+    nodes: dict[str, NodeRecord] = {}
+    rejected_count: int = 0
+    duplicate_count: int = 0
+
+    def node(self, node_id: str) -> NodeRecord:
+        rec = self.nodes.get(node_id)
+        if rec is None:
+            rec = self.nodes[node_id] = NodeRecord()
+        return rec
+
+
+class EventRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One processed event: a line on stdout and a JSON line in events.jsonl."""
+
+    received_at: datetime
+    #: the event's own time (report body, condition since), when it has one.
+    time: datetime | None = None
+    node_id: str
+    type: str
+    event_id: str = ""
+    outcome: Outcome
+    #: True: signature checked against the node's Hello key; False: a signed event
+    #: that did not verify; None: a plain event (the contract does not sign it).
+    verified: bool | None = None
+    #: why it was rejected ("" otherwise).
+    reason: str = ""
+    allocation_id: str = ""
+    reservation_id: str = ""
+    generation: int | None = None
+    #: the reservation's state after this event ("" when none moved).
+    state: str = ""
+    boot_id: str = ""
+    key_id: str = ""
+    subject: str = ""
+    stream_seq: int = 0
+    detail: str = ""
+    #: the decoded event (for a rejected report: what its body claimed, unverified).
+    event: dict[str, Any] | None = None
+
+
+_STATE_DECODER = msgspec.json.Decoder(ControlPlaneState)
+_RECORD_DECODER = msgspec.json.Decoder(EventRecord)
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def next_generation(state: ControlPlaneState, node_id: str, requested: int | None, published: int = 0) -> tuple[int, str]:
+    """The generation to put: `requested` when above everything put so far, else last + 1.
+
+    `published` is the generation found in the bucket now (it may be ahead of
+    state.json when the state dir was lost or another control plane put).
+    Returns (generation, note); the note says why a requested one was bumped.
+    """
+    last = max(state.node(node_id).last_generation, published)
+    if requested is None:
+        return last + 1, ""
+    if requested > last:
+        return requested, ""
+    return last + 1, f"generation {requested} is not above the last put generation {last}; put as {last + 1}"
+
+
+def apply_spec(state: ControlPlaneState, spec: NodeSpec, at: datetime) -> None:
+    """A spec was put: its reservations are binding unless already active for the same allocation."""
+    rec = state.node(spec.node_id)
+    rec.last_generation = max(rec.last_generation, spec.generation)
+    named: set[str] = set()
+    for a in spec.devices:
+        named.add(a.reservation_id)
+        cur = state.reservations.get(a.reservation_id)
+        if cur is not None and cur.state == "active" and cur.allocation_id == a.allocation_id and cur.node_id == spec.node_id:
+            state.reservations[a.reservation_id] = msgspec.structs.replace(cur, generation=spec.generation, updated_at=at)
+            continue
+        state.reservations[a.reservation_id] = Reservation(
+            reservation_id=a.reservation_id,
+            node_id=spec.node_id,
+            allocation_id=a.allocation_id,
+            state="binding",
+            generation=spec.generation,
+            devices=list(a.devices),
+            updated_at=at,
+        )
+    for rid, cur in list(state.reservations.items()):
+        if cur.node_id != spec.node_id or rid in named:
+            continue
+        if cur.state == "active":
+            state.reservations[rid] = msgspec.structs.replace(cur, state="releasing", generation=spec.generation, updated_at=at)
+        elif cur.state == "binding":
+            state.reservations[rid] = msgspec.structs.replace(cur, state="withdrawn", generation=spec.generation, updated_at=at)
+
+
+def apply_event(state: ControlPlaneState, node_id: str, event: object, event_id: str, at: datetime) -> Reservation | None:
+    """Apply one accepted (verified or plain) event; return the reservation it moved, if any.
+
+    The caller has already checked signatures and duplicates: this is only
+    the state machine.
+    """
+    if isinstance(event, (AllocationBound, AllocationReleased, AllocationFailed)):
+        cur = state.reservations.get(event.reservation_id)
+        new_state: ReservationState
+        reason = message = ""
+        if isinstance(event, AllocationBound):
+            new_state = "active"
+        elif isinstance(event, AllocationReleased):
+            new_state = "released"
+        else:
+            new_state, reason, message = "failed", event.reason, event.message
+        devices = list(getattr(event, "devices", [])) or (list(cur.devices) if cur is not None else [])
+        rsv = Reservation(
+            reservation_id=event.reservation_id,
+            node_id=node_id,
+            allocation_id=event.allocation_id,
+            state=new_state,
+            generation=event.generation,
+            reason=reason,
+            message=message,
+            devices=devices,
+            event_id=event_id,
+            updated_at=at,
+        )
+        state.reservations[event.reservation_id] = rsv
+        return rsv
+    if isinstance(event, NodeCondition):
+        state.node(node_id).conditions[event.condition.type] = event.condition
+    elif isinstance(event, SectionStatus):
+        state.node(node_id).sections[event.section] = event
+    return None
+
+
+def remember_processed(state: ControlPlaneState, event_id: str, at: datetime, limit: int = MAX_PROCESSED_IDS) -> None:
+    state.processed[event_id] = at
+    excess = len(state.processed) - limit
+    if excess > 0:
+        for old in list(state.processed)[:excess]:
+            del state.processed[old]
+
+
+def remember_boot(state: ControlPlaneState, hello: Hello) -> bool:
+    """Record the Hello's boot id and key; True when the boot id is new."""
+    rec = state.node(hello.node_id)
+    if rec.key_id and rec.key_id != hello.key_id:
+        log.warning("node key changed", node_id=hello.node_id, old_key_id=rec.key_id, new_key_id=hello.key_id)
+    rec.key_id = hello.key_id
+    if hello.boot_id in rec.boot_ids:
+        return False
+    rec.boot_ids.append(hello.boot_id)
+    return True
+
+
+class StateStore:
+    """state.json under an exclusive flock, reloaded when another process changed it."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = self.dir / STATE_FILE
+        self.lock_path = self.dir / LOCK_FILE
+        self.state = ControlPlaneState()
+        self._stamp: tuple[int, int, int] | None = None
+        with self._locked():
+            self._reload(force=True)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _reload(self, *, force: bool = False) -> None:
+        stamp = self._file_stamp()
+        if not force and stamp == self._stamp:
+            return
+        if stamp is None:
+            self.state = ControlPlaneState()
+        else:
+            try:
+                self.state = _STATE_DECODER.decode(self.path.read_bytes())
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise StateError(f"{self.path}: does not decode ({exc}); move it away to start afresh") from None
+        self._stamp = stamp
+
+    def refresh(self) -> ControlPlaneState:
+        """The current state, reloaded if another process wrote it."""
+        if self._file_stamp() != self._stamp:
+            with self._locked():
+                self._reload()
+        return self.state
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[ControlPlaneState]:
+        """Lock, reload if changed, let the caller mutate, write atomically.
+
+        Synchronous on purpose: no await can run inside, so two coroutines of
+        one process never interleave a transaction (and never deadlock on the flock).
+        """
+        with self._locked():
+            self._reload()
+            try:
+                yield self.state
+            except BaseException:
+                self._reload(force=True)  # drop the half-applied change
+                raise
+            atomic_write(self.path, encode(self.state), 0o600)
+            self._stamp = self._file_stamp()
+
+
+class StateError(Exception):
+    """state.json is unusable; the text says what to do."""
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+class KeyFileError(Exception):
+    """The control-plane key file is unsafe or unreadable; the text says what to do."""
+
+
+def public_key_pem(key: Ed25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def load_or_create_cp_key(state_dir: Path) -> tuple[Ed25519PrivateKey, Path]:
+    """`<state_dir>/cp.key` (PKCS#8 PEM, 0600, created once) and `<state_dir>/cp.pub`.
+
+    cp.pub is the PEM SubjectPublicKeyInfo nodes get as `--cp-key`; it is
+    rewritten whenever it does not match the private key. A key file that
+    group or others can read is refused: it may already have leaked.
+    (Same rules as the node key, services/signer/keys.py.)
+    """
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = _load_or_create_private(state_dir / KEY_FILE)
+    pub_path = state_dir / PUB_FILE
+    pem = public_key_pem(key)
+    try:
+        current = pub_path.read_bytes()
+    except FileNotFoundError:
+        current = b""
+    if current != pem:
+        atomic_write(pub_path, pem, 0o644)
+    return key, pub_path
+
+
+def _load_or_create_private(path: Path) -> Ed25519PrivateKey:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return _create_private(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise KeyFileError(f"{path}: is a symlink; refusing to follow it") from None
+        raise KeyFileError(f"{path}: cannot open ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileError(f"{path}: not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise KeyFileError(
+                f"{path}: key file is readable by others (mode {mode:04o}); "
+                f"it may have leaked: chmod 600 it if you are sure it did not, or remove it to make a new key"
+            )
+        if st.st_uid != os.geteuid():
+            raise KeyFileError(f"{path}: owned by uid {st.st_uid}, not by this control plane (uid {os.geteuid()})")
+        data = f.read()
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except ValueError as exc:
+        raise KeyFileError(f"{path}: not a PEM private key ({exc})") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyFileError(f"{path}: not an Ed25519 key")
+    return key
+
+
+def _create_private(path: Path) -> Ed25519PrivateKey:
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
+        # link(2) fails when another process made the key meanwhile: never overwrite a key.
+        os.link(tmp, path)
+    except FileExistsError:
+        os.unlink(tmp)
+        return _load_or_create_private(path)
+    os.unlink(tmp)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return key
+
+
+# ----------------------------------------------------------------------------- the event log
+
+
+_GPU_UUID_RE = re.compile(r"GPU-([0-9A-Za-z]{4})[0-9A-Za-z-]{4,}([0-9A-Za-z]{4})")
+
+
+def short_atom(atom: str) -> str:
+    """`GPU-5f1c2a90-...-000000000001/gi1/ci0` -> `GPU-5f1c…0001/gi1/ci0`."""
+    return _GPU_UUID_RE.sub(lambda m: f"GPU-{m.group(1)}…{m.group(2)}", atom, count=1)
+
+
+def _devices_text(devices: list[str], limit: int = 3) -> str:
+    shown = ",".join(short_atom(d) for d in devices[:limit])
+    return shown + (f" +{len(devices) - limit}" if len(devices) > limit else "")
+
+
+def describe(event: object) -> tuple[str, str, str, int | None, str]:
+    """(allocation_id, reservation_id, what, generation, detail) of an event, for the log."""
+    if isinstance(event, (AllocationBound, AllocationReleased)):
+        return event.allocation_id, event.reservation_id, "", event.generation, _devices_text(list(event.devices))
+    if isinstance(event, AllocationFailed):
+        detail = event.reason + (f": {event.message}" if event.message else "")
+        return event.allocation_id, event.reservation_id, "", event.generation, detail
+    if isinstance(event, SectionStatus):
+        detail = event.state + (f": {event.message}" if event.message else "")
+        return "", "", event.section, event.observed_generation, detail
+    if isinstance(event, NodeCondition):
+        c = event.condition
+        detail = f"{c.type}={c.status}" + (f" {c.reason}" if c.reason else "") + (f": {c.message}" if c.message else "")
+        return "", "", c.type, None, detail
+    if isinstance(event, GpuChanged):
+        detail = f"{event.phase}/{event.management_state}" + (f" {short_atom('GPU-' + event.uuid.removeprefix('GPU-'))}" if event.uuid else "")
+        return "", "", event.pci_address, None, detail
+    return "", "", "", None, ""
+
+
+def format_line(rec: EventRecord) -> str:
+    """One readable line: `08:21:03 node-1  bound     whole (rsv-whole) gen 1  GPU-5f1c…0001  verified`."""
+    when = (rec.time or rec.received_at).astimezone().strftime("%H:%M:%S")
+    subject_of = ""
+    if rec.allocation_id:
+        subject_of = f"{rec.allocation_id} ({rec.reservation_id})"
+    elif rec.event and isinstance(rec.event, dict):
+        subject_of = str(rec.event.get("section") or rec.event.get("pci_address") or "")
+    parts = [f"{when} {rec.node_id:<7} {rec.type:<9}"]
+    what = subject_of
+    if rec.generation is not None:
+        what = f"{what} gen {rec.generation}".strip()
+    if what:
+        parts.append(" " + what)
+    if rec.detail:
+        parts.append("  " + rec.detail)
+    if rec.outcome == "rejected":
+        status = f"REJECTED: {rec.reason}"
+    elif rec.outcome == "duplicate":
+        status = f"duplicate {rec.event_id} (ignored)"
+    else:
+        status = "verified" if rec.verified else "plain"
+        if rec.state and rec.reservation_id:
+            status += f" -> {rec.state}"
+    parts.append("  " + status)
+    return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- put results
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What `put_spec` put: the signed spec, its KV revision, and whether the generation was bumped."""
+
+    spec: NodeSpec
+    revision: int
+    #: the generation the caller gave (None: none given, so last + 1 was used).
+    requested_generation: int | None
+    #: non-empty when the requested generation was not above the last one and was bumped.
+    note: str = ""
+
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    @property
+    def bumped(self) -> bool:
+        return bool(self.note)
+
+
+def _spec_fields(spec: NodeSpec | dict[str, Any] | str | bytes) -> dict[str, Any]:
+    if isinstance(spec, NodeSpec):
+        return msgspec.to_builtins(spec)
+    if isinstance(spec, (str, bytes, bytearray)):
+        try:
+            data = json.loads(spec)
+        except ValueError as exc:
+            raise BadMessage(f"spec: not valid JSON ({exc})") from None
+    else:
+        data = spec
+    if not isinstance(data, dict):
+        raise BadMessage("spec: expected a JSON object")
+    return dict(data)
+
+
+# ----------------------------------------------------------------------------- the control plane
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Transient(Exception):
+    """Upstream did not answer (a Hello lookup); the message is retried, not judged."""
+
+
+_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, asyncio.TimeoutError, TimeoutError)
+
+
+class ControlPlane:
+    """The reference control plane over one connected upstream client.
+
+    `nc` must be connected as `controlplane` with `inbox_prefix("controlplane")`
+    (its permissions allow nothing else).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        key: Ed25519PrivateKey,
+        state_dir: Path,
+        *,
+        out: TextIO | None = sys.stdout,
+        fetch_batch: int = 64,
+        fetch_timeout: float = 0.5,
+        js_timeout: float = 5.0,
+    ) -> None:
+        self.nc = nc
+        self.key = key
+        self.key_id = key_id(key)
+        self.state_dir = Path(state_dir)
+        self.store = StateStore(self.state_dir)
+        self.events_path = self.state_dir / EVENTS_FILE
+        self.js = nc.jetstream(timeout=js_timeout)
+        self._out = out
+        self._fetch_batch = fetch_batch
+        self._fetch_timeout = fetch_timeout
+        self._kv: dict[str, KeyValue] = {}
+        self._hellos: dict[str, Hello] = {}
+        self._events: list[EventRecord] = []
+        self._rejected: list[EventRecord] = []
+        self._duplicates: list[EventRecord] = []
+        #: set while `run` consumes (its subscriptions are in place on the server).
+        self.consuming = asyncio.Event()
+        self._load_event_log()
+
+    # ------------------------------------------------------------------ upstream objects
+
+    async def ensure_upstream(self) -> None:
+        """Create the buckets and the stream when missing (idempotent); fix allow_direct if off."""
+        for bucket, history in BUCKET_HISTORY.items():
+            stream = f"KV_{bucket}"
+            try:
+                info = await self.js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                await self.js.create_key_value(
+                    KeyValueConfig(
+                        bucket=bucket,
+                        description=f"bcd upstream {bucket}",
+                        history=history,
+                        storage=StorageType.FILE,
+                        direct=True,
+                    )
+                )
+                log.info("created bucket", bucket=bucket, history=history)
+            else:
+                if not info.config.allow_direct:
+                    info.config.allow_direct = True
+                    await self.js.update_stream(info.config)
+                    log.warning("bucket did not allow direct gets; turned them on", bucket=bucket)
+            self._kv[bucket] = await self.js.key_value(bucket)
+        want = StreamConfig(
+            name=UPSTREAM_EVENTS_STREAM,
+            description="bcd node events (one per message, Nats-Msg-Id = event id)",
+            subjects=[upstream_events_filter()],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW.total_seconds(),
+        )
+        try:
+            info = await self.js.stream_info(UPSTREAM_EVENTS_STREAM)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(want)
+            log.info("created stream", stream=UPSTREAM_EVENTS_STREAM)
+        else:
+            cfg = info.config
+            if list(cfg.subjects or []) != want.subjects or (cfg.duplicate_window or 0) != want.duplicate_window:
+                cfg.subjects = want.subjects
+                cfg.duplicate_window = want.duplicate_window
+                await self.js.update_stream(cfg)
+                log.warning("stream config differed; updated", stream=UPSTREAM_EVENTS_STREAM)
+            if cfg.storage != StorageType.FILE:
+                log.warning("stream is not file-backed; events are lost with the server", stream=UPSTREAM_EVENTS_STREAM)
+
+    async def _bucket(self, bucket: str) -> KeyValue:
+        kv = self._kv.get(bucket)
+        if kv is None:
+            kv = self._kv[bucket] = await self.js.key_value(bucket)
+        return kv
+
+    # ------------------------------------------------------------------ specs
+
+    async def put_spec(self, spec: NodeSpec | dict[str, Any] | str | bytes) -> PutResult:
+        """Sign and put one node's spec at `bcd_nodespecs/<node_id>`.
+
+        A dict or JSON without `generation` gets the last put generation + 1;
+        a given generation not above the last is bumped the same way, and the
+        result's `note` says so. Raises BadMessage when the spec does not decode.
+        """
+        fields = _spec_fields(spec)
+        requested = fields.get("generation")
+        # Validate first (with any generation), so a bad spec never consumes one.
+        draft = NODE_SPEC_CODEC.decode(encode({**fields, "generation": requested if isinstance(requested, int) and requested >= 0 else 0}))
+        if requested is not None:
+            NODE_SPEC_CODEC.decode(encode(fields))  # a malformed generation fails here, named
+        node_id = draft.node_id
+        try:
+            upstream_spec_key_subject(node_id)  # refuses a reserved node id
+        except ValueError as exc:
+            raise BadMessage(f"spec: {exc}") from None
+        published = await self._published_generation(node_id)
+        with self.store.transaction() as st:
+            gen, note = next_generation(st, node_id, requested, published)
+            # reserve it now: a concurrent put (another process) gets the next one.
+            st.node(node_id).last_generation = gen
+        final = msgspec.structs.replace(draft, generation=gen)
+        signed = sign_node_spec(self.key, final)
+        kv = await self._bucket(UPSTREAM_NODESPECS_BUCKET)
+        revision = await kv.put(node_id, encode(signed))
+        with self.store.transaction() as st:
+            apply_spec(st, final, now_utc())
+        if note:
+            log.warning("generation bumped", node_id=node_id, note=note)
+        log.info("spec put", node_id=node_id, generation=gen, revision=revision, assignments=len(final.devices), key_id=self.key_id)
+        return PutResult(spec=final, revision=revision, requested_generation=requested, note=note)
+
+    async def _published_generation(self, node_id: str) -> int:
+        kv = await self._bucket(UPSTREAM_NODESPECS_BUCKET)
+        try:
+            entry = await kv.get(node_id)
+        except nats.js.errors.KeyNotFoundError:
+            return 0
+        try:
+            signed = SIGNED_NODE_SPEC_CODEC.decode(entry.value or b"")
+            return NODE_SPEC_CODEC.decode(signed.spec).generation
+        except BadMessage as exc:
+            log.warning("spec in bucket does not decode; ignoring its generation", node_id=node_id, error=str(exc))
+            return 0
+
+    # ------------------------------------------------------------------ nodes
+
+    async def node_hello(self, node_id: str) -> Hello | None:
+        """The node's current Hello from `bcd_nodes` (fetched now; None when absent or invalid)."""
+        hello, _ = await self._fetch_hello(node_id)
+        return hello
+
+    async def node_inventory(self, node_id: str) -> Inventory | None:
+        kv = await self._bucket(UPSTREAM_INVENTORY_BUCKET)
+        try:
+            entry = await kv.get(node_id)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        try:
+            return INVENTORY_CODEC.decode(entry.value or b"")
+        except BadMessage as exc:
+            log.warning("inventory does not decode", node_id=node_id, error=str(exc))
+            return None
+
+    async def node_conditions(self, node_id: str) -> dict[str, Condition]:
+        """The latest condition per type that the node reported (from the processed events)."""
+        rec = self.store.refresh().nodes.get(node_id)
+        return dict(rec.conditions) if rec else {}
+
+    async def node_sections(self, node_id: str) -> dict[str, SectionStatus]:
+        """The latest SectionStatus per section that the node reported."""
+        rec = self.store.refresh().nodes.get(node_id)
+        return dict(rec.sections) if rec else {}
+
+    def boot_ids(self, node_id: str) -> list[str]:
+        rec = self.store.refresh().nodes.get(node_id)
+        return list(rec.boot_ids) if rec else []
+
+    async def _fetch_hello(self, node_id: str) -> tuple[Hello | None, str]:
+        """(Hello, "") or (None, why). Network trouble raises (transient)."""
+        kv = await self._bucket(UPSTREAM_NODES_BUCKET)
+        try:
+            entry = await kv.get(node_id)
+        except nats.js.errors.KeyNotFoundError:
+            self._hellos.pop(node_id, None)
+            return None, f"{node_id} has no Hello in {UPSTREAM_NODES_BUCKET}"
+        hello, problem = self._check_hello(node_id, entry.value or b"")
+        if hello is not None:
+            self._learn_hello(hello)
+        return hello, problem
+
+    @staticmethod
+    def _check_hello(node_id: str, data: bytes) -> tuple[Hello | None, str]:
+        try:
+            hello = HELLO_CODEC.decode(data)
+        except BadMessage as exc:
+            return None, f"{node_id}'s Hello does not decode ({exc})"
+        if hello.node_id != node_id:
+            return None, f"Hello under key {node_id} names node {hello.node_id}"
+        if len(hello.public_key) != 32:
+            return None, f"{node_id}'s Hello public key is {len(hello.public_key)} bytes, not 32"
+        if key_id(hello.public_key) != hello.key_id:
+            return None, f"{node_id}'s Hello key_id {hello.key_id} does not match its public key"
+        return hello, ""
+
+    def _learn_hello(self, hello: Hello) -> None:
+        self._hellos[hello.node_id] = hello
+        rec = self.store.refresh().nodes.get(hello.node_id)
+        if rec is None or hello.boot_id not in rec.boot_ids or rec.key_id != hello.key_id:
+            with self.store.transaction() as st:
+                if remember_boot(st, hello):
+                    log.info("node boot announced", node_id=hello.node_id, boot_id=hello.boot_id, key_id=hello.key_id)
+
+    async def _on_hello_msg(self, msg: Msg) -> None:
+        """A Hello put seen live (`$KV.bcd_nodes.<node>`): remember its boot id at once."""
+        node_id = msg.subject.rsplit(".", 1)[-1]
+        if (msg.headers or {}).get(KV_OPERATION_HEADER) in ("DEL", "PURGE"):
+            self._hellos.pop(node_id, None)
+            return
+        hello, problem = self._check_hello(node_id, msg.data)
+        if hello is None:
+            log.warning("ignoring a bad Hello", node_id=node_id, reason=problem)
+            return
+        try:
+            self._learn_hello(hello)
+        except Exception:  # noqa: BLE001 - a subscription callback must not die
+            log.exception("could not record a Hello", node_id=node_id)
+
+    # ------------------------------------------------------------------ events
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Consume BCD_EVENTS until `stopping` is set; ack every message once judged."""
+        psub = await self.js.pull_subscribe(
+            upstream_events_filter(),
+            durable=CONSUMER_NAME,
+            stream=UPSTREAM_EVENTS_STREAM,
+            config=ConsumerConfig(
+                durable_name=CONSUMER_NAME,
+                description="bcd reference control plane",
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                filter_subject=upstream_events_filter(),
+                ack_wait=30,
+                max_deliver=-1,
+            ),
+        )
+        hello_sub = await self.nc.subscribe(f"$KV.{UPSTREAM_NODES_BUCKET}.>", cb=self._on_hello_msg)
+        await self.nc.flush()
+        self.consuming.set()
+        log.info("consuming events", stream=UPSTREAM_EVENTS_STREAM, consumer=CONSUMER_NAME, state_dir=str(self.state_dir))
+        try:
+            while not stopping.is_set():
+                try:
+                    msgs = await psub.fetch(self._fetch_batch, timeout=self._fetch_timeout)
+                except asyncio.TimeoutError:  # nats' own TimeoutError too; fetch raises both
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+                    raise
+                except nats.errors.Error as exc:
+                    log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                    await _sleep_unless(stopping, 1.0)
+                    continue
+                for msg in msgs:
+                    await self._handle_with_retry(msg, stopping)
+        finally:
+            self.consuming.clear()
+            for sub in (hello_sub, psub):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            task = getattr(hello_sub, "_wait_for_msgs_task", None)
+            if isinstance(task, asyncio.Task):
+                await asyncio.wait({task}, timeout=1.0)
+
+    async def _handle_with_retry(self, msg: Msg, stopping: asyncio.Event) -> None:
+        """Judge one message; when upstream itself fails, retry it in place (events stay in order)."""
+        while True:
+            try:
+                await self.handle(msg)
+                return
+            except _Transient as exc:
+                log.warning("upstream lookup failed; retrying the event", subject=msg.subject, error=str(exc))
+                if stopping.is_set():
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+                    return
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+                await _sleep_unless(stopping, 1.0)
+
+    async def handle(self, msg: Msg) -> EventRecord:
+        """Judge, apply, persist, log, then ack one message of BCD_EVENTS."""
+        rec = await self._judge(msg)
+        self._record(rec)
+        await msg.ack()
+        return rec
+
+    async def _judge(self, msg: Msg) -> EventRecord:
+        received = now_utc()
+        seq = 0
+        with contextlib.suppress(Exception):
+            seq = msg.metadata.sequence.stream
+        tokens = msg.subject.split(".")
+        node_id = tokens[2] if len(tokens) > 2 else ""
+        etype = tokens[-1]
+        base: dict[str, Any] = dict(received_at=received, node_id=node_id, type=etype, subject=msg.subject, stream_seq=seq)
+        header_id = (msg.headers or {}).get(MSG_ID_HEADER)
+        if len(tokens) != 4 or tokens[:2] != ["bcd", "events"] or etype not in EVENT_TYPES:
+            return self._reject(base, f"subject {msg.subject} is not bcd.events.<node>.<{'|'.join(EVENT_TYPES)}>", header_id)
+        if etype in ATTESTED_TYPES:
+            return await self._judge_attested(msg, base, node_id, etype, header_id)
+        return self._judge_plain(msg, base, node_id, etype, header_id)
+
+    async def _judge_attested(self, msg: Msg, base: dict[str, Any], node_id: str, etype: str, header_id: str | None) -> EventRecord:
+        try:
+            report = ATTESTED_REPORT_CODEC.decode(msg.data)
+        except BadMessage as exc:
+            return self._reject(base, f"not an AttestedReport ({exc})", header_id, verified=False)
+        claimed = _unverified_body(report.body)
+        base.update(key_id=report.key_id)
+        if claimed is not None:
+            base.update(_claimed_fields(claimed))
+        try:
+            body = await self._verify(node_id, etype, report, header_id)
+        except _Rejected as rej:
+            return self._reject(base, rej.reason, header_id or (claimed.event_id if claimed else ""), verified=False)
+        return self._accept(base, body.event, body.event_id, verified=True, time=body.time, boot_id=body.boot_id)
+
+    async def _verify(self, node_id: str, etype: str, report: Any, header_id: str | None) -> ReportBody:
+        try:
+            hello = self._hellos.get(node_id)
+            if hello is None or hello.key_id != report.key_id:
+                hello, problem = await self._fetch_hello(node_id)
+                if hello is None:
+                    raise _Rejected(problem)
+            try:
+                body = verify_report(report, hello.public_key)
+            except VerificationError as exc:
+                raise _Rejected(str(exc)) from None
+            if body.node_id != node_id:
+                raise _Rejected(f"body names node {body.node_id} on {node_id}'s subject")
+            if body.event.__struct_config__.tag != etype:
+                raise _Rejected(f"body carries a {body.event.__struct_config__.tag} event on a {etype} subject")
+            if body.boot_id not in self.boot_ids(node_id):
+                # The node may have rebooted since we last looked.
+                fresh, _ = await self._fetch_hello(node_id)
+                if fresh is None or body.boot_id not in self.boot_ids(node_id):
+                    raise _Rejected(f"boot id {body.boot_id} was never announced by {node_id}")
+            if header_id is not None and header_id != body.event_id:
+                raise _Rejected(f"{MSG_ID_HEADER} {header_id} is not the body's event_id {body.event_id}")
+            return body
+        except _TRANSIENT_ERRORS as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+
+    def _judge_plain(self, msg: Msg, base: dict[str, Any], node_id: str, etype: str, header_id: str | None) -> EventRecord:
+        try:
+            event = NODE_EVENT_CODEC.decode(msg.data)
+        except BadMessage as exc:
+            return self._reject(base, f"not a node event ({exc})", header_id)
+        tag = event.__struct_config__.tag
+        if tag != etype:
+            return self._reject(base, f"a {tag} event on a {etype} subject (bound and released travel signed)", header_id, event=event)
+        event_id = header_id or f"{node_id}.{etype}.sha256-{hashlib.sha256(msg.data).hexdigest()[:32]}"
+        when = event.condition.since if isinstance(event, NodeCondition) else None
+        return self._accept(base, event, event_id, verified=None, time=when)
+
+    def _accept(self, base: dict[str, Any], event: Any, event_id: str, *, verified: bool | None, time: datetime | None, boot_id: str = "") -> EventRecord:
+        alloc, rsv, _what, gen, detail = describe(event)
+        fields = dict(
+            base,
+            time=time,
+            event_id=event_id,
+            verified=verified,
+            allocation_id=alloc,
+            reservation_id=rsv,
+            generation=gen,
+            boot_id=boot_id,
+            detail=detail,
+            event=msgspec.to_builtins(event),
+        )
+        now = base["received_at"]
+        with self.store.transaction() as st:
+            if event_id in st.processed:
+                st.duplicate_count += 1
+                return EventRecord(**fields, outcome="duplicate")
+            moved = apply_event(st, base["node_id"], event, event_id, now)
+            remember_processed(st, event_id, now)
+        return EventRecord(**fields, outcome="applied", state=moved.state if moved else "")
+
+    def _reject(self, base: dict[str, Any], reason: str, event_id: str | None, *, verified: bool | None = None, event: Any = None) -> EventRecord:
+        with self.store.transaction() as st:
+            st.rejected_count += 1
+        fields = dict(base)
+        if event is not None:
+            alloc, rsv, _what, gen, detail = describe(event)
+            fields.update(allocation_id=alloc, reservation_id=rsv, generation=gen, detail=detail, event=msgspec.to_builtins(event))
+        log.warning("event rejected", node_id=base["node_id"], type=base["type"], subject=base["subject"], reason=reason, event_id=event_id or "")
+        return EventRecord(**fields, event_id=event_id or "", outcome="rejected", verified=verified, reason=reason)
+
+    def _record(self, rec: EventRecord) -> None:
+        {"applied": self._events, "duplicate": self._duplicates, "rejected": self._rejected}[rec.outcome].append(rec)
+        if rec.outcome == "duplicate":
+            log.info("duplicate event ignored", node_id=rec.node_id, type=rec.type, event_id=rec.event_id)
+        line = format_line(rec)
+        if self._out is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._out.write(line + "\n")
+                self._out.flush()
+        with open(self.events_path, "ab") as f:
+            f.write(encode(rec) + b"\n")
+
+    def _load_event_log(self) -> None:
+        try:
+            lines = self.events_path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                rec = _RECORD_DECODER.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # a torn last line after a crash
+            {"applied": self._events, "duplicate": self._duplicates, "rejected": self._rejected}[rec.outcome].append(rec)
+
+    # ------------------------------------------------------------------ accessors
+
+    def reservations(self) -> dict[str, Reservation]:
+        return dict(self.store.refresh().reservations)
+
+    def events(self) -> list[EventRecord]:
+        """Events applied (this state dir's whole log, oldest first)."""
+        return list(self._events)
+
+    def rejected(self) -> list[EventRecord]:
+        return list(self._rejected)
+
+    def duplicates(self) -> list[EventRecord]:
+        return list(self._duplicates)
+
+    def rejected_count(self) -> int:
+        return self.store.refresh().rejected_count
+
+    def last_generation(self, node_id: str) -> int:
+        rec = self.store.refresh().nodes.get(node_id)
+        return rec.last_generation if rec else 0
+
+
+def _unverified_body(body: bytes) -> ReportBody | None:
+    """What a report claims, for the log of a rejected one; never trusted."""
+    try:
+        return REPORT_BODY_CODEC.decode(body)
+    except BadMessage:
+        return None
+
+
+def _claimed_fields(body: ReportBody) -> dict[str, Any]:
+    alloc, rsv, _what, gen, detail = describe(body.event)
+    return dict(
+        allocation_id=alloc,
+        reservation_id=rsv,
+        generation=gen,
+        detail=detail,
+        boot_id=body.boot_id,
+        time=body.time,
+        event=msgspec.to_builtins(body.event),
+    )
+
+
+async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value else default
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--nats-url", default=_env("BCD_CP_NATS_URL", "nats://127.0.0.1:4222"), help="upstream NATS URL [env BCD_CP_NATS_URL]")
+    common.add_argument("--user", default=_env("BCD_CP_USER", CONTROLPLANE_USER), help="upstream NATS user [env BCD_CP_USER]")
+    common.add_argument("--password-file", type=Path, default=_env("BCD_CP_PASSWORD_FILE"), help="file holding the user's password [env BCD_CP_PASSWORD_FILE]")
+    common.add_argument("--state-dir", type=Path, default=_env("BCD_CP_STATE_DIR"), help="key, state.json, events.jsonl [env BCD_CP_STATE_DIR]")
+    common.add_argument("--log-level", default=_env("BCD_CP_LOG_LEVEL", "INFO"), help="[env BCD_CP_LOG_LEVEL]")
+    common.add_argument("--log-format", default=_env("BCD_CP_LOG_FORMAT", "json"), choices=("json", "text"), help="[env BCD_CP_LOG_FORMAT]")
+    parser = argparse.ArgumentParser(prog="python -m bcd.controlplane", description="bcd reference control plane")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", parents=[common], help="ensure the upstream buckets and stream, consume events until SIGTERM")
+    put = sub.add_parser("put", parents=[common], help="sign and put one NodeSpec, print its generation")
+    put.add_argument("spec", help="NodeSpec JSON file ('-' for stdin); generation optional")
+    return parser
+
+
+async def connect_upstream(url: str, user: str, password_file: Path | None, *, reconnect: bool = True) -> Client:
+    password = Path(password_file).read_text().strip() if password_file else None
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("disconnected from upstream")
+
+    async def on_reconnect() -> None:
+        log.info("reconnected to upstream")
+
+    return await nats.connect(
+        url,
+        name="bcd-controlplane",
+        user=user if password is not None else None,
+        password=password,
+        inbox_prefix=inbox_prefix(user).encode(),
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        allow_reconnect=reconnect,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=1,
+        connect_timeout=5,
+    )
+
+
+async def _close(nc: Client) -> None:
+    if nc.is_closed:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), 3.0)
+    if not nc.is_closed:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    key, pub = load_or_create_cp_key(args.state_dir)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    nc = await connect_upstream(args.nats_url, args.user, args.password_file)
+    try:
+        cp = ControlPlane(nc, key, args.state_dir)
+        await cp.ensure_upstream()
+        log.info("started", nats_url=args.nats_url, user=args.user, key_id=cp.key_id, public_key=str(pub), pid=os.getpid())
+        await cp.run(stopping)
+        log.info("stopping")
+        return 0
+    finally:
+        await _close(nc)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def put_spec_file(
+    nats_url: str, user: str, password_file: Path | None, state_dir: Path, spec: Path | str | bytes
+) -> PutResult:
+    """Connect, ensure the upstream objects, sign and put one spec (a file path, or the JSON bytes).
+
+    Raises BadMessage (a ValueError) for a spec that does not decode, OSError
+    for an unreadable file, ConnectionError when upstream cannot be reached.
+    """
+    data = spec if isinstance(spec, bytes) else Path(spec).read_bytes()
+    key, _ = load_or_create_cp_key(state_dir)
+    try:
+        nc = await connect_upstream(nats_url, user, password_file, reconnect=False)
+    except nats.errors.Error as exc:
+        raise ConnectionError(f"upstream {nats_url} unreachable: {exc or type(exc).__name__}") from None
+    try:
+        cp = ControlPlane(nc, key, state_dir, out=None)
+        try:
+            await cp.ensure_upstream()
+            return await cp.put_spec(data)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
+    finally:
+        await _close(nc)
+
+
+async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
+    """`bcd apply`: put one spec through the embedded control plane of the node at `state`; return its generation.
+
+    Finds the upstream URL, the control plane's password and its state dir in
+    `<state>/node.json` (written by `bcd up`).
+    """
+    from .client import node_info
+
+    info = node_info(Path(state))
+    if not info.controlplane_dir:
+        raise ValueError("this node joined an existing upstream: apply specs through that control plane")
+    result = await put_spec_file(
+        info.upstream_url or info.nats_url,
+        CONTROLPLANE_USER,
+        Path(info.creds_dir) / f"{CONTROLPLANE_USER}.password",
+        Path(info.controlplane_dir),
+        Path(spec_file),
+    )
+    if result.note:
+        print(f"note: {result.note}", file=sys.stderr)
+    return result.generation
+
+
+async def _put(args: argparse.Namespace) -> int:
+    spec: Path | bytes = sys.stdin.buffer.read() if args.spec == "-" else Path(args.spec)
+    result = await put_spec_file(args.nats_url, args.user, args.password_file, args.state_dir, spec)
+    if result.note:
+        print(result.note, file=sys.stderr)
+    print(result.generation)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logs.configure("controlplane", args.log_level, args.log_format)
+    if args.state_dir is None:
+        log.error("cannot start", reason="--state-dir (or BCD_CP_STATE_DIR) is required")
+        return 2
+    try:
+        return asyncio.run(_serve(args) if args.command == "serve" else _put(args))
+    except (KeyFileError, StateError) as exc:
+        log.error("cannot start", reason=str(exc))
+        return 2
+    except BadMessage as exc:
+        log.error("spec refused", reason=str(exc))
+        return 1
+    except (OSError, nats.errors.Error) as exc:
+        log.error("cannot start", reason=f"{type(exc).__name__}: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+__all__ = [
+    "CONSUMER_NAME",
+    "DUPLICATE_WINDOW",
+    "STATE_FILE",
+    "EVENTS_FILE",
+    "KEY_FILE",
+    "PUB_FILE",
+    "ReservationState",
+    "Reservation",
+    "NodeRecord",
+    "ControlPlaneState",
+    "EventRecord",
+    "StateStore",
+    "StateError",
+    "KeyFileError",
+    "PutResult",
+    "ControlPlane",
+    "next_generation",
+    "apply_spec",
+    "apply_event",
+    "remember_processed",
+    "remember_boot",
+    "short_atom",
+    "describe",
+    "format_line",
+    "public_key_pem",
+    "load_or_create_cp_key",
+    "connect_upstream",
+    "put_spec_file",
+    "apply_spec_file",
+    "main",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

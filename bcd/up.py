@@ -1,0 +1,259 @@
+"""`bcd up`: a whole node under one state directory, as an ordinary user.
+
+Embedded (the default): one nats-server carries two accounts - the node bus
+and an upstream with the reference control plane - and every service plus the
+control plane runs as its own supervised process. With `--upstream URL
+--cp-key FILE` the bridge joins an existing control plane instead. Service
+logs go to `<state>/logs/<service>.log` (`--verbose` shows them here).
+With `--apply SPEC`, the spec is applied once the node is up and the status
+table and the verified events are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from shared import logs
+from shared.runtime import METRICS_PORTS
+from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, upstream_node_user
+
+from .client import NodeInfo, NodeUnreachable, connect, ping_all, write_node_info
+from .nodebus import NatsServer, prepare_node_bus
+from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
+
+#: the services `bcd up` runs, in start order.
+NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge")
+
+
+def layout(state: Path) -> dict[str, Path]:
+    return {
+        "bus": state / "bus",
+        "data": state / "data",
+        "run": state / "run",
+        "cdi": state / "cdi",
+        "logs": state / "logs",
+        "cp": state / "controlplane",
+    }
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .controlplane import load_or_create_cp_key
+
+    logs.configure("supervisor", args.log_level, args.log_format)
+    log = logs.get_logger("bcd.up")
+    state: Path = args.state_dir.resolve()
+    paths = layout(state)
+    for p in paths.values():
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fake_host: Path | None = args.fake_host.resolve() if args.fake_host else None
+    if fake_host is not None and not fake_host.is_file():
+        print(f"bcd up: fake host file {fake_host} does not exist", file=sys.stderr)
+        return 2
+    embedded = not args.upstream
+    if not embedded and not args.cp_key:
+        print("bcd up: --upstream needs --cp-key FILE (the control plane's public key); "
+              "pass --cp-key '' to accept unsigned specs knowingly", file=sys.stderr)
+        return 2
+    conf, creds = prepare_node_bus(
+        paths["bus"],
+        paths["data"] / "nats",
+        args.node_id,
+        port=-1 if args.any_ports else args.port,
+        http_port=-1 if args.any_ports else args.http_port,
+        upstream_nodes=[args.node_id] if embedded else (),
+    )
+    bus = NatsServer(conf, paths["bus"] / "nats-server.log")
+    try:
+        bus.start(preexec_fn=die_with_parent)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"bcd up: the node bus did not start: {exc}", file=sys.stderr)
+        return 1
+    if args.any_ports:
+        # pin the ports it picked, so a restarted bus comes back where the services look
+        prepare_node_bus(
+            paths["bus"],
+            paths["data"] / "nats",
+            args.node_id,
+            port=bus.port,
+            http_port=bus.http_port,
+            upstream_nodes=[args.node_id] if embedded else (),
+        )
+
+    common = {
+        "BCD_NODE_ID": args.node_id,
+        "BCD_NATS_URL": bus.url,
+        "BCD_DATA_DIR": str(paths["data"]),
+        "BCD_RUN_DIR": str(paths["run"]),
+        "BCD_CDI_DIR": str(paths["cdi"]),
+        "BCD_LOG_LEVEL": args.log_level,
+        "BCD_LOG_FORMAT": "json",
+        "BCD_ADAPTER": "fakehw" if fake_host else "nvidia",
+    }
+    if fake_host is not None:
+        common["BCD_FAKE_HOST"] = str(fake_host)
+    if embedded:
+        _, cp_pub = load_or_create_cp_key(paths["cp"])
+        bridge_env = {
+            "BCD_UPSTREAM_URL": bus.url,
+            "BCD_UPSTREAM_PASSWORD_FILE": str(creds[upstream_node_user(args.node_id)]),
+            "BCD_CP_KEY": str(cp_pub),
+        }
+    else:
+        bridge_env = {"BCD_UPSTREAM_URL": args.upstream, "BCD_CP_KEY": args.cp_key}
+        for opt, env in (
+            ("upstream_user", "BCD_UPSTREAM_USER"),
+            ("upstream_password_file", "BCD_UPSTREAM_PASSWORD_FILE"),
+            ("upstream_token_file", "BCD_UPSTREAM_TOKEN_FILE"),
+            ("upstream_nkey_file", "BCD_UPSTREAM_NKEY_FILE"),
+            ("upstream_creds", "BCD_UPSTREAM_CREDS"),
+        ):
+            value = getattr(args, opt)
+            if value:
+                bridge_env[env] = str(value)
+
+    specs: list[ProcessSpec] = []
+    metrics: dict[str, str] = {}
+    for name in args.services:
+        port = 0 if args.any_ports else METRICS_PORTS[name]
+        env = {
+            **common,
+            "BCD_NATS_USER": name,
+            "BCD_NATS_PASSWORD_FILE": str(creds[name]),
+            "BCD_METRICS_PORT": str(port),
+            **(bridge_env if name == "gateway_bridge" else {}),
+        }
+        if port:
+            metrics[name] = f"http://127.0.0.1:{port}/metrics"
+        specs.append(ProcessSpec(name, service_argv(f"services.{name}"), env, None if args.verbose else paths["logs"] / f"{name}.log"))
+    if embedded:
+        specs.append(
+            ProcessSpec(
+                "controlplane",
+                [sys.executable, "-m", "bcd.controlplane", "serve"],
+                {
+                    "BCD_CP_NATS_URL": bus.url,
+                    "BCD_CP_USER": CONTROLPLANE_USER,
+                    "BCD_CP_PASSWORD_FILE": str(creds[CONTROLPLANE_USER]),
+                    "BCD_CP_STATE_DIR": str(paths["cp"]),
+                    "BCD_LOG_FORMAT": "json",
+                },
+                None if args.verbose else paths["logs"] / "controlplane.log",
+            )
+        )
+    info = NodeInfo(
+        node_id=args.node_id,
+        nats_url=bus.url,
+        creds_dir=str(creds[OPERATOR_USER].parent),
+        monitor_url=f"http://127.0.0.1:{bus.http_port}" if bus.http_port else "",
+        metrics=metrics,
+        supervisor_pid=os.getpid(),
+        services=list(args.services),
+        cdi_dir=str(paths["cdi"]),
+        run_dir=str(paths["run"]),
+        data_dir=str(paths["data"]),
+        controlplane_dir=str(paths["cp"]) if embedded else "",
+        upstream_url=bus.url if embedded else args.upstream,
+    )
+    write_node_info(state, info)
+
+    def banner() -> None:
+        s = f"--state-dir {args.state_dir}"
+        lines = [
+            "",
+            f"bcd node {args.node_id!r} is starting on {'fake host ' + str(fake_host) if fake_host else 'this host (NVML)'}",
+            f"  node bus     {bus.url}  (config {conf})",
+            f"  upstream     {'embedded reference control plane (' + str(paths['cp']) + ')' if embedded else args.upstream}",
+            *([f"  monitoring   {info.monitor_url}/varz  /connz  /subsz  /jsz"] if info.monitor_url else []),
+            *[f"  metrics      {n:<15} {u}" for n, u in metrics.items()],
+            f"  logs         {paths['logs']}/<service>.log" if not args.verbose else "  logs         here",
+            f"  holds        {paths['cdi']}/bcd-*.json, {paths['run']}/allocations/*.env, {paths['run']}/slices/",
+            "Look at it from another terminal:",
+            f"  .venv/bin/bcd status {s}       # GPUs, holds, section, outbox",
+            f"  .venv/bin/bcd apply SPEC.json {s}   # sign and put a NodeSpec through the control plane",
+            f"  .venv/bin/bcd events {s}       # the control plane's verified event log (follows)",
+            f"  .venv/bin/bcd doctor {s}       # what is wrong, if anything",
+            "Stop with Ctrl-C.",
+            "",
+        ]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    supervisor = Supervisor(bus, specs, on_ready=banner)
+
+    async def main() -> int:
+        demo = None
+        if args.apply:
+            demo = asyncio.create_task(run_demo(state, info, Path(args.apply), [*args.services, *(["controlplane"] if embedded else [])]))
+            demo.add_done_callback(_report_demo)
+        try:
+            return await supervisor.run()
+        finally:
+            if demo is not None:
+                demo.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await demo
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:  # Ctrl-C before the handler was installed
+        return 130
+    finally:
+        bus.stop()
+        log.debug("node bus stopped")
+
+
+def _report_demo(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        print(f"bcd up: the demo stopped: {task.exception()!r}", file=sys.stderr)
+
+
+async def wait_ready(info: NodeInfo, services: list[str], timeout: float = 60.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        try:
+            nc = await connect(info)
+        except NodeUnreachable:
+            await asyncio.sleep(0.3)
+            continue
+        try:
+            names = {r["name"] for r in await ping_all(nc, 0.3)}
+        finally:
+            await nc.close()
+        if set(services) - {"controlplane"} <= names:
+            return True
+        await asyncio.sleep(0.3)
+    return False
+
+
+async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[str]) -> None:
+    """make run: apply the example spec, show the status table and the verified events, then follow."""
+    from .controlplane import apply_spec_file
+    from .events import follow_events
+    from .status import gather, render_status
+
+    if not await wait_ready(info, services):
+        print("bcd up: services did not come up in time; see the logs", file=sys.stderr)
+        return
+    try:
+        generation = await apply_spec_file(state, spec_file)
+    except Exception as exc:  # noqa: BLE001 - shown to the user, the node keeps running
+        print(f"bcd up: could not apply {spec_file}: {exc}", file=sys.stderr)
+        return
+    print(f"\napplied {spec_file} as generation {generation}; waiting for the node to report...\n", flush=True)
+    for _ in range(100):
+        report = await gather(info)
+        sec = report.converger.section if report.converger else None
+        if sec is not None and sec.observed_generation == generation and sec.state != "PROGRESSING" and report.outbox and report.outbox.messages == 0:
+            break
+        await asyncio.sleep(0.2)
+    print(render_status(await gather(info)), flush=True)
+    print("\nverified events (the control plane's log; following until Ctrl-C):", flush=True)
+    await follow_events(Path(info.controlplane_dir) / "events.jsonl", follow=True)
+
+
+__all__ = ["NODE_SERVICES", "layout", "cmd_up", "wait_ready", "run_demo"]

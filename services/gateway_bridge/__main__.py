@@ -1,0 +1,3 @@
+from services.gateway_bridge.service import main
+
+main()

@@ -1,0 +1,42 @@
+"""Small JetStream reads nats-py does not expose in full (the stream's first timestamp)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+from nats.aio.client import Client
+
+
+@dataclass(frozen=True)
+class StreamDepth:
+    messages: int
+    bytes: int
+    #: when the oldest message still in the stream was stored (None when empty).
+    oldest: datetime | None
+
+
+class StreamMissing(Exception):
+    pass
+
+
+async def stream_depth(nc: Client, stream: str, timeout: float = 3.0) -> StreamDepth:
+    msg = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=timeout)
+    info = json.loads(msg.data)
+    if "error" in info:
+        raise StreamMissing(info["error"].get("description", "stream not found"))
+    state = info.get("state", {})
+    oldest = None
+    if state.get("messages") and state.get("first_ts") and not state["first_ts"].startswith("0001-"):
+        # nanosecond precision: trim to what fromisoformat takes
+        ts = state["first_ts"].replace("Z", "+00:00")
+        head, _, tail = ts.partition(".")
+        if tail:
+            frac, _, zone = tail.partition("+")
+            ts = f"{head}.{frac[:6]}+{zone}" if zone else f"{head}.{frac[:6]}"
+        oldest = datetime.fromisoformat(ts)
+    return StreamDepth(messages=int(state.get("messages", 0)), bytes=int(state.get("bytes", 0)), oldest=oldest)
+
+
+__all__ = ["StreamDepth", "StreamMissing", "stream_depth"]

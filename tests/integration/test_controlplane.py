@@ -1,0 +1,606 @@
+"""The reference control plane against a real nats-server with the upstream account.
+
+The server is the embedded one (`prepare_node_bus(..., upstream_nodes=[...])`):
+the control plane connects as `controlplane`, simulated nodes as
+`node-node-1` / `node-node-2` with exactly the permissions production gives
+them, so every permission the contract relies on is exercised for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nats.aio.client import Client
+from nats.js.api import StorageType
+
+from bcd.controlplane import (
+    CONSUMER_NAME,
+    EVENTS_FILE,
+    STATE_FILE,
+    ControlPlane,
+    load_or_create_cp_key,
+)
+from bcd.nodebus import NatsServer, prepare_node_bus
+from shared.schemas import (
+    SIGNED_NODE_SPEC_CODEC,
+    AllocationBound,
+    AllocationFailed,
+    AllocationReleased,
+    Condition,
+    Hello,
+    Inventory,
+    NodeCondition,
+    ReportBody,
+    SectionStatus,
+    encode,
+)
+from shared.signing import key_id, load_public_key_file, raw_public_key, sign_report, verify_node_spec
+from shared.subjects import (
+    CONTROLPLANE_USER,
+    MSG_ID_HEADER,
+    UPSTREAM_EVENTS_STREAM,
+    inbox_prefix,
+    upstream_node_user,
+    upstream_spec_get_subject,
+)
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+NODES = ["node-1", "node-2"]
+GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+BOOT_A = "0f7e1c9a-9d5e-4d8b-8a3e-5f0b6f2c1d11"
+BOOT_B = "7b3d2e10-1111-4c2a-9e0f-000000000002"
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@dataclass
+class Upstream:
+    """A nats-server with the UPSTREAM account; clients remember their async errors."""
+
+    root: Path
+    server: NatsServer | None = None
+    creds: dict[str, Path] = field(default_factory=dict)
+    clients: list[Client] = field(default_factory=list)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    def start(self) -> "Upstream":
+        conf, self.creds = prepare_node_bus(self.root / "bus", self.root / "js", "node-1", upstream_nodes=NODES)
+        self.server = NatsServer(conf, self.root / "bus" / "nats-server.log").start()
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    async def connect(self, user: str) -> Client:
+        errors = self.errors.setdefault(user, [])
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = await nats.connect(
+            self.url,
+            user=user,
+            password=self.creds[user].read_text().strip(),
+            inbox_prefix=inbox_prefix(user).encode(),
+            allow_reconnect=False,
+            error_cb=on_error,
+        )
+        self.clients.append(nc)
+        return nc
+
+    async def aclose(self) -> None:
+        for nc in self.clients:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+@pytest.fixture
+async def upstream(tmp_path):
+    up = Upstream(tmp_path).start()
+    try:
+        yield up
+    finally:
+        await up.aclose()
+
+
+@pytest.fixture
+async def cp_env(upstream, tmp_path):
+    """(control plane, its stdout) with the upstream objects ensured; not consuming yet."""
+    nc = await upstream.connect(CONTROLPLANE_USER)
+    key, _pub = load_or_create_cp_key(tmp_path / "cp")
+    out = io.StringIO()
+    cp = ControlPlane(nc, key, tmp_path / "cp", out=out, fetch_timeout=0.2)
+    await cp.ensure_upstream()
+    return cp, out
+
+
+@contextlib.asynccontextmanager
+async def consuming(cp: ControlPlane):
+    stopping = asyncio.Event()
+    task = asyncio.create_task(cp.run(stopping))
+    try:
+        ready = asyncio.create_task(cp.consuming.wait())
+        await asyncio.wait({ready, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if task.done():
+            task.result()  # run() failed: raise its error here
+        assert cp.consuming.is_set(), "control plane did not start consuming"
+        yield
+    finally:
+        stopping.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class SimNode:
+    """A node as the gateway bridge would look upstream: Hello, signed reports, plain events."""
+
+    node_id: str
+    nc: Client
+    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
+
+    async def hello(self, boot_id: str = BOOT_A) -> None:
+        hello = Hello(
+            node_id=self.node_id,
+            boot_id=boot_id,
+            public_key=raw_public_key(self.key),
+            key_id=key_id(self.key),
+            capabilities=["cdi"],
+            agent_version="0.1.0",
+            started_at=datetime.now(timezone.utc),
+        )
+        await self.nc.jetstream().publish(f"$KV.bcd_nodes.{self.node_id}", encode(hello))
+
+    def report(self, event, event_id: str, *, boot_id: str = BOOT_A, key: Ed25519PrivateKey | None = None, body_node: str | None = None) -> bytes:
+        body = ReportBody(
+            node_id=body_node or self.node_id,
+            boot_id=boot_id,
+            event_id=event_id,
+            time=datetime.now(timezone.utc),
+            event=event,
+        )
+        return encode(sign_report(key or self.key, body))
+
+    async def publish(self, event_type: str, payload: bytes, msg_id: str | None, *, node: str | None = None):
+        headers = {MSG_ID_HEADER: msg_id} if msg_id is not None else None
+        return await self.nc.jetstream().publish(f"bcd.events.{node or self.node_id}.{event_type}", payload, headers=headers)
+
+
+def bound(alloc: str = "whole", rsv: str = "rsv-whole", gen: int = 1) -> AllocationBound:
+    return AllocationBound(
+        allocation_id=alloc,
+        reservation_id=rsv,
+        generation=gen,
+        devices=[GPU0],
+        cdi_devices=[f"bcd.dev/gpu={GPU0}"],
+    )
+
+
+def spec(node: str = "node-1", *allocs: tuple[str, str, str], generation: int | None = None) -> dict:
+    d: dict = {
+        "node_id": node,
+        "devices": [
+            {"allocation_id": a, "reservation_id": r, "binding": "BINDING_HOLD", "devices": [dev]} for a, r, dev in allocs
+        ],
+    }
+    if generation is not None:
+        d["generation"] = generation
+    return d
+
+
+WHOLE = ("whole", "rsv-whole", GPU0)
+SECOND = ("second", "rsv-second", GPU1)
+
+
+@pytest.fixture
+async def node1(upstream, cp_env):
+    cp, _ = cp_env
+    n = SimNode("node-1", await upstream.connect(upstream_node_user("node-1")))
+    await n.hello(BOOT_A)
+    await cp.put_spec(spec("node-1", WHOLE, SECOND))
+    return n
+
+
+# ----------------------------------------------------------------------------- buckets, stream, specs
+
+
+async def test_ensure_upstream_is_idempotent(upstream, cp_env, tmp_path):
+    cp, _ = cp_env
+    await cp.ensure_upstream()
+    # a second control plane object (a restart) finds everything in place
+    other = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None)
+    await other.ensure_upstream()
+    js = cp.js
+    info = await js.stream_info(UPSTREAM_EVENTS_STREAM)
+    assert info.config.subjects == ["bcd.events.>"]
+    assert info.config.duplicate_window == 24 * 3600
+    assert info.config.storage == StorageType.FILE
+    for bucket, history in (("bcd_nodespecs", 5), ("bcd_nodes", 1), ("bcd_inventory", 1)):
+        kv_info = await js.stream_info(f"KV_{bucket}")
+        assert kv_info.config.allow_direct is True, bucket
+        assert kv_info.config.max_msgs_per_subject == history, bucket
+        assert kv_info.config.storage == StorageType.FILE
+
+
+async def test_put_spec_signs_and_increments_generation(upstream, cp_env, tmp_path):
+    cp, _ = cp_env
+    pub = load_public_key_file(tmp_path / "cp" / "cp.pub")
+    kv = await cp.js.key_value("bcd_nodespecs")
+
+    first = await cp.put_spec(spec("node-1", WHOLE))
+    assert first.generation == 1 and not first.bumped
+    signed = SIGNED_NODE_SPEC_CODEC.decode((await kv.get("node-1")).value)
+    assert signed.key_id == key_id(pub)
+    got = verify_node_spec(signed, [pub])
+    assert got == first.spec and got.generation == 1
+
+    second = await cp.put_spec(json.dumps(spec("node-1", WHOLE)))
+    assert second.generation == 2
+    jumped = await cp.put_spec(spec("node-1", WHOLE, generation=10))
+    assert jumped.generation == 10 and not jumped.bumped
+    stale = await cp.put_spec(spec("node-1", WHOLE, generation=3))
+    assert stale.generation == 11 and stale.bumped and "not above" in stale.note
+    assert verify_node_spec(SIGNED_NODE_SPEC_CODEC.decode((await kv.get("node-1")).value), [pub]).generation == 11
+    assert cp.last_generation("node-1") == 11
+    assert cp.last_generation("node-2") == 0
+    assert (await cp.put_spec(spec("node-2"))).generation == 1
+
+    rsv = cp.reservations()["rsv-whole"]
+    assert (rsv.state, rsv.node_id, rsv.allocation_id, rsv.generation) == ("binding", "node-1", "whole", 11)
+
+    with pytest.raises(ValueError, match="allocation_id"):
+        await cp.put_spec(spec("node-1", ("Bad/Id", "rsv-x", GPU0)))
+    assert cp.last_generation("node-1") == 11  # a refused spec consumes no generation
+
+
+async def test_put_spec_follows_the_bucket_when_state_is_lost(upstream, cp_env, tmp_path):
+    cp, _ = cp_env
+    await cp.put_spec(spec("node-1", WHOLE, generation=7))
+    fresh = ControlPlane(cp.nc, cp.key, tmp_path / "other-state", out=None)
+    assert (await fresh.put_spec(spec("node-1", WHOLE))).generation == 8
+
+
+async def test_node_reads_only_its_own_spec(upstream, cp_env):
+    cp, _ = cp_env
+    await cp.put_spec(spec("node-1", WHOLE))
+    await cp.put_spec(spec("node-2", SECOND))
+    nc = await upstream.connect(upstream_node_user("node-1"))
+
+    msg = await nc.request(upstream_spec_get_subject("node-1"), b"", timeout=2)
+    signed = SIGNED_NODE_SPEC_CODEC.decode(msg.data)
+    assert verify_node_spec(signed, [cp.key.public_key()]).node_id == "node-1"
+
+    with pytest.raises(nats.errors.TimeoutError):
+        await nc.request(upstream_spec_get_subject("node-2"), b"", timeout=1)
+    errors = upstream.errors[upstream_node_user("node-1")]
+    assert any("permissions violation" in e.lower() and "node-2" in e for e in errors), errors
+
+
+# ----------------------------------------------------------------------------- events
+
+
+async def test_verified_bound_makes_the_reservation_active(upstream, cp_env, node1, tmp_path):
+    cp, out = cp_env
+    assert cp.reservations()["rsv-whole"].state == "binding"
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+    rsv = cp.reservations()["rsv-whole"]
+    assert rsv.devices == [GPU0] and rsv.event_id == "node-1.whole.bound.g1"
+    assert cp.reservations()["rsv-second"].state == "binding"
+    (rec,) = cp.events()
+    assert (rec.node_id, rec.type, rec.verified, rec.outcome, rec.boot_id) == ("node-1", "bound", True, "applied", BOOT_A)
+    line = out.getvalue().splitlines()[-1]
+    assert "node-1  bound     whole (rsv-whole) gen 1  GPU-5f1c…0001  verified" in line, line
+    logged = [json.loads(x) for x in (tmp_path / "cp" / EVENTS_FILE).read_text().splitlines()]
+    assert logged[-1]["event_id"] == "node-1.whole.bound.g1" and logged[-1]["event"]["devices"] == [GPU0]
+    assert logged[-1]["outcome"] == "applied" and logged[-1]["stream_seq"] >= 1
+    # the node's Hello is readable through the control plane
+    hello = await cp.node_hello("node-1")
+    assert hello is not None and hello.key_id == key_id(node1.key)
+    assert await cp.node_hello("node-2") is None
+
+
+async def test_duplicates_are_ignored(upstream, cp_env, node1):
+    cp, out = cp_env
+    payload = node1.report(bound(), "node-1.whole.bound.g1")
+    async with consuming(cp):
+        await node1.publish("bound", payload, "node-1.whole.bound.g1")
+        # the stream drops a replay with the same Nats-Msg-Id itself
+        ack = await node1.publish("bound", payload, "node-1.whole.bound.g1")
+        assert ack.duplicate
+        # a replay without the header reaches the control plane, which dedupes by event id
+        await node1.publish("bound", payload, None)
+        await eventually(lambda: len(cp.duplicates()) == 1, what="duplicate")
+    assert len(cp.events()) == 1
+    assert cp.duplicates()[0].event_id == "node-1.whole.bound.g1"
+    assert "duplicate node-1.whole.bound.g1" in out.getvalue()
+    assert cp.reservations()["rsv-whole"].state == "active"
+
+
+async def test_report_signed_with_another_key_is_rejected(upstream, cp_env, node1):
+    cp, out = cp_env
+    intruder = Ed25519PrivateKey.generate()
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1", key=intruder), "node-1.whole.bound.g1")
+        await eventually(lambda: len(cp.rejected()) == 1, what="rejection")
+        # the node's key id on a signature made with another key
+        forged = json.loads(node1.report(bound(), "node-1.whole.bound.g1x", key=intruder))
+        forged["key_id"] = key_id(node1.key)
+        await node1.publish("bound", json.dumps(forged).encode(), "node-1.whole.bound.g1x")
+        await eventually(lambda: len(cp.rejected()) == 2, what="second rejection")
+    first, second = cp.rejected()
+    assert "is not the node's key" in first.reason and first.verified is False
+    assert "signature does not verify" in second.reason
+    assert cp.reservations()["rsv-whole"].state == "binding"
+    assert cp.rejected_count() == 2 and cp.events() == []
+    assert "REJECTED: key_id" in out.getvalue()
+    # a rejected event id does not block the genuine report
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), None)
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+
+
+async def test_report_naming_another_node_is_rejected(upstream, cp_env, node1):
+    cp, _ = cp_env
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-2.whole.bound.g1", body_node="node-2"), "node-2.whole.bound.g1")
+        await eventually(lambda: len(cp.rejected()) == 1, what="rejection")
+    (rej,) = cp.rejected()
+    assert "names node node-2 on node-1's subject" in rej.reason
+    assert cp.reservations()["rsv-whole"].state == "binding"
+
+
+async def test_msg_id_must_match_the_body(upstream, cp_env, node1):
+    cp, _ = cp_env
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "something-else")
+        await eventually(lambda: len(cp.rejected()) == 1, what="rejection")
+    assert "Nats-Msg-Id something-else is not the body's event_id" in cp.rejected()[0].reason
+    assert cp.reservations()["rsv-whole"].state == "binding"
+
+
+async def test_boot_ids_unknown_rejected_earlier_accepted(upstream, cp_env, node1):
+    cp, _ = cp_env
+    second = AllocationBound(allocation_id="second", reservation_id="rsv-second", generation=1, devices=[GPU1])
+    async with consuming(cp):
+        # learns boot A from the Hello it fetches for the first report
+        await node1.publish("bound", node1.report(second, "e-second", boot_id=BOOT_A), "e-second")
+        await eventually(lambda: cp.reservations()["rsv-second"].state == "active", what="second active")
+        await node1.hello(BOOT_B)  # the node rebooted; seen live
+        await eventually(lambda: BOOT_B in cp.boot_ids("node-1"), what="boot B")
+        await node1.publish("bound", node1.report(bound(), "e-unknown-boot", boot_id="ffffffff-never-announced"), "e-unknown-boot")
+        await eventually(lambda: len(cp.rejected()) == 1, what="rejection")
+        # journaled before the reboot: carries the old, announced boot id
+        await node1.publish("bound", node1.report(bound(), "e-old-boot", boot_id=BOOT_A), "e-old-boot")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+    assert "never announced" in cp.rejected()[0].reason
+    assert cp.boot_ids("node-1") == [BOOT_A, BOOT_B]
+
+
+async def test_boot_announced_while_not_consuming_is_fetched(upstream, cp_env, node1):
+    cp, _ = cp_env
+    await node1.hello(BOOT_B)  # nobody watching: the control plane learns it on demand
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "e-new-boot", boot_id=BOOT_B), "e-new-boot")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+    assert cp.rejected() == []
+
+
+async def test_failed_then_released(upstream, cp_env, node1):
+    cp, out = cp_env
+    failed = AllocationFailed(
+        allocation_id="second", reservation_id="rsv-second", generation=1, reason="resources-exhausted", message="no free GPU"
+    )
+    released = AllocationReleased(allocation_id="whole", reservation_id="rsv-whole", generation=2, devices=[GPU0])
+    async with consuming(cp):
+        await node1.publish("failed", encode(failed), "node-1.second.failed.g1")
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+        await node1.publish("released", node1.report(released, "node-1.whole.released.g2"), "node-1.whole.released.g2")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "released", what="released")
+    rsv = cp.reservations()["rsv-second"]
+    assert (rsv.state, rsv.reason, rsv.message) == ("failed", "resources-exhausted", "no free GPU")
+    assert [e.type for e in cp.events()] == ["failed", "bound", "released"]
+    assert cp.events()[0].verified is None
+    assert "failed    second (rsv-second) gen 1  resources-exhausted: no free GPU  plain" in out.getvalue()
+
+
+async def test_unsigned_bound_on_a_plain_subject_is_rejected(upstream, cp_env, node1):
+    cp, _ = cp_env
+    async with consuming(cp):
+        await node1.publish("failed", encode(bound()), "sneaky")
+        await node1.publish("bound", encode(bound()), "sneaky-2")  # plain JSON where a report belongs
+        await eventually(lambda: len(cp.rejected()) == 2, what="rejections")
+    assert "a bound event on a failed subject" in cp.rejected()[0].reason
+    assert "not an AttestedReport" in cp.rejected()[1].reason
+    assert cp.reservations()["rsv-whole"].state == "binding"
+
+
+async def test_conditions_sections_and_inventory(upstream, cp_env, node1):
+    cp, _ = cp_env
+    since = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    cond = NodeCondition(condition=Condition(type="NodeSpecRejected", status="True", reason="BadSignature", since=since))
+    later = NodeCondition(condition=Condition(type="NodeSpecRejected", status="False", since=since))
+    section = SectionStatus(section="devices", state="CONVERGED", observed_generation=1)
+    async with consuming(cp):
+        await node1.publish("condition", encode(cond), "c1")
+        await node1.publish("condition", encode(later), "c2")
+        await node1.publish("section", encode(section), "s1")
+        await eventually(lambda: len(cp.events()) == 3, what="events")
+    conds = await cp.node_conditions("node-1")
+    assert conds["NodeSpecRejected"].status == "False"
+    assert (await cp.node_sections("node-1"))["devices"].state == "CONVERGED"
+    assert await cp.node_conditions("node-2") == {}
+
+    assert await cp.node_inventory("node-1") is None
+    inv = Inventory(node_id="node-1", observed_at=since)
+    await node1.nc.jetstream().publish("$KV.bcd_inventory.node-1", encode(inv))
+    got = await cp.node_inventory("node-1")
+    assert got is not None and got.node_id == "node-1"
+
+
+async def test_node_cannot_publish_another_nodes_events(upstream, cp_env, node1):
+    cp, _ = cp_env
+    with pytest.raises(nats.errors.Error):  # no PubAck ever comes (timeout)
+        await node1.nc.jetstream(timeout=1).publish(
+            "bcd.events.node-2.bound", node1.report(bound(), "x", body_node="node-2"), headers={MSG_ID_HEADER: "x"}
+        )
+    errors = upstream.errors[upstream_node_user("node-1")]
+    assert any("permissions violation" in e.lower() and "bcd.events.node-2.bound" in e for e in errors), errors
+    info = await cp.js.stream_info(UPSTREAM_EVENTS_STREAM)
+    assert info.state.messages == 0
+
+
+async def test_state_survives_a_restart(upstream, cp_env, node1, tmp_path):
+    cp, _ = cp_env
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+        await node1.hello(BOOT_B)
+        await eventually(lambda: BOOT_B in cp.boot_ids("node-1"), what="boot B")
+    released = AllocationReleased(allocation_id="whole", reservation_id="rsv-whole", generation=2, devices=[GPU0])
+
+    out = io.StringIO()
+    again = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=out, fetch_timeout=0.2)
+    await again.ensure_upstream()
+    assert again.reservations()["rsv-whole"].state == "active"
+    assert again.last_generation("node-1") == 1
+    assert again.boot_ids("node-1") == [BOOT_A, BOOT_B]
+    assert [e.event_id for e in again.events()] == ["node-1.whole.bound.g1"]
+    async with consuming(again):
+        # a replay after the stream's dedupe window (no header here) is not re-applied
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), None)
+        await eventually(lambda: len(again.duplicates()) == 1, what="duplicate")
+        await node1.publish("released", node1.report(released, "node-1.whole.released.g2"), "node-1.whole.released.g2")
+        await eventually(lambda: again.reservations()["rsv-whole"].state == "released", what="released")
+    assert len(again.events()) == 2  # the bound once, then the release
+    assert "bound" not in [line.split()[2] for line in out.getvalue().splitlines() if "verified" in line]
+    consumer = await again.js.consumer_info(UPSTREAM_EVENTS_STREAM, CONSUMER_NAME)
+    assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
+    state = json.loads((tmp_path / "cp" / STATE_FILE).read_text())
+    assert "node-1.whole.bound.g1" in state["processed"]
+    assert state["nodes"]["node-1"]["boot_ids"] == [BOOT_A, BOOT_B]
+
+
+async def test_new_spec_marks_dropped_reservations(upstream, cp_env, node1):
+    cp, _ = cp_env
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+    result = await cp.put_spec(spec("node-1", WHOLE))  # rsv-second dropped before it bound
+    assert result.generation == 2
+    r = cp.reservations()
+    assert r["rsv-whole"].state == "active" and r["rsv-whole"].generation == 2
+    assert r["rsv-second"].state == "withdrawn"
+    await cp.put_spec(spec("node-1"))
+    assert cp.reservations()["rsv-whole"].state == "releasing"
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _cp_env(upstream: Upstream, state: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
+    env.update(
+        BCD_CP_NATS_URL=upstream.url,
+        BCD_CP_PASSWORD_FILE=str(upstream.creds[CONTROLPLANE_USER]),
+        BCD_CP_STATE_DIR=str(state),
+    )
+    return env
+
+
+async def test_command_put_and_serve(upstream, tmp_path):
+    state = tmp_path / "cpstate"
+    env = _cp_env(upstream, state)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec("node-1", WHOLE)))
+
+    def put() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # noqa: S603
+            [sys.executable, "-m", "bcd.controlplane", "put", str(spec_file)],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+
+    first = await asyncio.to_thread(put)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "1"
+    assert (await asyncio.to_thread(put)).stdout.strip() == "2"
+    assert (state / "cp.pub").exists() and (state / "cp.key").exists()
+
+    log_path = tmp_path / "serve.out"
+    with open(log_path, "wb") as outf, open(tmp_path / "serve.err", "wb") as errf:
+        proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf
+        )
+    try:
+        node = SimNode("node-1", await upstream.connect(upstream_node_user("node-1")))
+        await node.hello(BOOT_A)
+        await node.publish("bound", node.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+
+        def served() -> bool:
+            return "verified" in log_path.read_text()
+
+        await eventually(served, timeout=30, what=f"event line; stderr: {(tmp_path / 'serve.err').read_text()[-2000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 15)
+    assert code == 0, (tmp_path / "serve.err").read_text()[-3000:]
+    assert "whole (rsv-whole) gen 1" in log_path.read_text()
+    state_doc = json.loads((state / STATE_FILE).read_text())
+    assert state_doc["reservations"]["rsv-whole"]["state"] == "active"
+    assert state_doc["nodes"]["node-1"]["last_generation"] == 2
+
+
+async def test_apply_spec_file_through_node_json(upstream, tmp_path):
+    """`bcd apply` path: node.json names the bus, the creds and the control plane's state dir."""
+    from bcd.client import NodeInfo, write_node_info
+    from bcd.controlplane import apply_spec_file
+
+    state = tmp_path / "node"
+    state.mkdir()
+    creds_dir = upstream.creds[CONTROLPLANE_USER].parent
+    write_node_info(
+        state,
+        NodeInfo(node_id="node-1", nats_url=upstream.url, creds_dir=str(creds_dir), controlplane_dir=str(state / "controlplane")),
+    )
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec("node-1", WHOLE)))
+    assert await apply_spec_file(state, spec_file) == 1
+    assert await apply_spec_file(state, spec_file) == 2
+    spec_file.write_text(json.dumps({"node_id": "node-1", "devices": [{"allocation_id": "x"}]}))
+    with pytest.raises(ValueError, match="reservation_id"):
+        await apply_spec_file(state, spec_file)

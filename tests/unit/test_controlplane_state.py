@@ -1,0 +1,278 @@
+"""The control plane's pure parts: generations, the reservation state machine, state.json, the log line."""
+
+from __future__ import annotations
+
+import stat
+from datetime import datetime, timezone
+
+import msgspec
+import pytest
+
+from bcd.controlplane import (
+    ControlPlaneState,
+    EventRecord,
+    KeyFileError,
+    StateError,
+    StateStore,
+    apply_event,
+    apply_spec,
+    format_line,
+    load_or_create_cp_key,
+    next_generation,
+    remember_boot,
+    remember_processed,
+    short_atom,
+)
+from shared.schemas import (
+    AllocationBound,
+    AllocationFailed,
+    AllocationReleased,
+    Condition,
+    Hello,
+    NodeCondition,
+    NodeSpec,
+    SectionStatus,
+)
+from shared.signing import key_id, load_public_key_file, raw_public_key
+
+T0 = datetime(2025, 3, 1, 8, 21, 3, tzinfo=timezone.utc)
+GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+
+
+def _spec(gen: int, *allocs: tuple[str, str], node: str = "node-1") -> NodeSpec:
+    return msgspec.convert(
+        {
+            "node_id": node,
+            "generation": gen,
+            "devices": [{"allocation_id": a, "reservation_id": r, "binding": "BINDING_HOLD", "devices": [GPU0]} for a, r in allocs],
+        },
+        NodeSpec,
+    )
+
+
+# ----------------------------------------------------------------------------- generations
+
+
+@pytest.mark.parametrize(
+    ("last", "published", "requested", "expected", "bumped"),
+    [
+        (0, 0, None, 1, False),  # first spec of a node
+        (4, 0, None, 5, False),  # last + 1
+        (4, 0, 9, 9, False),  # a jump forward is kept
+        (4, 0, 4, 5, True),  # equal: bumped
+        (4, 0, 2, 5, True),  # lower: bumped
+        (4, 7, None, 8, False),  # the bucket is ahead of state.json (state lost)
+        (4, 7, 6, 8, True),
+        (0, 0, 0, 1, True),  # generation 0 is never above "nothing put yet"
+    ],
+)
+def test_next_generation(last, published, requested, expected, bumped):
+    st = ControlPlaneState()
+    st.node("node-1").last_generation = last
+    gen, note = next_generation(st, "node-1", requested, published)
+    assert gen == expected
+    assert bool(note) is bumped
+    if bumped:
+        assert f"generation {requested} is not above" in note and f"put as {expected}" in note
+
+
+# ----------------------------------------------------------------------------- the state machine
+
+
+def test_spec_puts_reservations_binding():
+    st = ControlPlaneState()
+    apply_spec(st, _spec(1, ("a", "rsv-a"), ("b", "rsv-b")), T0)
+    assert {r: v.state for r, v in st.reservations.items()} == {"rsv-a": "binding", "rsv-b": "binding"}
+    assert st.nodes["node-1"].last_generation == 1
+
+
+def test_active_stays_active_for_the_same_allocation_only():
+    st = ControlPlaneState()
+    apply_spec(st, _spec(1, ("a", "rsv-a"), ("b", "rsv-b")), T0)
+    apply_event(st, "node-1", AllocationBound(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0]), "e1", T0)
+    apply_event(st, "node-1", AllocationBound(allocation_id="b", reservation_id="rsv-b", generation=1, devices=[GPU0]), "e2", T0)
+    # gen 2: rsv-a unchanged, rsv-b moved to another allocation
+    apply_spec(st, _spec(2, ("a", "rsv-a"), ("c", "rsv-b")), T0)
+    assert st.reservations["rsv-a"].state == "active" and st.reservations["rsv-a"].generation == 2
+    assert st.reservations["rsv-b"].state == "binding" and st.reservations["rsv-b"].allocation_id == "c"
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [("active", "releasing"), ("binding", "withdrawn"), ("failed", "failed"), ("released", "released")],
+)
+def test_reservation_dropped_from_the_spec(before, after):
+    st = ControlPlaneState()
+    apply_spec(st, _spec(1, ("a", "rsv-a")), T0)
+    if before == "active":
+        apply_event(st, "node-1", AllocationBound(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0]), "e", T0)
+    elif before == "failed":
+        apply_event(st, "node-1", AllocationFailed(allocation_id="a", reservation_id="rsv-a", generation=1, reason="overlap"), "e", T0)
+    elif before == "released":
+        apply_event(st, "node-1", AllocationReleased(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0]), "e", T0)
+    apply_spec(st, _spec(2), T0)
+    assert st.reservations["rsv-a"].state == after
+
+
+def test_other_nodes_reservations_are_untouched_by_a_spec():
+    st = ControlPlaneState()
+    apply_spec(st, _spec(1, ("a", "rsv-a"), node="node-2"), T0)
+    apply_spec(st, _spec(1, node="node-1"), T0)
+    assert st.reservations["rsv-a"].state == "binding"
+
+
+@pytest.mark.parametrize(
+    ("event", "state", "reason"),
+    [
+        (AllocationBound(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0]), "active", ""),
+        (AllocationReleased(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0]), "released", ""),
+        (AllocationFailed(allocation_id="a", reservation_id="rsv-a", generation=1, reason="device-missing", message="gone"), "failed", "device-missing"),
+    ],
+)
+def test_events_move_reservations(event, state, reason):
+    st = ControlPlaneState()
+    apply_spec(st, _spec(1, ("a", "rsv-a")), T0)
+    moved = apply_event(st, "node-1", event, "e1", T0)
+    assert moved is not None and moved.state == state and moved.reason == reason and moved.event_id == "e1"
+    assert st.reservations["rsv-a"] == moved
+    assert moved.devices == [GPU0]  # kept from the spec when the event names none
+
+
+def test_conditions_and_sections_keep_the_latest_per_key():
+    st = ControlPlaneState()
+    c1 = NodeCondition(condition=Condition(type="X", status="True", since=T0))
+    c2 = NodeCondition(condition=Condition(type="X", status="False", since=T0))
+    c3 = NodeCondition(condition=Condition(type="Y", status="True", since=T0))
+    for i, c in enumerate((c1, c2, c3)):
+        assert apply_event(st, "node-1", c, f"c{i}", T0) is None
+    apply_event(st, "node-1", SectionStatus(section="devices", state="CONVERGED", observed_generation=3), "s", T0)
+    rec = st.nodes["node-1"]
+    assert {k: v.status for k, v in rec.conditions.items()} == {"X": "False", "Y": "True"}
+    assert rec.sections["devices"].observed_generation == 3
+
+
+def test_processed_ids_are_capped_oldest_first():
+    st = ControlPlaneState()
+    for i in range(5):
+        remember_processed(st, f"e{i}", T0, limit=3)
+    assert list(st.processed) == ["e2", "e3", "e4"]
+
+
+def test_boot_ids_accumulate():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    k = Ed25519PrivateKey.generate()
+
+    def hello(boot: str) -> Hello:
+        return Hello(node_id="node-1", boot_id=boot, public_key=raw_public_key(k), key_id=key_id(k), started_at=T0)
+
+    st = ControlPlaneState()
+    assert remember_boot(st, hello("a"))
+    assert remember_boot(st, hello("b"))
+    assert not remember_boot(st, hello("a"))
+    assert st.nodes["node-1"].boot_ids == ["a", "b"]
+    assert st.nodes["node-1"].key_id == key_id(k)
+
+
+# ----------------------------------------------------------------------------- state.json
+
+
+def test_store_round_trips_and_sees_another_writer(tmp_path):
+    one, two = StateStore(tmp_path), StateStore(tmp_path)
+    with one.transaction() as st:
+        apply_spec(st, _spec(3, ("a", "rsv-a")), T0)
+    # the other process's store reloads before it changes anything
+    with two.transaction() as st:
+        assert st.nodes["node-1"].last_generation == 3
+        st.node("node-2").last_generation = 1
+    assert one.refresh().nodes["node-2"].last_generation == 1
+    assert StateStore(tmp_path).state.reservations["rsv-a"].state == "binding"
+    assert stat.S_IMODE((tmp_path / "state.json").stat().st_mode) == 0o600
+
+
+def test_store_drops_a_failed_transaction(tmp_path):
+    store = StateStore(tmp_path)
+    with store.transaction() as st:
+        st.node("node-1").last_generation = 1
+    with pytest.raises(RuntimeError):
+        with store.transaction() as st:
+            st.node("node-1").last_generation = 99
+            raise RuntimeError("boom")
+    assert store.state.nodes["node-1"].last_generation == 1
+    assert StateStore(tmp_path).state.nodes["node-1"].last_generation == 1
+
+
+def test_store_refuses_a_corrupt_file(tmp_path):
+    (tmp_path / "state.json").write_text("{not json")
+    with pytest.raises(StateError, match="move it away"):
+        StateStore(tmp_path)
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def test_cp_key_is_private_and_pub_matches(tmp_path):
+    key, pub = load_or_create_cp_key(tmp_path)
+    assert stat.S_IMODE((tmp_path / "cp.key").stat().st_mode) == 0o600
+    assert pub == tmp_path / "cp.pub"
+    assert key_id(load_public_key_file(pub)) == key_id(key)
+    pub.write_text("stale")
+    again, _ = load_or_create_cp_key(tmp_path)
+    assert key_id(again) == key_id(key)
+    assert key_id(load_public_key_file(pub)) == key_id(key)  # rewritten
+
+
+def test_cp_key_readable_by_others_is_refused(tmp_path):
+    load_or_create_cp_key(tmp_path)
+    (tmp_path / "cp.key").chmod(0o644)
+    with pytest.raises(KeyFileError, match="readable by others"):
+        load_or_create_cp_key(tmp_path)
+
+
+def test_cp_key_symlink_is_refused(tmp_path):
+    load_or_create_cp_key(tmp_path / "real")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "cp.key").symlink_to(tmp_path / "real" / "cp.key")
+    with pytest.raises(KeyFileError, match="symlink"):
+        load_or_create_cp_key(tmp_path / "other")
+
+
+# ----------------------------------------------------------------------------- the log line
+
+
+@pytest.mark.parametrize(
+    ("atom", "short"),
+    [
+        (GPU0, "GPU-5f1c…0001"),
+        (GPU0 + "/gi1/ci0", "GPU-5f1c…0001/gi1/ci0"),
+        (GPU0 + "/slot3", "GPU-5f1c…0001/slot3"),
+        ("nic.vf/0000:3b:00.1", "nic.vf/0000:3b:00.1"),
+    ],
+)
+def test_short_atom(atom, short):
+    assert short_atom(atom) == short
+
+
+def _rec(**kw) -> EventRecord:
+    base = dict(received_at=T0, time=T0, node_id="node-1", type="bound", event_id="e1", outcome="applied")
+    base.update(kw)
+    return EventRecord(**base)
+
+
+def test_format_line_verified_bound():
+    line = format_line(
+        _rec(verified=True, allocation_id="whole", reservation_id="rsv-whole", generation=1, detail="GPU-5f1c…0001", state="active")
+    )
+    # the clock part is local time; the rest is fixed
+    assert line[8:] == " node-1  bound     whole (rsv-whole) gen 1  GPU-5f1c…0001  verified -> active"
+
+
+def test_format_line_rejected_and_duplicate_and_plain():
+    rej = format_line(_rec(outcome="rejected", verified=False, reason="boot id x was never announced by node-1", allocation_id="a", reservation_id="r", generation=2))
+    assert rej.endswith("a (r) gen 2  REJECTED: boot id x was never announced by node-1")
+    dup = format_line(_rec(outcome="duplicate", verified=True, allocation_id="a", reservation_id="r", generation=2))
+    assert dup.endswith("duplicate e1 (ignored)")
+    sec = format_line(
+        _rec(type="section", verified=None, generation=3, detail="CONVERGED", event={"event": "section", "section": "devices"})
+    )
+    assert sec.endswith("section   devices gen 3  CONVERGED  plain")
