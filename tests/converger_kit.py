@@ -7,9 +7,13 @@ The integration tests run the real processes instead.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -272,6 +276,18 @@ def check_hold_invariants(node: Node, *, reported: bool = True, settled: bool = 
     return live
 
 
+@contextlib.contextmanager
+def fast_dir(prefix: str = "bcd-test-") -> Iterator[Path]:
+    """A scratch directory, on tmpfs (/dev/shm) where there is one - the converger
+    fsyncs every write, which tmpfs makes free - removed afterwards."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    d = tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def host_copy(directory: Path, change: Callable[[dict], object] | None = None, name: str = "host.json") -> Path:
     """A copy of the example host file under `directory`, changed in place by `change(doc)`."""
     doc = json.loads(H200.read_text())
@@ -290,4 +306,4 @@ def rewrite_host(path: Path, change: Callable[[dict], object]) -> None:
     path.write_text(json.dumps(doc, indent=2))
 
 
-__all__ = ["H200", "GPU", "host_inventory", "hold", "spec", "MemorySigner", "MemoryOutbox", "Node", "host_copy", "rewrite_host", "check_hold_invariants"]
+__all__ = ["H200", "GPU", "host_inventory", "hold", "spec", "MemorySigner", "MemoryOutbox", "Node", "host_copy", "rewrite_host", "check_hold_invariants", "fast_dir"]

@@ -366,6 +366,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
 
     # 5. New holds, in spec order: check, then bind or collect the failure.
     failures: list[Failure] = []
+    undo: list[Step] = []
     host_checked = False
     for assignment in spec.devices:
         alloc = assignment.allocation_id
@@ -385,6 +386,24 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                         raise _Refused("resources-exhausted", problem)
         except _Refused as exc:
             failures.append(Failure(alloc, assignment.reservation_id, exc.reason, exc.message))  # type: ignore[arg-type]
+            intent = state.intents.get(alloc)
+            if intent is not None and intent.op == "bind" and alloc not in observed.holds and alloc not in released:
+                # Fix: an interrupted bind (intent journaled, maybe its slice, no CDI
+                # spec) whose assignment now fails its checks was left journaled
+                # forever: its slice stayed and the holder query named it as holding
+                # the GPU. Undo it unreported, like one that is no longer wanted
+                # (after the binds: its atoms are on no disk, nothing waits for it).
+                undo.append(
+                    ReleaseHold(
+                        alloc,
+                        intent.event_id,
+                        AllocationReleased(
+                            allocation_id=alloc, reservation_id=intent.reservation_id, generation=gen, devices=list(intent.devices)
+                        ),
+                        sliced=intent.sliced,
+                        report=False,
+                    )
+                )
             continue
         devices = hold_devices(resolved)
         content = dataclasses.replace(hold_content(assignment, devices, observed, mps), generation=gen)
@@ -406,6 +425,8 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                 content,
             )
         )
+
+    steps.extend(undo)
 
     # 6. One AllocationFailed per failing allocation, once per generation.
     for f in failures:

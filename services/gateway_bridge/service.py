@@ -411,7 +411,8 @@ class BridgeApp(ServiceApp):
         while not self.ctx.stopping.is_set():
             await self.up_connected.wait()
             try:
-                msg = await js.get_msg(stream, seq=max(cursor, 1), next=True)
+                # the first message at or after the cursor (earlier ones are deleted)
+                msg = await js.get_msg(stream, seq=max(cursor, 1), subject=self.ctx.subjects.outbox_filter, next=True)
             except NotFoundError:
                 # empty (or the converger has not created it yet)
                 await self._update_depth(js, stream)

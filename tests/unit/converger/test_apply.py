@@ -11,6 +11,7 @@ point and a fresh Node (state from disk, the same durable outbox) carries on.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,17 @@ from services.converger.crash import BIND_POINTS, CRASH_POINTS, RELEASE_POINTS
 from services.converger.hostwriter import HostWriteError, LocalHostWriter
 from shared.schemas import NodeSpec
 
-from tests.converger_kit import GPU, Node, check_hold_invariants, hold, spec
+from tests.converger_kit import GPU, Node, check_hold_invariants, fast_dir, hold, spec
 
 G = GPU
 GIB = 1 << 30
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A scratch directory, on tmpfs where there is one (every write is fsynced)."""
+    with fast_dir() as d:
+        yield d
 
 
 class FaultyWriter:
@@ -73,8 +81,8 @@ def assert_converged_s1(node: Node) -> None:
 
 
 @pytest.mark.parametrize("method", ["apply_slice", "write_cdi", "write_env"])
-async def test_a_failed_write_is_retryable(tmp_path: Path, method: str) -> None:
-    node = Node(tmp_path)
+async def test_a_failed_write_is_retryable(root: Path, method: str) -> None:
+    node = Node(root)
     w = faulty(node)
     w.fail = {method}
     p, r = await node.converge(S1)
@@ -94,10 +102,10 @@ async def test_a_failed_write_is_retryable(tmp_path: Path, method: str) -> None:
     assert node.outbox.sends == len(node.outbox.events)  # nothing sent twice
 
 
-async def test_a_write_failure_root_cannot_bypass(tmp_path: Path) -> None:
+async def test_a_write_failure_root_cannot_bypass(root: Path) -> None:
     """A CDI dir below a regular file: ENOTDIR/EEXIST even for root."""
-    node = Node(tmp_path / "node")
-    blocker = tmp_path / "blocker"
+    node = Node(root / "node")
+    blocker = root / "blocker"
     blocker.write_text("a regular file")
     bad = LocalHostWriter(blocker / "cdi", node.run_dir, node.slices)
     node.applier.writer = bad
@@ -115,9 +123,9 @@ async def test_a_write_failure_root_cannot_bypass(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("what", ["signer", "outbox-publish"])
-async def test_unreachable_signer_or_outbox_after_the_files_is_retryable(tmp_path: Path, what: str, monkeypatch) -> None:
+async def test_unreachable_signer_or_outbox_after_the_files_is_retryable(root: Path, what: str, monkeypatch) -> None:
     """The files are in place and the Bound cannot be signed or published."""
-    node = Node(tmp_path)
+    node = Node(root)
     if what == "signer":
         node.signer.fail = True
     else:
@@ -147,8 +155,8 @@ async def test_unreachable_signer_or_outbox_after_the_files_is_retryable(tmp_pat
     assert_converged_s1(node)
 
 
-async def test_unreachable_outbox_holds_back_binds(tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_unreachable_outbox_holds_back_binds(root: Path) -> None:
+    node = Node(root)
     node.outbox.fail = True
     p, r = await node.converge(S1)
     assert p.kinds() == ["BindHold"] * 3 and r.retry
@@ -159,8 +167,8 @@ async def test_unreachable_outbox_holds_back_binds(tmp_path: Path) -> None:
     assert_converged_s1(node)
 
 
-async def test_outbox_unreachable_for_failures_and_releases(tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_outbox_unreachable_for_failures_and_releases(root: Path) -> None:
+    node = Node(root)
     await node.converge(S1)
     node.outbox.fail = True  # no binds in s2: releases and failure reports still try
     s2 = spec(2, hold("a2", f"{G[6]}/gi1/ci0"), hold("x1", "disk/sda"))
@@ -180,8 +188,8 @@ async def test_outbox_unreachable_for_failures_and_releases(tmp_path: Path) -> N
     check_hold_invariants(node)
 
 
-async def test_a_failed_release_blocks_the_binds_of_the_pass(tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_a_failed_release_blocks_the_binds_of_the_pass(root: Path) -> None:
+    node = Node(root)
     await node.converge(spec(1, hold("a1", G[0])))
     w = faulty(node)
     w.fail = {"remove_cdi"}
@@ -205,8 +213,8 @@ async def test_a_failed_release_blocks_the_binds_of_the_pass(tmp_path: Path) -> 
     check_hold_invariants(node)
 
 
-async def test_a_failed_slice_stop_on_release_is_retried(tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_a_failed_slice_stop_on_release_is_retried(root: Path) -> None:
+    node = Node(root)
     await node.converge(spec(1, hold("a1", G[0], cpus="0-3")))
     w = faulty(node)
     w.fail = {"stop_slice"}
@@ -258,27 +266,18 @@ def files_match(node: Node, s: NodeSpec) -> None:
     assert list((node.run_dir / "allocations").glob(".*tmp-*")) == []
 
 
-def test_every_crash_point_is_reached_by_the_scenario() -> None:
+async def test_every_crash_point_is_reached_by_the_scenario(root: Path) -> None:
     """Guard for the parametrization below: the scenario passes every crash point."""
-    import asyncio
-
-    async def run(root: Path) -> list[str]:
-        hook = crash_at("none")
-        node = Node(root, crash=hook)
-        await node.converge(GEN1)
-        await node.converge(GEN2)
-        return hook.hit  # type: ignore[attr-defined]
-
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        hit = asyncio.run(run(Path(d)))
-    assert set(hit) == set(CRASH_POINTS)
+    hook = crash_at("none")
+    node = Node(root, crash=hook)
+    await node.converge(GEN1)
+    await node.converge(GEN2)
+    assert set(hook.hit) == set(CRASH_POINTS)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
-async def test_crash_then_restart_converges_exactly_once(tmp_path: Path, point: str) -> None:
-    node = Node(tmp_path)
+async def test_crash_then_restart_converges_exactly_once(root: Path, point: str) -> None:
+    node = Node(root)
     p, r = await node.converge(GEN1)
     assert not r.errors
     node = node.restart(crash=crash_at(point))
@@ -307,10 +306,10 @@ async def test_crash_then_restart_converges_exactly_once(tmp_path: Path, point: 
 
 
 @pytest.mark.parametrize("point", BIND_POINTS)
-async def test_crash_in_a_bind_then_the_spec_drops_it(tmp_path: Path, point: str) -> None:
+async def test_crash_in_a_bind_then_the_spec_drops_it(root: Path, point: str) -> None:
     """The interrupted bind is no longer wanted after the restart: upstream ends
     with neither its Bound nor a Released, or with both - never one alone."""
-    node = Node(tmp_path)
+    node = Node(root)
     await node.converge(GEN1)
     node = node.restart(crash=crash_at(point))
     with pytest.raises(Crash):
@@ -326,8 +325,8 @@ async def test_crash_in_a_bind_then_the_spec_drops_it(tmp_path: Path, point: str
 
 
 @pytest.mark.parametrize("point", RELEASE_POINTS)
-async def test_crash_in_a_release_then_the_spec_wants_it_again(tmp_path: Path, point: str) -> None:
-    node = Node(tmp_path)
+async def test_crash_in_a_release_then_the_spec_wants_it_again(root: Path, point: str) -> None:
+    node = Node(root)
     await node.converge(GEN1)
     node = node.restart(crash=crash_at(point))
     with pytest.raises(Crash):
@@ -344,8 +343,33 @@ async def test_crash_in_a_release_then_the_spec_wants_it_again(tmp_path: Path, p
     assert live == {"k1": "node-1.k1.bound.g1", "r1": "node-1.r1.bound.g3"}
 
 
-async def test_crash_twice_at_the_same_point(tmp_path: Path) -> None:
-    node = Node(tmp_path, crash=crash_at("bind.env-written"))
+@pytest.mark.parametrize("point", ["bind.intent-recorded", "bind.slice-applied", "bind.cdi-temp-written"])
+async def test_crash_before_the_cdi_spec_then_the_bind_fails_its_checks(root: Path, point: str) -> None:
+    """An interrupted bind whose retry is refused leaves no journal entry and no slice behind."""
+    from shared.schemas import InstanceGpus
+
+    node = Node(root, crash=crash_at(point))
+    b1 = hold("b1", G[1], cpus="0-1", memory_bytes=GIB)
+    with pytest.raises(Crash):
+        await node.converge(spec(1, b1))
+    node = node.restart()
+    assert "b1" in node.state.intents
+    # generation 2: a VM now claims b1's GPU, so the bind is refused
+    gen2 = spec(2, b1, instances=[InstanceGpus(instance_id="vm-1", gpus=["0000:2a:00.0"])])
+    p, r = await node.converge(gen2)
+    assert not r.errors, r.errors
+    temp = ["RemoveTemp"] if point == "bind.cdi-temp-written" else []
+    assert p.kinds() == [*temp, "ReleaseHold", "ReportFailed"]
+    assert [f.reason for f in p.failures] == ["overlap"]
+    assert node.state.intents == {} and node.store.load().intents == {}
+    assert node.slice_names() == [] and node.holds() == {}
+    assert node.outbox.ids("bound") == [] and node.outbox.ids("released") == []
+    assert node.plan(gen2).steps == ()
+    check_hold_invariants(node)
+
+
+async def test_crash_twice_at_the_same_point(root: Path) -> None:
+    node = Node(root, crash=crash_at("bind.env-written"))
     with pytest.raises(Crash):
         await node.converge(GEN1)
     node = node.restart(crash=crash_at("bind.signed"))
@@ -359,8 +383,8 @@ async def test_crash_twice_at_the_same_point(tmp_path: Path) -> None:
     check_hold_invariants(node)
 
 
-async def test_abandoned_bind_is_not_released_while_its_bound_cannot_be_reported(tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_abandoned_bind_is_not_released_while_its_bound_cannot_be_reported(root: Path) -> None:
+    node = Node(root)
     await node.converge(GEN1)
     node = node.restart(crash=crash_at("bind.published"))
     with pytest.raises(Crash):
@@ -384,8 +408,8 @@ async def test_abandoned_bind_is_not_released_while_its_bound_cannot_be_reported
 # ------------------------------------------------------------------------------ reboot
 
 
-async def test_reboot_recreates_env_files_and_slices_without_new_events(tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_reboot_recreates_env_files_and_slices_without_new_events(root: Path) -> None:
+    node = Node(root)
     _, r = await node.converge(S1)
     assert not r.errors
     envs = {a: node.env(a) for a in ("a1", "a2", "a3")}
@@ -408,9 +432,9 @@ async def test_reboot_recreates_env_files_and_slices_without_new_events(tmp_path
     check_hold_invariants(node)
 
 
-async def test_bind_intent_is_stamped_with_the_boot_id(tmp_path: Path) -> None:
+async def test_bind_intent_is_stamped_with_the_boot_id(root: Path) -> None:
     seen: list[tuple[str, str]] = []
-    node = Node(tmp_path, boot_id="boot-7")
+    node = Node(root, boot_id="boot-7")
 
     def hook(point: str) -> None:
         if point == "bind.intent-recorded":

@@ -474,7 +474,7 @@ async def test_mig_instance_without_uuid_is_not_bound_to_the_whole_card(tmp_path
     p = node.plan(s)
     assert p.kinds() == ["BindHold", "ReportFailed"]
     assert [(f.allocation_id, f.reason, f.message) for f in p.failures] == [
-        ("m1", "device-missing", f"{G[6]} MIG instance gi1/ci0 has no MIG uuid in the inventory")
+        ("m1", "device-missing", f"{G[6]} reports no MIG device uuid for gi1/ci0")
     ]
     bind = p.steps[0]
     assert isinstance(bind, BindHold)

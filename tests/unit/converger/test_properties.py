@@ -18,13 +18,10 @@ write, and tmpfs makes that free.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,7 @@ from hypothesis import strategies as st
 from services.converger.crash import CRASH_POINTS
 from shared.schemas import DeviceAssignment, HugePages, InstanceGpus, Limits, NodeSpec
 
-from tests.converger_kit import GPU, H200, Node, check_hold_invariants, host_copy, host_inventory
+from tests.converger_kit import GPU, H200, Node, check_hold_invariants, fast_dir, host_copy, host_inventory
 
 G = GPU
 HOST_DOC = json.loads(H200.read_text())
@@ -59,16 +56,6 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
         return loop.run_until_complete(coro)
     finally:
         loop.close()
-
-
-@contextlib.contextmanager
-def scratch() -> Iterator[Path]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="bcd-prop-", dir=base)
-    try:
-        yield Path(d)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ strategies
@@ -130,7 +117,7 @@ def test_plan_after_apply_is_empty(first: list[DeviceAssignment], second: list[D
             wanted = {a.allocation_id for a in devices if a.binding in ("BINDING_HOLD", "BINDING_KUBERNETES")}
             assert set(live) == wanted - failed
 
-    with scratch() as root:
+    with fast_dir("bcd-prop-") as root:
         run(scenario(root))
 
 
@@ -266,5 +253,5 @@ def test_drift_and_crashes_never_break_the_invariants(first: tuple, rest: list[t
         if (node.cdi_dir / "bcd-broken.json").exists():
             assert (node.cdi_dir / "bcd-broken.json").read_text() == "{"
 
-    with scratch() as root:
+    with fast_dir("bcd-prop-") as root:
         run(scenario(root))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.converger.holdfiles import check_cdi_rules, validate_against_schema
 
-from tests.converger_kit import GPU, Node, hold, host_copy, spec
+from tests.converger_kit import GPU, Node, fast_dir, hold, host_copy, spec
 
 G = GPU
 GIB = 1 << 30
@@ -37,14 +38,21 @@ RICH = spec(
 )
 
 
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A scratch directory, on tmpfs where there is one (every write is fsynced)."""
+    with fast_dir() as d:
+        yield d
+
+
 def no_vendor_spec(doc: dict) -> None:
     doc["vendor_cdi_spec"] = None
 
 
 @pytest.fixture(params=["vendor-spec", "no-vendor-spec"])
-async def written(request, tmp_path: Path) -> Node:  # noqa: ANN001
-    host = host_copy(tmp_path / "host", no_vendor_spec) if request.param == "no-vendor-spec" else None
-    node = Node(tmp_path / "node", host, supported_bindings=KUBE) if host else Node(tmp_path / "node", supported_bindings=KUBE)
+async def written(request, root: Path) -> Node:  # noqa: ANN001
+    host = host_copy(root / "host", no_vendor_spec) if request.param == "no-vendor-spec" else None
+    node = Node(root / "node", host, supported_bindings=KUBE) if host else Node(root / "node", supported_bindings=KUBE)
     p, r = await node.converge(RICH)
     assert not r.errors, r.errors
     assert p.failures == ()
@@ -123,3 +131,13 @@ def test_files_are_mode_0644(written: Node) -> None:
 
 def test_schema_dir_path_is_the_team_folder() -> None:
     assert SCHEMA_DIR.parts[-3:] == ("shared", "reference", "cdi-schema")
+
+
+def test_bound_events_name_the_devices_as_written(written: Node) -> None:
+    bodies = written.outbox.reports("bound", written.signer)
+    assert len(bodies) == len(RICH.devices)
+    for body in bodies:
+        doc = written.holds()[body.event.allocation_id]
+        assert body.event.cdi_devices == [f"{doc['kind']}={d['name']}" for d in doc["devices"]]
+        assert body.event.devices == [d["annotations"]["bcd.dev/device-id"] for d in doc["devices"]]
+        assert body.event.cgroup_parent == doc["annotations"].get("bcd.dev/cgroup-parent", "")
