@@ -872,7 +872,12 @@ class ControlPlane:
             try:
                 await self.handle(msg)
                 return
-            except _Transient as exc:
+            except Exception as exc:  # noqa: BLE001 - one bad message must not stop the consumer
+                if not isinstance(exc, _Transient):
+                    log.exception("event handling failed; redelivering it later", subject=msg.subject)
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=5)
+                    return
                 log.warning("upstream lookup failed; retrying the event", subject=msg.subject, error=str(exc))
                 if stopping.is_set():
                     with contextlib.suppress(Exception):
@@ -1220,7 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("spec refused", reason=str(exc))
         return 1
     except (OSError, nats.errors.Error) as exc:
-        log.error("cannot start", reason=f"{type(exc).__name__}: {exc}")
+        log.error("stopped on an error" if args.command == "serve" else "put failed", reason=f"{type(exc).__name__}: {exc}")
         return 2
     except KeyboardInterrupt:
         return 0

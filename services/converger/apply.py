@@ -194,6 +194,11 @@ class Applier:
         self.crash("bind.cdi-written")
         self.writer.write_env(content)
         self.crash("bind.env-written")
+        if not step.report:
+            state.intents.pop(step.allocation_id, None)
+            self.save_state(state)
+            log.info("hold files re-created (already reported Bound)", allocation_id=step.allocation_id)
+            return
         await self._report_bound(step.allocation_id, step.event_id, event, state)
         log.info("hold bound", allocation_id=step.allocation_id, devices=list(event.devices), cgroup_parent=event.cgroup_parent, event_id=step.event_id)
 
@@ -203,6 +208,18 @@ class Applier:
         await self.outbox.publish("bound", event_id, encode(report))
         self.crash("bind.published")
         state.reported[alloc] = event_id
+        state.bound[alloc] = Intent(
+            op="bind",
+            allocation_id=alloc,
+            reservation_id=event.reservation_id,
+            generation=event.generation,
+            devices=list(event.devices),
+            event_id=event_id,
+            boot_id=self.boot_id(),
+            started_at=self.clock(),
+            cgroup_parent=event.cgroup_parent,
+            sliced=bool(event.cgroup_parent),
+        )
         state.intents.pop(alloc, None)
         self.save_state(state)
         self.crash("bind.completed")
@@ -242,6 +259,7 @@ class Applier:
         else:
             log.info("unreported bind undone", allocation_id=alloc)
         state.reported.pop(alloc, None)
+        state.bound.pop(alloc, None)
         state.intents.pop(alloc, None)
         self.save_state(state)
         if step.report:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from shared.fsutil import atomic_write, is_temp_name, remove_durably
 from shared.schemas import ID_RE, Limits
-from shared.vendorcdi import VendorSpecError, read_vendor_cdi
+from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi, VendorSpecError, read_vendor_cdi
 
 from .holdfiles import HoldContent, build_cdi_spec, render_cdi_spec, render_env_file
 from .slices import SliceError, Slices
@@ -56,6 +56,8 @@ class LocalHostWriter:
         self.run_dir = Path(run_dir)
         self.slices = slices
         self.crash = crash
+        self._vendor_stamp: tuple[int, ...] | None = None
+        self._vendor_cached: VendorCdi | None = None
 
     def _write(self, path: Path, data: bytes, point: str) -> None:
         try:
@@ -70,9 +72,24 @@ class LocalHostWriter:
         except OSError as exc:
             raise HostWriteError(f"cannot remove {path}: {exc.strerror or exc}") from None
 
+    def _vendor(self) -> VendorCdi | None:
+        """The vendor spec, decoded again only when its file changed (it can be large)."""
+        path = self.cdi_dir / VENDOR_CDI_FILE
+        try:
+            st = path.stat()
+            stamp: tuple[int, ...] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        except OSError as exc:
+            raise HostWriteError(f"vendor CDI spec unreadable: cannot read {path}: {exc.strerror or exc}") from None
+        if stamp != self._vendor_stamp or stamp is None:
+            self._vendor_cached = read_vendor_cdi(self.cdi_dir) if stamp is not None else None
+            self._vendor_stamp = stamp
+        return self._vendor_cached
+
     def write_cdi(self, content: HoldContent) -> None:
         try:
-            vendor = read_vendor_cdi(self.cdi_dir)
+            vendor = self._vendor()
         except VendorSpecError as exc:
             raise HostWriteError(f"vendor CDI spec unreadable: {exc}") from None
         data = render_cdi_spec(build_cdi_spec(content, vendor))

@@ -57,6 +57,10 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     boot_id: str = ""
     #: allocation id -> event id of the Bound in the outbox.
     reported: dict[str, str] = {}
+    #: allocation id -> what its reported Bound said, so a hold whose CDI spec
+    #: vanished from outside is still released with a Released, or re-created
+    #: without a second Bound.
+    bound: dict[str, Intent] = {}
     #: allocation id -> generation whose AllocationFailed is in the outbox.
     reported_failures: dict[str, int] = {}
     last_section: SectionStatus | None = None
@@ -140,6 +144,8 @@ class BindHold:
     event_id: str
     event: AllocationBound
     content: HoldContent
+    #: False when re-creating the files of a hold already reported Bound.
+    report: bool = True
 
 
 @dataclass(frozen=True)

@@ -305,6 +305,21 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
             )
         )
         released.add(alloc)
+    for alloc, facts in sorted(state.bound.items()):
+        # a reported hold whose CDI spec vanished from outside, now unwanted: it
+        # still gets its Released (and its env file and slice go)
+        if alloc not in wanted and alloc not in observed.holds and alloc not in released and alloc in state.reported:
+            steps.append(
+                ReleaseHold(
+                    alloc,
+                    released_id(node, alloc, gen),
+                    AllocationReleased(
+                        allocation_id=alloc, reservation_id=facts.reservation_id, generation=gen, devices=list(facts.devices)
+                    ),
+                    sliced=facts.sliced,
+                )
+            )
+            released.add(alloc)
     for alloc, intent in sorted(state.intents.items()):
         # an interrupted bind whose CDI spec never landed and that is no longer wanted
         if intent.op == "bind" and alloc not in wanted and alloc not in observed.holds and alloc not in released:
@@ -406,23 +421,28 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                 )
             continue
         devices = hold_devices(resolved)
-        content = dataclasses.replace(hold_content(assignment, devices, observed, mps), generation=gen)
+        # a hold already reported Bound whose files vanished is re-created as it
+        # was bound (same generation, same event id) and not reported again
+        again = state.bound.get(alloc) if alloc in state.reported and alloc not in released else None
+        hold_gen = again.generation if again is not None else gen
+        content = dataclasses.replace(hold_content(assignment, devices, observed, mps), generation=hold_gen)
         for r in resolved:
             claims.add(r.ref.id, alloc)
         ledger.promise(content.limits)
         steps.append(
             BindHold(
                 alloc,
-                bound_id(node, alloc, gen),
+                again.event_id if again is not None else bound_id(node, alloc, gen),
                 AllocationBound(
                     allocation_id=alloc,
                     reservation_id=assignment.reservation_id,
-                    generation=gen,
+                    generation=hold_gen,
                     devices=[r.ref.id for r in resolved],
                     cgroup_parent=content.cgroup_parent,
                     cdi_devices=_qualified(content),
                 ),
                 content,
+                report=again is None,
             )
         )
 

@@ -445,3 +445,34 @@ async def test_bind_intent_is_stamped_with_the_boot_id(root: Path) -> None:
     await node.converge(spec(1, hold("a1", G[0])))
     assert seen == [("bind", "boot-7")]
     assert node.store.load().intents == {}
+
+
+async def test_a_reported_hold_whose_cdi_spec_vanished_is_recreated_without_a_second_bound(tmp_path):
+    from tests.converger_kit import GPU, Node, hold, spec
+
+    node = Node(tmp_path)
+    s1 = spec(1, hold("keep", GPU[0], cpus="0-3"))
+    await node.converge(s1)
+    (node.cdi_dir / "bcd-keep.json").unlink()
+    s2 = spec(2, hold("keep", GPU[0], cpus="0-3"))
+    p, r = await node.converge(s2)
+    assert not r.errors
+    assert set(node.holds()) == {"keep"}
+    assert node.holds()["keep"]["annotations"]["bcd.dev/generation"] == "1"
+    assert len(node.outbox.of_type("bound")) == 1
+    assert node.plan(s2).steps == ()
+
+
+async def test_a_reported_hold_whose_cdi_spec_vanished_still_gets_its_released(tmp_path):
+    from tests.converger_kit import GPU, Node, hold, spec
+
+    node = Node(tmp_path)
+    await node.converge(spec(1, hold("gone", GPU[0], cpus="0-3")))
+    (node.cdi_dir / "bcd-gone.json").unlink()
+    p, r = await node.converge(spec(2))
+    assert not r.errors
+    released = node.outbox.reports("released", node.signer)
+    assert [b.event.allocation_id for b in released] == ["gone"]
+    assert released[0].event.devices == [GPU[0]]
+    assert node.env("gone") is None and node.slice_names() == []
+    assert node.plan(spec(2)).steps == ()
