@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv schema bench clean
+.PHONY: run test venv schema bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ schema: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
+	$(BIN)/python bench/plan.py
+
+bench-e2e: $(STAMP)
+	$(BIN)/python bench/e2e.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) state .pytest_cache .hypothesis

@@ -91,9 +91,11 @@ class BusUser:
     user: str
     password: str
     permissions: Permissions | None  # None: no restrictions (test admin)
+    #: an nkey user (public key "U..."): authenticates by signature, no password.
+    nkey: str = ""
 
     def render(self) -> dict[str, object]:
-        entry: dict[str, object] = {"user": self.user, "password": self.password}
+        entry: dict[str, object] = {"nkey": self.nkey} if self.nkey else {"user": self.user, "password": self.password}
         if self.permissions is not None:
             p = self.permissions
             entry["permissions"] = {

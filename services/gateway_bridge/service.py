@@ -89,6 +89,7 @@ class BridgeApp(ServiceApp):
         self.latest_spec: bytes | None = None
         self.applied_generation = -1
         self.rejected: Condition | None = None
+        self.rejection_unknown = True
         self.started_at = datetime.now(timezone.utc)
         self.waiting: set[str] = set()
 
@@ -305,9 +306,12 @@ class BridgeApp(ServiceApp):
         await self.publish_condition(self.rejected)
 
     async def clear_rejection(self) -> None:
-        if self.rejected is None:
+        # After a restart the bridge does not know whether it had raised the
+        # condition: the first good spec clears it once, so it never sticks.
+        if self.rejected is None and not self.rejection_unknown:
             return
         self.rejected = None
+        self.rejection_unknown = False
         await self.publish_condition(
             Condition(
                 type=NODE_SPEC_REJECTED,

@@ -9,12 +9,14 @@ verified is read back from its event log and state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -381,18 +383,38 @@ def test_upstream_outage_grows_the_outbox_and_loses_nothing(tmp_path):
         gen1 = put([assignment("a", GPU[0]), assignment("b", GPU[1])])
         wait_for(lambda: len([e for e in cp_events() if e.type == "bound"]) == 2, 60, "gen 1 bound upstream")
 
-        gen2 = put([assignment("b", GPU[1]), assignment("c", GPU[2]), assignment("d", GPU[3])])
-        os.kill(upstream.proc.pid, signal.SIGSTOP)  # upstream stalls: connections hang, nothing acks
+        async def put_then_stall(devices: list[dict]) -> int:
+            """Put the spec, then stall upstream at once (SIGSTOP): the bridge has the
+            spec's KV message, but nothing it forwards can be acknowledged."""
+            from bcd.controlplane import ControlPlane, load_or_create_cp_key
+
+            key, _ = load_or_create_cp_key(cp_state)
+            nc = await nats.connect(upstream.url, user=CONTROLPLANE_USER, password=creds[CONTROLPLANE_USER].read_text().strip(),
+                                    inbox_prefix=inbox_prefix(CONTROLPLANE_USER).encode(), allow_reconnect=False)
+            try:
+                result = await ControlPlane(nc, key, cp_state, out=None).put_spec({"node_id": "node-1", "devices": devices})
+                os.kill(upstream.proc.pid, signal.SIGSTOP)
+                return result.generation
+            finally:
+                with contextlib.suppress(Exception):
+                    nc._transport.close()  # the server is stalled: no graceful close
+
+        gen2 = asyncio.run(put_then_stall([assignment("b", GPU[1]), assignment("c", GPU[2]), assignment("d", GPU[3])]))
         try:
             local = wait_for(
                 lambda: (lambda s: s if ((s.get("converger") or {}).get("section") or {}).get("observed_generation") == gen2 and (s.get("outbox") or {}).get("messages", 0) > 0 else None)(node.status()),
                 60,
                 "gen 2 applied locally with events waiting in the outbox",
             )
-            assert local["outbox"]["messages"] >= 3  # released a, bound c, bound d (+ section)
-            time.sleep(3)
-            metrics = json.loads((node.state / "node.json").read_text())["metrics"]
-            assert metrics  # the bridge's metrics endpoint lists the depth
+            # released a, bound c, bound d and the section all wait for upstream
+            assert local["outbox"]["messages"] >= 3
+            time.sleep(2.5)
+            bridge_metrics = node.ping()["gateway_bridge"]["metadata"]["metrics"]
+            text = urllib.request.urlopen(f"http://{bridge_metrics}/metrics", timeout=5).read().decode()
+            depth = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("bcd_outbox_depth ")))
+            age = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("bcd_outbox_oldest_age_seconds ")))
+            assert depth >= 3 and age > 1.0
+            assert not {"c", "d"} & {e.allocation_id for e in cp_events() if e.type == "bound"}
         finally:
             os.kill(upstream.proc.pid, signal.SIGCONT)
         # then a real outage: killed, and back on the same port and store

@@ -476,3 +476,22 @@ async def test_a_reported_hold_whose_cdi_spec_vanished_still_gets_its_released(t
     assert released[0].event.devices == [GPU[0]]
     assert node.env("gone") is None and node.slice_names() == []
     assert node.plan(spec(2)).steps == ()
+
+
+async def test_a_full_outbox_holds_back_new_binds_but_not_releases_or_failures(tmp_path):
+    from tests.converger_kit import GPU, Node, hold, spec
+
+    node = Node(tmp_path)
+    await node.converge(spec(1, hold("old", GPU[0])))
+    node.outbox.full = True
+    s2 = spec(2, hold("new", GPU[1]), hold("bad", "nic.vf/0000:3b:00.2"))
+    p, r = await node.converge(s2)
+    assert r.retry and any("outbox is full" in e for e in r.errors)
+    assert set(node.holds()) == set()  # "old" released, "new" not bound
+    assert [b.event.allocation_id for b in node.outbox.reports("released", node.signer)] == ["old"]
+    assert [f["allocation_id"] for f in node.outbox.of_type("failed")] == ["bad"]
+    assert r.section is not None and r.section.state == "PROGRESSING"
+    node.outbox.full = False
+    p, r = await node.converge(s2)
+    assert not r.errors and set(node.holds()) == {"new"}
+    assert [b.event.allocation_id for b in node.outbox.reports("bound", node.signer)] == ["old", "new"]
