@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv schema bench bench-e2e clean
+.PHONY: run test venv schema proto bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 schema: $(STAMP)
 	$(BIN)/python -m shared.schemas.jsonschema --write docs/schema
+
+# the kubelet pod-resources client (services/kube_reaper/proto/*_pb2*.py, checked in)
+proto: $(STAMP)
+	$(BIN)/python -m services.kube_reaper.proto.generate
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py

@@ -186,6 +186,26 @@ class NodeSubjects:
         """Ask for a pass now (operator, reaper)."""
         return self.subject("converger", "pass")
 
+    # kube_reaper
+    @property
+    def reaper_held(self) -> str:
+        """Does any pod (or kubepods process) hold these devices? Unreachable counts as held."""
+        return self.subject("kube_reaper", "held")
+
+    @property
+    def reaper_evict(self) -> str:
+        """Evict the pods holding these withdrawn devices (the reaper then watches them)."""
+        return self.subject("kube_reaper", "evict")
+
+    @property
+    def reaper_orphans(self) -> str:
+        return self.subject("kube_reaper", "orphans")
+
+    @property
+    def reaper_freed(self) -> str:
+        """Published by the reaper when a withdrawn allocation's devices are free."""
+        return self.subject("kube_reaper", "freed")
+
     # the node's durable outbox (node-bus JetStream), drained upstream by the bridge
     @property
     def outbox_stream(self) -> str:
@@ -248,8 +268,16 @@ class NodeSubjects:
                     *self.kv_read_subjects(self.inventory_bucket),
                     self.outbox_filter,
                     *self.stream_subjects(self.outbox_stream, create=True),
+                    self.reaper_held,
+                    self.reaper_evict,
+                    self.reaper_orphans,
                 ),
-                (self.service_wildcard("converger"), self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
+                (
+                    self.service_wildcard("converger"),
+                    self.inventory_changed,
+                    f"$KV.{self.inventory_bucket}.>",
+                    self.reaper_freed,
+                ),
             ),
             "gateway_bridge": (
                 (
@@ -273,7 +301,7 @@ class NodeSubjects:
                     self.outbox_filter,
                 ),
             ),
-            "kube_reaper": ((self.inventory_get,), (self.service_wildcard("kube_reaper"),)),
+            "kube_reaper": ((self.inventory_get, self.reaper_freed), (self.service_wildcard("kube_reaper"),)),
             "vfio_switcher": ((self.inventory_get,), (self.service_wildcard("vfio_switcher"),)),
             "helper": ((), (self.service_wildcard("helper"),)),
             OPERATOR_USER: (

@@ -24,7 +24,8 @@ from services.converger.apply import Applier, ApplyResult
 from services.converger.domains import FakeDomains
 from services.converger.hostwriter import LocalHostWriter
 from services.converger.model import ConvergerState, Observed, Plan, PlanConfig
-from services.converger.observe import observe
+from services.converger.observe import ReleaseFacts, observe
+from services.converger.releases import ReleasesStore
 from services.converger.outbox import OutboxError
 from services.converger.plan import plan
 from services.converger.slices import FakeSlices
@@ -138,6 +139,28 @@ class MemoryOutbox:
         return out
 
 
+@dataclass
+class FakeReaper:
+    """The kube side, as the converger sees it: which atoms pods hold, and the evictions asked for."""
+
+    pod_atoms: set[str] = field(default_factory=set)
+    reachable: bool = True
+    orphans_clear: bool = False
+    evictions: list[tuple[str, list[str]]] = field(default_factory=list)
+
+    def is_held(self, devices: list[str]) -> bool:
+        return not self.reachable or bool(self.pod_atoms & set(devices))
+
+    async def held(self, allocation_id: str, devices: list[str]) -> bool:
+        return self.is_held(devices)
+
+    async def evict(self, allocation_id: str, devices: list[str]) -> None:
+        self.evictions.append((allocation_id, list(devices)))
+
+    async def no_orphans(self, known_devices: list[str]) -> bool:
+        return self.reachable and self.orphans_clear
+
+
 class Node:
     """One node's converger, in process, on real files under `root`.
 
@@ -160,6 +183,7 @@ class Node:
         crash: Callable[[str], None] | None = None,
         boot_id: str = "boot-1",
         supported_bindings: frozenset[str] | None = None,
+        reaper: FakeReaper | None = None,
     ) -> None:
         self.root = root
         self.node_id = node_id
@@ -183,6 +207,9 @@ class Node:
         self.config = PlanConfig(node_id=node_id, privileged=privileged, system_reserve_bytes=reserve)
         if supported_bindings is not None:
             self.config = dataclasses.replace(self.config, supported_bindings=supported_bindings)
+        self.releases = ReleasesStore(root / "data")
+        self.reaper = reaper if reaper is not None else FakeReaper()
+        self.now: datetime | None = None
         self.applier = Applier(
             node_id=node_id,
             writer=self.writer,
@@ -191,16 +218,27 @@ class Node:
             save_state=self.store.save,
             boot_id=lambda: self.boot_id,
             crash=self.crash,
+            releases=self.releases,
+            reaper=self.reaper,
         )
         self._init_args = dict(host_file=host_file, privileged=privileged, node_id=node_id, reserve=reserve, supported_bindings=supported_bindings)
 
     def restart(self, **changes) -> Node:
         """A fresh process on the same host: same dirs, same durable outbox and key, state from disk."""
-        args = {**self._init_args, "outbox": self.outbox, "signer": self.signer, "boot_id": self.boot_id, **changes}
+        args = {**self._init_args, "outbox": self.outbox, "signer": self.signer, "boot_id": self.boot_id, "reaper": self.reaper, **changes}
         return Node(self.root, **args)
 
     def rescan(self) -> None:
         self.inventory = build_inventory(self.adapter, node_id=self.node_id, revision=self.inventory.revision + 1, now=datetime.now(timezone.utc))
+
+    def release_facts(self) -> ReleaseFacts:
+        pending, unreadable = self.releases.load()
+        return ReleaseFacts(
+            pending=pending,
+            unreadable=unreadable,
+            held={a: self.reaper.is_held(r.devices) for a, r in pending.items()},
+            no_orphans=unreadable and self.reaper.orphans_clear,
+        )
 
     def observe(self, s: NodeSpec) -> Observed:
         return observe(
@@ -212,6 +250,8 @@ class Node:
             domains=self.domains,
             state=self.state,
             warned=set(),
+            releases=self.release_facts(),
+            now=self.now,
         )
 
     def plan(self, s: NodeSpec) -> Plan:
@@ -258,8 +298,13 @@ def check_hold_invariants(node: Node, *, reported: bool = True, settled: bool = 
     on_disk = {a: h.generation for a, h in holds.items()}
     for alloc, gen in on_disk.items() if reported else ():
         assert live.get(alloc) == f"{node.node_id}.{alloc}.bound.g{gen}", f"hold {alloc} (g{gen}) on disk, upstream has {live.get(alloc)}"
+    # a Kubernetes hold withdrawn but not yet reported (pods may hold it) is still live upstream
+    pending, _ = node.releases.load()
     if settled:
-        assert set(live) == set(on_disk), f"bound upstream but not on disk: {sorted(set(live) - set(on_disk))}"
+        assert set(live) == set(on_disk) | set(pending), f"bound upstream but not on disk: {sorted(set(live) - set(on_disk) - set(pending))}"
+    for alloc, rel in pending.items():
+        assert alloc in live, f"pending release {alloc} of no live Bound"
+        assert not (set(rel.devices) & {d for h in holds.values() for d in h.devices}), f"pending release {alloc} shares atoms with a hold"
     # no atom in two holds on disk
     # no atom in two holds on disk; a GPU held whole has no MIG instance or
     # slot held, and MIG instances and slots do not mix on one GPU

@@ -22,12 +22,17 @@ from datetime import datetime, timezone
 import msgspec
 
 from shared import logs
-from shared.schemas import SectionStatus, encode
+from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, encode
 
 from .eventids import section_id
 from .hostwriter import HostWriteError, HostWriter
 from .model import (
     BindHold,
+    ClearUnreadableMarker,
+    DropPendingRelease,
+    ReportKubeRelease,
+    SetCondition,
+    WithdrawKubeHold,
     ConvergerState,
     EnsureSlice,
     Intent,
@@ -41,6 +46,8 @@ from .model import (
     WriteEnv,
 )
 from .outbox import Outbox, OutboxError, Signer
+from .reaper import NoReaper, Reaper
+from .releases import PendingRelease, ReleasesStore
 
 log = logs.get_logger("bcd.converger.apply")
 
@@ -68,7 +75,11 @@ class Applier:
         boot_id: Callable[[], str],
         crash: Callable[[str], None] = lambda _: None,
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+        releases: ReleasesStore | None = None,
+        reaper: Reaper | None = None,
     ) -> None:
+        self.releases = releases
+        self.reaper = reaper or NoReaper()
         self.node_id = node_id
         self.writer = writer
         self.signer = signer
@@ -162,8 +173,71 @@ class Applier:
                 detail=step.event.message,
                 generation=step.event.generation,
             )
+        elif isinstance(step, WithdrawKubeHold):
+            await self._withdraw(step)
+        elif isinstance(step, ReportKubeRelease):
+            await self._report_kube_release(step, state)
+        elif isinstance(step, DropPendingRelease):
+            self._update_releases(lambda rels: rels.pop(step.allocation_id, None))
+            log.info("pending Kubernetes release taken back: the spec wants the allocation again", allocation_id=step.allocation_id)
+        elif isinstance(step, SetCondition):
+            await self._set_condition(step.condition, state)
+        elif isinstance(step, ClearUnreadableMarker):
+            assert self.releases is not None
+            try:
+                self.releases.clear_marker()
+            except OSError as exc:
+                raise HostWriteError(f"cannot remove {self.releases.marker}: {exc.strerror}") from None
+            log.info("unreadable-releases marker cleared: no pod holds a GPU of an unknown allocation")
         else:  # pragma: no cover - the Step union is closed
             raise AssertionError(step)
+
+    # ------------------------------------------------------------------ Kubernetes releases
+
+    def _update_releases(self, change: Callable[[dict[str, PendingRelease]], object]) -> None:
+        assert self.releases is not None, "Kubernetes releases need a ReleasesStore"
+        try:
+            rels, _ = self.releases.load()
+            change(rels)
+            self.releases.save(rels)
+        except OSError as exc:
+            raise HostWriteError(f"cannot write {self.releases.path}: {exc.strerror or exc}") from None
+
+    async def _withdraw(self, step: WithdrawKubeHold) -> None:
+        rel = step.release
+        # recorded first: a crash after this never loses the release
+        self._update_releases(lambda rels: rels.setdefault(step.allocation_id, rel))
+        self.crash("kube.recorded")
+        self.writer.remove_cdi(step.allocation_id)
+        self.writer.remove_env(step.allocation_id)
+        self.crash("kube.withdrawn")
+        log.info("Kubernetes hold withdrawn; released once no pod holds it", allocation_id=step.allocation_id, devices=rel.devices)
+        await self.reaper.evict(step.allocation_id, list(rel.devices))
+
+    async def _report_kube_release(self, step: ReportKubeRelease, state: ConvergerState) -> None:
+        rel = step.release
+        event = AllocationReleased(
+            allocation_id=rel.allocation_id, reservation_id=rel.reservation_id, generation=rel.generation, devices=list(rel.devices)
+        )
+        report = await self.signer.sign(rel.event_id, event)
+        await self.outbox.publish("released", rel.event_id, encode(report))
+        self.crash("kube.published")
+        self._update_releases(lambda rels: rels.pop(step.allocation_id, None))
+        state.reported.pop(step.allocation_id, None)
+        state.bound.pop(step.allocation_id, None)
+        state.intents.pop(step.allocation_id, None)
+        self.save_state(state)
+        log.info("Kubernetes hold released: no pod holds its devices", allocation_id=step.allocation_id, event_id=rel.event_id)
+
+    async def _set_condition(self, condition: Condition, state: ConvergerState) -> None:
+        stamp = condition.since.strftime("%Y%m%dt%H%M%S%f")
+        event_id = f"{self.node_id}.condition.{condition.type.lower()}.{condition.status.lower()}.{stamp}"
+        await self.outbox.publish("condition", event_id, encode(NodeCondition(condition=condition)))
+        state.conditions[condition.type] = condition
+        self.save_state(state)
+        (log.warning if condition.status == "True" else log.info)(
+            "node condition", type=condition.type, status=condition.status, reason=condition.reason, detail=condition.message
+        )
 
     def _record(self, state: ConvergerState, intent: Intent) -> None:
         state.intents[intent.allocation_id] = intent

@@ -32,7 +32,10 @@ RELEASE_POINTS: tuple[str, ...] = (
     "release.published",
     "release.completed",
 )
+#: the split release of a Kubernetes hold.
+KUBE_POINTS: tuple[str, ...] = ("kube.recorded", "kube.withdrawn", "kube.published")
 CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
+ALL_POINTS = CRASH_POINTS + KUBE_POINTS
 ENV = "BCD_CONVERGER_CRASH_AT"
 
 
@@ -40,8 +43,8 @@ class CrashPoints:
     def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get(ENV, "") if spec is None else spec
         name, _, nth = spec.partition(":")
-        if name and name not in CRASH_POINTS:
-            raise ValueError(f"{ENV}={spec}: unknown crash point (known: {', '.join(CRASH_POINTS)})")
+        if name and name not in ALL_POINTS:
+            raise ValueError(f"{ENV}={spec}: unknown crash point (known: {', '.join(ALL_POINTS)})")
         self.name = name
         self.left = int(nth or 1)
 
@@ -52,4 +55,4 @@ class CrashPoints:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["BIND_POINTS", "RELEASE_POINTS", "CRASH_POINTS", "ENV", "CrashPoints"]
+__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]

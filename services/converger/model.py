@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Literal
 
 import msgspec
 
 from shared.schemas import (
     AllocationBound,
+    Condition,
     AllocationFailed,
     AllocationReleased,
     FailureReason,
@@ -30,6 +31,7 @@ from shared.schemas import (
 from shared.vendorcdi import VendorCdi
 
 from .holdfiles import HoldContent, HoldOnDisk
+from .releases import PendingRelease
 
 SECTION = "devices"
 
@@ -64,6 +66,8 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     #: allocation id -> generation whose AllocationFailed is in the outbox.
     reported_failures: dict[str, int] = {}
     last_section: SectionStatus | None = None
+    #: node conditions as last published (type -> condition).
+    conditions: dict[str, Condition] = {}
     intents: dict[str, Intent] = {}
     #: PCI address -> domain name, for domains running at the last pass.
     domain_gpus: dict[str, str] = {}
@@ -87,19 +91,31 @@ class Observed:
     #: leftover temp files of interrupted atomic writes.
     temp_files: tuple[str, ...] = ()
     state: ConvergerState = field(default_factory=ConvergerState)
-    #: devices of Kubernetes releases still pending: atom id -> allocation (the Kubernetes issue fills it).
+    #: devices of Kubernetes releases still pending: atom id -> allocation
+    #: (derived from `pending_releases` by `with_releases`; tests may set it directly).
     pending_release_atoms: Mapping[str, str] = field(default_factory=dict)
-    #: the releases file could not be read: every GPU counts as held.
+    #: the releases file could not be read (or its marker is still there): every GPU counts as held.
     releases_unreadable: bool = False
+    #: Kubernetes releases recorded in releasing.json, by allocation.
+    pending_releases: Mapping[str, PendingRelease] = field(default_factory=dict)
+    #: the reaper's answer per pending release: False = no pod holds any of its
+    #: devices (reachable); True or absent = held, or could not be established.
+    release_held: Mapping[str, bool] = field(default_factory=dict)
+    #: the reaper established that no pod holds a bcd GPU of an allocation this
+    #: node does not know (clears the unreadable marker).
+    no_orphans: bool = False
+    now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     node_id: str
     privileged: bool = True
-    #: bindings this node binds as holds; BINDING_KUBERNETES joins with the Kubernetes releases.
-    supported_bindings: frozenset[str] = frozenset({"BINDING_HOLD"})
+    #: bindings this node binds as holds.
+    supported_bindings: frozenset[str] = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
     system_reserve_bytes: int = 0
+    #: a Kubernetes release pending longer than this raises KubernetesReleaseStuck.
+    stuck_after: timedelta = timedelta(minutes=5)
 
 
 # ---------------------------------------------------------------------------- steps
@@ -169,7 +185,56 @@ class RemoveTemp:
     path: str
 
 
-Step = ReleaseHold | StopSlice | EnsureSlice | WriteEnv | BindHold | ReportBound | ReportFailed | RemoveTemp
+@dataclass(frozen=True)
+class WithdrawKubeHold:
+    """Record the release in releasing.json, then remove CDI spec and env file, then ask for evictions."""
+
+    allocation_id: str
+    release: PendingRelease
+
+
+@dataclass(frozen=True)
+class ReportKubeRelease:
+    """No pod holds the devices any more: AllocationReleased, then drop the record."""
+
+    allocation_id: str
+    release: PendingRelease
+
+
+@dataclass(frozen=True)
+class DropPendingRelease:
+    """A later spec wants the allocation again: the release is dropped unreported."""
+
+    allocation_id: str
+
+
+@dataclass(frozen=True)
+class SetCondition:
+    """Publish a node condition (through the outbox) when it changed."""
+
+    condition: Condition
+
+
+@dataclass(frozen=True)
+class ClearUnreadableMarker:
+    pass
+
+
+Step = (
+    ReleaseHold
+    | StopSlice
+    | EnsureSlice
+    | WriteEnv
+    | BindHold
+    | ReportBound
+    | ReportFailed
+    | RemoveTemp
+    | WithdrawKubeHold
+    | ReportKubeRelease
+    | DropPendingRelease
+    | SetCondition
+    | ClearUnreadableMarker
+)
 
 
 @dataclass(frozen=True)
@@ -189,6 +254,8 @@ class Plan:
     section: SectionStatus | None = None
     #: log lines the pass should emit (the planner is pure and does not log).
     notes: tuple[str, ...] = ()
+    #: Kubernetes releases still pending after this pass (the pass rechecks them).
+    pending: tuple[str, ...] = ()
 
     def kinds(self) -> list[str]:
         return [type(s).__name__ for s in self.steps]
@@ -208,6 +275,11 @@ __all__ = [
     "ReportBound",
     "ReportFailed",
     "RemoveTemp",
+    "WithdrawKubeHold",
+    "ReportKubeRelease",
+    "DropPendingRelease",
+    "SetCondition",
+    "ClearUnreadableMarker",
     "Step",
     "Failure",
     "Plan",

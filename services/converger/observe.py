@@ -9,7 +9,9 @@ interrupted atomic writes found, so the planner can repair drift.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from shared import logs
@@ -20,6 +22,8 @@ from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi
 from .domains import Domains, DomainsError
 from .holdfiles import HoldOnDisk, NotAHold, parse_hold
 from .model import ConvergerState, Observed
+from .reaper import Reaper
+from .releases import PendingRelease, ReleasesStore
 from .slices import SliceError, Slices
 
 log = logs.get_logger("bcd.converger.observe")
@@ -99,8 +103,11 @@ def observe(
     domains: Domains,
     state: ConvergerState,
     warned: set[str] | None = None,
+    releases: ReleaseFacts | None = None,
+    now: datetime | None = None,
 ) -> Observed:
     disk = read_disk(cdi_dir, run_dir, warned=warned)
+    releases = releases or ReleaseFacts()
     vendor: VendorCdi | None
     try:
         vendor = read_vendor_cdi(cdi_dir)
@@ -123,7 +130,37 @@ def observe(
         vfio_claims=vfio_claims(spec, domains, state),
         temp_files=tuple(disk.temp_files),
         state=state,
+        pending_releases=releases.pending,
+        releases_unreadable=releases.unreadable,
+        release_held=releases.held,
+        no_orphans=releases.no_orphans,
+        now=now or datetime.now(timezone.utc),
     )
 
 
-__all__ = ["DiskView", "read_disk", "vfio_claims", "observe"]
+@dataclass
+class ReleaseFacts:
+    """What the pass knows of Kubernetes releases: the file, and the reaper's answers."""
+
+    pending: dict[str, PendingRelease] = field(default_factory=dict)
+    unreadable: bool = False
+    #: allocation -> held (False only when established free).
+    held: dict[str, bool] = field(default_factory=dict)
+    no_orphans: bool = False
+
+
+async def release_facts(store: ReleasesStore, reaper: Reaper, cdi_dir: Path, run_dir: Path) -> ReleaseFacts:
+    """Load releasing.json (setting an unreadable one aside) and ask the reaper about each release."""
+    pending, unreadable = await asyncio.to_thread(store.load)
+    held: dict[str, bool] = {}
+    for alloc, rel in pending.items():
+        held[alloc] = await reaper.held(alloc, list(rel.devices))
+    no_orphans = False
+    if unreadable:
+        disk = await asyncio.to_thread(read_disk, cdi_dir, run_dir)
+        known = sorted({d for h in disk.holds.values() for d in h.devices} | {d for r in pending.values() for d in r.devices})
+        no_orphans = await reaper.no_orphans(known)
+    return ReleaseFacts(pending=pending, unreadable=unreadable, held=held, no_orphans=no_orphans)
+
+
+__all__ = ["DiskView", "read_disk", "vfio_claims", "observe", "ReleaseFacts", "release_facts"]

@@ -16,8 +16,11 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.schemas import (
     AllocationBound,
+    Condition,
     AllocationFailed,
     AllocationReleased,
     DeviceAssignment,
@@ -30,8 +33,14 @@ from shared.schemas import (
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
 from .eventids import bound_id, failed_id, released_id
 from .holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
+from .releases import PendingRelease
 from .model import (
     SECTION,
+    ClearUnreadableMarker,
+    DropPendingRelease,
+    ReportKubeRelease,
+    SetCondition,
+    WithdrawKubeHold,
     BindHold,
     EnsureSlice,
     Failure,
@@ -261,10 +270,24 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     steps: list[Step] = [RemoveTemp(p) for p in observed.temp_files]
     notes: list[str] = []
 
-    # 1. (Kubernetes releases pending from earlier passes: the Kubernetes issue.)
+    # 1. Kubernetes releases pending from earlier passes: reported once no pod
+    #    holds them, dropped unreported when the spec wants the allocation again.
+    released: set[str] = set()
+    pending: dict[str, PendingRelease] = {}
+    for alloc, rel in sorted(observed.pending_releases.items()):
+        if alloc in wanted:
+            steps.append(DropPendingRelease(alloc))
+        elif observed.release_held.get(alloc) is False:
+            steps.append(ReportKubeRelease(alloc, rel))
+            released.add(alloc)
+        else:
+            pending[alloc] = rel
+            released.add(alloc)
+            if alloc in observed.holds:
+                # recorded, then a crash before the withdraw: finish withdrawing
+                steps.append(WithdrawKubeHold(alloc, rel))
 
     # 2. Release holds no longer wanted (and finish releases a crash interrupted).
-    released: set[str] = set()
     for alloc, intent in sorted(state.intents.items()):
         if intent.op == "release":
             steps.append(
@@ -294,6 +317,20 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
             # report fails. A bind whose CDI spec never landed (below) cannot have
             # published and is still undone silently.
             steps.append(ReportBound(alloc, intent.event_id, _bound_event(hold)))
+        if hold.binding == "BINDING_KUBERNETES":
+            # split release: recorded, withdrawn, reported only once no pod holds it
+            rel = PendingRelease(
+                allocation_id=alloc,
+                reservation_id=hold.reservation_id,
+                devices=list(hold.devices),
+                generation=gen,
+                since=observed.now,
+                event_id=released_id(node, alloc, gen),
+            )
+            steps.append(WithdrawKubeHold(alloc, rel))
+            pending[alloc] = rel
+            released.add(alloc)
+            continue
         steps.append(
             ReleaseHold(
                 alloc,
@@ -351,7 +388,13 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
             claims.vfio[gpu.atom_id] = holder
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")
-    if observed.releases_unreadable:
+    for alloc, rel in pending.items():
+        for atom in rel.devices:
+            claims.add(atom, f"{alloc} (pending Kubernetes release)")
+    unreadable = observed.releases_unreadable and not observed.no_orphans
+    if observed.releases_unreadable and observed.no_orphans:
+        steps.append(ClearUnreadableMarker())
+    if unreadable:
         claims.all_gpus_held_by = UNREADABLE_RELEASES_HOLDER
     ledger = HostLedger(observed.inventory.host if observed.inventory else None, config.system_reserve_bytes)
 
@@ -464,13 +507,68 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                     ),
                 )
             )
+    steps.extend(_conditions(observed, config, pending, unreadable))
     section = SectionStatus(
         section=SECTION,
         state="FAILED" if failures else "CONVERGED",
         observed_generation=gen,
         message="\n".join(f"{f.allocation_id}: {f.reason}" for f in failures),
     )
-    return Plan(generation=gen, steps=tuple(steps), failures=tuple(failures), section=section, notes=tuple(notes))
+    return Plan(
+        generation=gen,
+        steps=tuple(steps),
+        failures=tuple(failures),
+        section=section,
+        notes=tuple(notes),
+        pending=tuple(sorted(pending)),
+    )
+
+
+STUCK = "KubernetesReleaseStuck"
+UNREADABLE = "KubernetesReleasesUnreadable"
+
+
+def _conditions(observed: Observed, config: PlanConfig, pending: Mapping[str, PendingRelease], unreadable: bool) -> list[Step]:
+    """KubernetesReleaseStuck and KubernetesReleasesUnreadable, raised and cleared on change."""
+    now = observed.now
+    stuck = sorted(a for a, r in pending.items() if now - r.since > config.stuck_after)
+    wanted: list[Condition] = []
+    if stuck:
+        mins = int(config.stuck_after.total_seconds() // 60)
+        wanted.append(
+            Condition(
+                type=STUCK,
+                status="True",
+                reason="PodsHoldDevices",
+                message=f"pods still hold the devices of {', '.join(stuck)} (pending longer than {mins} min)",
+                since=now,
+            )
+        )
+    elif STUCK in observed.state.conditions:
+        wanted.append(Condition(type=STUCK, status="False", reason="ReleasesReported", message="no Kubernetes release is stuck", since=now))
+    if unreadable:
+        wanted.append(
+            Condition(
+                type=UNREADABLE,
+                status="True",
+                reason="ReleasesFileUnreadable",
+                message="releasing.json was unreadable: every GPU counts as claimed until no pod holds a GPU of an unknown allocation",
+                since=now,
+            )
+        )
+    elif UNREADABLE in observed.state.conditions:
+        wanted.append(
+            Condition(type=UNREADABLE, status="False", reason="ReleasesFileReadable", message="no unreadable releases remain", since=now)
+        )
+    steps: list[Step] = []
+    for cond in wanted:
+        last = observed.state.conditions.get(cond.type)
+        if last is None or last.status != cond.status or last.message != cond.message:
+            # a condition keeps its `since` while its status holds
+            if last is not None and last.status == cond.status:
+                cond = msgspec.structs.replace(cond, since=last.since)
+            steps.append(SetCondition(cond))
+    return steps
 
 
 def _bound_event(hold: HoldOnDisk) -> AllocationBound:

@@ -21,6 +21,7 @@ from shared.host import HostFactError, read_boot_id
 from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
 from shared.schemas import (
     EMPTY_CODEC,
+    FREED_CODEC,
     HOLDER_QUERY_CODEC,
     INVENTORY_CODEC,
     NODE_SPEC_CODEC,
@@ -45,7 +46,9 @@ from .holdfiles import HoldOnDisk
 from .hostwriter import LocalHostWriter
 from .loop import PassLoop
 from .model import ConvergerState, PlanConfig
-from .observe import observe, read_disk
+from .observe import observe, read_disk, release_facts
+from .reaper import BusReaper
+from .releases import PendingRelease, ReleasesStore
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import plan
 from .slices import FakeSlices, Slices, SystemdSlices
@@ -110,6 +113,9 @@ class ConvergerApp(ServiceApp):
 
         crash = CrashPoints()
         writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash)
+        self.releases = ReleasesStore(Path(o.data_dir))
+        self.reaper = BusReaper(ctx.nc, ctx.subjects)
+        self.pending: dict[str, PendingRelease] = {}
         self.outbox = JetStreamOutbox(ctx.nc, ctx.subjects)
         await self.outbox.ensure()
         self.applier = Applier(
@@ -120,6 +126,8 @@ class ConvergerApp(ServiceApp):
             save_state=self.store.save,
             boot_id=self.boot_id,
             crash=crash,
+            releases=self.releases,
+            reaper=self.reaper,
         )
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
         self._metrics(ctx)
@@ -134,7 +142,15 @@ class ConvergerApp(ServiceApp):
                 self.inventory = inv
                 self.loop.trigger("inventory changed")
 
+        async def on_freed(msg: Any) -> None:
+            try:
+                freed = FREED_CODEC.decode(msg.data)
+            except BadMessage:
+                return
+            self.loop.trigger(f"devices of {freed.allocation_id} freed")
+
         await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=on_inventory)
+        await ctx.nc.subscribe(ctx.subjects.reaper_freed, cb=on_freed)
         await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC)
         await ctx.endpoint("status", ctx.subjects.converger_status, self.status, EMPTY_CODEC, allow_empty=True)
         await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC)
@@ -148,6 +164,8 @@ class ConvergerApp(ServiceApp):
         self.m_failures = Counter("bcd_hold_failures", "Holds refused, by reason", ["reason"], registry=reg)
         self.m_generation = Gauge("bcd_converger_observed_generation", "Generation of the last pass", registry=reg)
         self.m_section = Gauge("bcd_section_state", "1 for the devices section's current state", ["state"], registry=reg)
+        self.m_pending = Gauge("bcd_kubernetes_releases_pending", "Kubernetes releases waiting for pods to let go", registry=reg)
+        self.m_pending_age = Gauge("bcd_kubernetes_release_oldest_age_seconds", "Age of the oldest pending Kubernetes release", registry=reg)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -213,6 +231,11 @@ class ConvergerApp(ServiceApp):
         for alloc, intent in self.state.intents.items():
             if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in intent.devices):
                 return HolderReply(held=True, kind="allocation", holder=alloc, gpu=gpu.pci_address)
+        for alloc, rel in sorted(self.pending.items()):
+            if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in rel.devices):
+                return HolderReply(held=True, kind="release", holder=alloc, gpu=gpu.pci_address)
+        if self.releases.marker.exists():
+            return HolderReply(held=True, kind="release", holder="(pending Kubernetes releases that could not be read)", gpu=gpu.pci_address)
         if self.spec is not None:
             for inst in self.spec.instances:
                 if gpu.pci_address in inst.gpus:
@@ -243,8 +266,10 @@ class ConvergerApp(ServiceApp):
                     return True
             spec, log = self.spec, self.ctx.log
             with self.m_pass.time():
+                facts = await release_facts(self.releases, self.reaper, self.opts.cdi_dir, self.opts.run_dir)
                 observed = await asyncio.to_thread(
                     observe,
+                    releases=facts,
                     spec=spec,
                     cdi_dir=self.opts.cdi_dir,
                     run_dir=self.opts.run_dir,
@@ -260,6 +285,10 @@ class ConvergerApp(ServiceApp):
                 new_failures = [f for f in p.failures if self.state.reported_failures.get(f.allocation_id) != spec.generation]
                 result = await self.applier.apply(p, self.state)
             self.last_pass_at = datetime.now(timezone.utc)
+            self.pending = {a: r for a, r in facts.pending.items() if a in p.pending}
+            self.m_pending.set(len(p.pending))
+            oldest = min((r.since for r in facts.pending.values() if r.allocation_id in p.pending), default=None)
+            self.m_pending_age.set((self.last_pass_at - oldest).total_seconds() if oldest else 0)
             self.failures = {f.allocation_id: f.reason for f in p.failures}
             for f in new_failures:
                 self.m_failures.labels(reason=f.reason).inc()
@@ -284,7 +313,9 @@ class ConvergerApp(ServiceApp):
                 log.info("pass converged", **fields)
             else:
                 log.debug("nothing to do", **fields)
-            return result.retry
+            # a pending Kubernetes release is rechecked every retry interval (the
+            # reaper's "freed" message usually comes first)
+            return result.retry or bool(p.pending)
 
     async def run(self, ctx: ServiceContext) -> None:
         await self.loop.run(ctx.stopping)

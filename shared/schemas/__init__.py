@@ -7,7 +7,22 @@ wire type inside a service.
 
 from __future__ import annotations
 
-from .bus import ConvergerStatus, Empty, HolderQuery, HolderReply, HoldSummary, SignerKey, SignRequest, SpecAck
+from .bus import (
+    ConvergerStatus,
+    DevicesQuery,
+    Empty,
+    EvictReply,
+    Freed,
+    HeldReply,
+    HolderQuery,
+    HolderReply,
+    HoldSummary,
+    OrphanQuery,
+    OrphanReply,
+    SignerKey,
+    SignRequest,
+    SpecAck,
+)
 from .codec import DEFAULT_MAX_BYTES, BadMessage, Codec, encode
 from .common import *  # noqa: F403
 from .common import __all__ as _common_all
@@ -35,6 +50,12 @@ SPEC_ACK_CODEC: Codec[SpecAck] = Codec(SpecAck, max_bytes=4096)
 CONVERGER_STATUS_CODEC: Codec[ConvergerStatus] = Codec(ConvergerStatus, max_bytes=8 * DEFAULT_MAX_BYTES)
 HOLDER_QUERY_CODEC: Codec[HolderQuery] = Codec(HolderQuery, max_bytes=4096)
 HOLDER_REPLY_CODEC: Codec[HolderReply] = Codec(HolderReply, max_bytes=4096)
+DEVICES_QUERY_CODEC: Codec[DevicesQuery] = Codec(DevicesQuery, max_bytes=64 * 1024)
+HELD_REPLY_CODEC: Codec[HeldReply] = Codec(HeldReply, max_bytes=256 * 1024)
+EVICT_REPLY_CODEC: Codec[EvictReply] = Codec(EvictReply, max_bytes=256 * 1024)
+FREED_CODEC: Codec[Freed] = Codec(Freed, max_bytes=64 * 1024)
+ORPHAN_QUERY_CODEC: Codec[OrphanQuery] = Codec(OrphanQuery, max_bytes=4 * DEFAULT_MAX_BYTES)
+ORPHAN_REPLY_CODEC: Codec[OrphanReply] = Codec(OrphanReply, max_bytes=256 * 1024)
 
 #: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
 UPSTREAM_TYPES: dict[str, object] = {
@@ -69,6 +90,18 @@ __all__ = [  # noqa: PLE0604
     "CONVERGER_STATUS_CODEC",
     "HOLDER_QUERY_CODEC",
     "HOLDER_REPLY_CODEC",
+    "DevicesQuery",
+    "HeldReply",
+    "EvictReply",
+    "Freed",
+    "OrphanQuery",
+    "OrphanReply",
+    "DEVICES_QUERY_CODEC",
+    "HELD_REPLY_CODEC",
+    "EVICT_REPLY_CODEC",
+    "FREED_CODEC",
+    "ORPHAN_QUERY_CODEC",
+    "ORPHAN_REPLY_CODEC",
     "SignRequest",
     "BadMessage",
     "Codec",

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from .common import EventId, Id, KeyId, Name
+from .common import AtomId, EventId, Id, KeyId, Name
 from .events import AttestedEvent, SectionStatus
 
 
@@ -84,4 +84,65 @@ class HolderReply(msgspec.Struct, frozen=True, kw_only=True):
     gpu: str = ""
 
 
-__all__ = ["SignRequest", "SignerKey", "Empty", "SpecAck", "HoldSummary", "ConvergerStatus", "HolderQuery", "HolderReply"]
+
+
+# --------------------------------------------------------------------------- kube_reaper
+
+
+class DevicesQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """Devices (atom ids) of one allocation, asked about or to be freed."""
+
+    allocation_id: Id
+    devices: Annotated[list[AtomId], msgspec.Meta(max_length=64)]
+
+
+class HeldReply(msgspec.Struct, frozen=True, kw_only=True):
+    #: True when a pod (or a kubepods process) holds any of the devices, or when
+    #: that could not be established (unreachable kubelet counts as held).
+    held: bool
+    reachable: bool = True
+    #: "namespace/pod" (or "pid N") per holder.
+    holders: list[str] = []
+    detail: str = ""
+
+
+class EvictReply(msgspec.Struct, frozen=True, kw_only=True):
+    #: pods an eviction was requested for (asynchronously, with backoff on 429).
+    evicting: list[str] = []
+    errors: list[str] = []
+
+
+class Freed(msgspec.Struct, frozen=True, kw_only=True):
+    """Published by kube_reaper when no pod holds the devices of a withdrawn allocation any more."""
+
+    allocation_id: Id
+    devices: list[AtomId] = []
+
+
+class OrphanQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """Atoms of every allocation the node knows; anything else a pod holds is an orphan."""
+
+    known_devices: Annotated[list[AtomId], msgspec.Meta(max_length=65536)] = []
+
+
+class OrphanReply(msgspec.Struct, frozen=True, kw_only=True):
+    reachable: bool
+    #: "namespace/pod: device" for each bcd GPU held by a pod outside known allocations.
+    orphans: list[str] = []
+
+__all__ = [
+    "SignRequest",
+    "SignerKey",
+    "Empty",
+    "SpecAck",
+    "HoldSummary",
+    "ConvergerStatus",
+    "HolderQuery",
+    "HolderReply",
+    "DevicesQuery",
+    "HeldReply",
+    "EvictReply",
+    "Freed",
+    "OrphanQuery",
+    "OrphanReply",
+]

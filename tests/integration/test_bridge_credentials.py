@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import nkeys
 import pytest
 
@@ -68,6 +69,19 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def bound_through(cp_nc, tmp: Path, node_id: str, proc: subprocess.Popen[bytes]) -> None:
+    """The upstream starts empty: the bridge waits for the buckets (and says so), never creates them."""
+    bridge_log = tmp / "state" / "logs" / "gateway_bridge.log"
+    for _ in range(300):
+        if bridge_log.exists() and "waiting for upstream KV bucket bcd_nodespecs" in bridge_log.read_text():
+            break
+        if proc.poll() is not None:
+            raise AssertionError(f"bcd up exited with {proc.returncode}")
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError("the bridge never said it waits for the upstream bucket")
+    js = cp_nc.jetstream()
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await js.stream_info("KV_bcd_nodespecs")
     key, _ = load_or_create_cp_key(tmp / "cp")
     cp = ControlPlane(cp_nc, key, tmp / "cp", out=None)
     await cp.ensure_upstream()

@@ -276,8 +276,12 @@ def test_forged_older_and_foreign_specs_are_refused_and_the_last_good_stays(node
 
     forged = sign_node_spec(Ed25519PrivateKey.generate(), NodeSpec(node_id="node-1", generation=gen + 5))
     asyncio.run(put_raw(encode(forged)))
-    cond = wait_for(lambda: node.cp_state().nodes["node-1"].conditions.get("NodeSpecRejected"), 30, "NodeSpecRejected")
-    assert cond.status == "True" and "configured control-plane key" in cond.message
+    def raised():
+        cond = node.cp_state().nodes["node-1"].conditions.get("NodeSpecRejected")
+        return cond if cond is not None and cond.status == "True" else None
+
+    cond = wait_for(raised, 30, "NodeSpecRejected raised")
+    assert "configured control-plane key" in cond.message
 
     from bcd.controlplane import load_or_create_cp_key
 

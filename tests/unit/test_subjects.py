@@ -212,16 +212,20 @@ def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
     assert not any(matches(p, S.signer_sign) for p in inv)
 
 
+#: what a service publishes inside its own namespace: notifications nobody answers.
+NOTIFICATIONS = {S.inventory_changed, S.reaper_freed}
+
+
 @pytest.mark.parametrize("user", NODE_BUS_USERS)
 def test_no_user_publishes_to_its_own_endpoints_or_another_node(user: str) -> None:
     for pattern in PERMS[user].publish:
         assert not overlaps(pattern, "bcd.n2.>"), pattern
         if user in SERVICES:
-            assert not overlaps(pattern, S.service_wildcard(user)) or pattern == S.inventory_changed, pattern
+            assert not overlaps(pattern, S.service_wildcard(user)) or pattern in NOTIFICATIONS, pattern
 
 
 #: subjects of another service a user may subscribe to (notifications, not endpoints).
-FOREIGN_SUBSCRIBE_OK = {S.inventory_changed}
+FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed}
 
 
 @pytest.mark.parametrize("service", SERVICES)

@@ -151,8 +151,9 @@ ROWS = [
         [("v1", "unsupported-binding", "BINDING_INSTANCE is not a hold: GPUs for VMs come in the instances section")]),
     Row("binding-unspecified", spec(1, hold("u1", G[0], binding="BINDING_UNSPECIFIED")), ["ReportFailed"],
         [("u1", "unsupported-binding", "BINDING_UNSPECIFIED is not supported by this node")]),
-    Row("binding-kubernetes-not-yet", spec(1, hold("k1", G[0], binding="BINDING_KUBERNETES")), ["ReportFailed"],
-        [("k1", "unsupported-binding", "BINDING_KUBERNETES is not supported by this node")]),
+    Row("binding-kubernetes-where-unsupported", spec(1, hold("k1", G[0], binding="BINDING_KUBERNETES")), ["ReportFailed"],
+        [("k1", "unsupported-binding", "BINDING_KUBERNETES is not supported by this node")],
+        node={"supported_bindings": frozenset({"BINDING_HOLD"})}),
     # -------------------------------------------------------------- node-unprivileged
     Row("unprivileged-plain-hold", spec(1, hold("a1", G[0])), ["ReportFailed"],
         [("a1", "node-unprivileged", UNPRIVILEGED)], node={"privileged": False}),
@@ -218,7 +219,7 @@ ROWS = [
         [("a1", "overlap", f"{G[0]} is listed twice in this assignment")]),
     Row("overlap-whole-and-slot-in-one-assignment", spec(1, hold("a1", G[4], f"{G[4]}/slot0")), ["ReportFailed"],
         [("a1", "overlap", f"{G[4]}/slot0: {G[4]} is held whole by this assignment")]),
-    Row("overlap-releases-unreadable", spec(1, hold("a1", G[0]), hold("a2", f"{G[4]}/slot1")), ["ReportFailed", "ReportFailed"],
+    Row("overlap-releases-unreadable", spec(1, hold("a1", G[0]), hold("a2", f"{G[4]}/slot1")), ["ReportFailed", "ReportFailed", "SetCondition"],
         [("a1", "overlap", f"{G[0]}: every GPU of this node is held by {UNREADABLE_RELEASES_HOLDER}"),
          ("a2", "overlap", f"{G[4]}/slot1: every GPU of this node is held by {UNREADABLE_RELEASES_HOLDER}")],
         observed={"releases_unreadable": True}),
@@ -453,7 +454,7 @@ async def test_move_gpu_in_one_generation_binds_the_new_allocation(tmp_path: Pat
 
 def test_plan_config_defaults() -> None:
     c = PlanConfig(node_id="n")
-    assert c.privileged and c.supported_bindings == frozenset({"BINDING_HOLD"}) and c.system_reserve_bytes == 0
+    assert c.privileged and c.supported_bindings == frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"}) and c.system_reserve_bytes == 0
 
 
 async def test_mig_instance_without_uuid_is_not_bound_to_the_whole_card(tmp_path: Path) -> None:

@@ -1,0 +1,95 @@
+"""Kubernetes releases in flight: `<data_dir>/releasing.json` and its unreadable marker.
+
+A Kubernetes hold cannot be released in the pass that sees it gone: pods may
+still have its devices. Its release is recorded here first (0600, atomic,
+with device ids, generation and time) before anything is removed, so a crash
+in between never loses it; it stays here, its devices claimed, until the
+reaper says no pod holds them and AllocationReleased is in the outbox.
+
+An unreadable file is renamed `releasing.json.unreadable-<unix time>` (kept,
+never deleted) and the marker `releasing.unreadable` is written: while the
+marker exists every GPU of the node counts as claimed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+
+from shared import logs
+from shared.fsutil import atomic_write, remove_durably
+from shared.schemas import AtomId, Id
+
+log = logs.get_logger("bcd.converger.releases")
+
+RELEASES_FILE = "releasing.json"
+UNREADABLE_MARKER = "releasing.unreadable"
+
+
+class PendingRelease(msgspec.Struct, frozen=True, kw_only=True):
+    allocation_id: Id
+    reservation_id: Id
+    devices: list[AtomId]
+    #: the generation that released it (its Released carries it).
+    generation: int
+    #: when the release was recorded (the stuck timer starts here).
+    since: datetime
+    event_id: str
+
+
+class ReleasesFile(msgspec.Struct, kw_only=True):
+    version: int = 1
+    releases: dict[str, PendingRelease] = {}
+
+
+_DECODER = msgspec.json.Decoder(ReleasesFile)
+
+
+class ReleasesStore:
+    def __init__(self, data_dir: Path) -> None:
+        self.dir = Path(data_dir)
+        self.path = self.dir / RELEASES_FILE
+        self.marker = self.dir / UNREADABLE_MARKER
+
+    def load(self) -> tuple[dict[str, PendingRelease], bool]:
+        """(pending releases, unreadable). An unreadable file is set aside and the marker written."""
+        unreadable = self.marker.exists()
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}, unreadable
+        except OSError as exc:
+            return self._set_aside(f"cannot read ({exc.strerror})")
+        try:
+            return dict(_DECODER.decode(data).releases), unreadable
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return self._set_aside(str(exc))
+
+    def _set_aside(self, why: str) -> tuple[dict[str, PendingRelease], bool]:
+        aside = self.dir / f"{RELEASES_FILE}.unreadable-{int(time.time())}"
+        try:
+            os.replace(self.path, aside)
+        except OSError as exc:
+            log.error("releases file unreadable and cannot be set aside", file=str(self.path), error=str(exc))
+        atomic_write(self.marker, f"{self.path} was unreadable ({why}); kept as {aside}\n".encode(), 0o600)
+        log.error(
+            "releases file unreadable: every GPU counts as claimed until no pod holds a GPU of an unknown allocation",
+            file=str(self.path),
+            kept_as=str(aside),
+            reason=why,
+        )
+        return {}, True
+
+    def save(self, releases: dict[str, PendingRelease]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, msgspec.json.encode(ReleasesFile(releases=dict(sorted(releases.items())))), 0o600)
+
+    def clear_marker(self) -> bool:
+        return remove_durably(self.marker)
+
+
+__all__ = ["RELEASES_FILE", "UNREADABLE_MARKER", "PendingRelease", "ReleasesFile", "ReleasesStore"]

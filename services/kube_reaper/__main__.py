@@ -1,0 +1,3 @@
+from services.kube_reaper.service import main
+
+main()

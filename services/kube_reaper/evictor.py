@@ -1,0 +1,174 @@
+"""The `Evictor` port: the Kubernetes Eviction API, and a backend that evicts nothing.
+
+`KubernetesEvictor` POSTs a policy/v1 Eviction to
+`/api/v1/namespaces/{ns}/pods/{name}/eviction` through kubernetes_asyncio,
+with credentials from `--kubeconfig` (or the default kubeconfig) or, in a pod,
+the service account. One call is one attempt; the service retries:
+`next_delay` says how long to wait (429: the server's Retry-After, capped;
+5xx and transport errors: exponential backoff, capped). 404 means the pod is
+already gone. kubernetes_asyncio is imported on first use, so a node with
+`--evictor none` never loads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+
+from .ports import EvictionResult
+
+#: first retry after a 5xx or a transport error; doubles per attempt up to BACKOFF_MAX_S.
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 30.0
+#: the most a Retry-After is honoured for (a PodDisruptionBudget may block for long).
+RETRY_AFTER_MAX_S = 60.0
+#: one API request's deadline.
+REQUEST_TIMEOUT_S = 10.0
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Retry-After as seconds: delta-seconds or an HTTP date; None when absent or odd."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
+
+
+def next_delay(result: EvictionResult, attempt: int) -> float:
+    """Seconds to wait before attempt `attempt + 1` after `result` (attempt counts from 0)."""
+    if result.outcome == "throttled" and result.retry_after is not None:
+        return min(max(result.retry_after, 0.0), RETRY_AFTER_MAX_S)
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * (2 ** min(attempt, 16)))
+
+
+class EvictorUnavailable(Exception):
+    """No Kubernetes credentials could be loaded; the text says why."""
+
+
+class NoEvictor:
+    """`--evictor none`: nodes without Kubernetes. Never evicts; says so."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str]] = []
+
+    async def evict(self, namespace: str, pod: str) -> EvictionResult:
+        self.requests.append((namespace, pod))
+        return EvictionResult("error", "no evictor configured (--evictor none)")
+
+    async def close(self) -> None:
+        return None
+
+
+def in_cluster_available(environ: dict[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return bool(env.get("KUBERNETES_SERVICE_HOST")) and bool(env.get("KUBERNETES_SERVICE_PORT"))
+
+
+class KubernetesEvictor:
+    """Evictions through the API server (kubernetes_asyncio)."""
+
+    enabled = True
+
+    def __init__(self, kubeconfig: Path | None = None, in_cluster: str = "auto", timeout: float = REQUEST_TIMEOUT_S) -> None:
+        self.kubeconfig = Path(kubeconfig) if kubeconfig else None
+        self.in_cluster = in_cluster
+        self.timeout = timeout
+        self._api_client: Any = None
+        self._core: Any = None
+        self._lock = asyncio.Lock()
+        #: where the credentials came from, once loaded (for logs).
+        self.source = ""
+
+    def _use_in_cluster(self) -> bool:
+        if self.in_cluster == "true":
+            return True
+        if self.in_cluster == "false" or self.kubeconfig is not None:
+            return False
+        return in_cluster_available()
+
+    async def connect(self) -> str:
+        """Load credentials (once); raises EvictorUnavailable with the reason."""
+        async with self._lock:
+            if self._core is not None:
+                return self.source
+            from kubernetes_asyncio import client, config
+
+            try:
+                if self._use_in_cluster():
+                    configuration = client.Configuration()
+                    config.load_incluster_config(client_configuration=configuration)
+                    api_client = client.ApiClient(configuration)
+                    source = "in-cluster service account"
+                else:
+                    path = str(self.kubeconfig) if self.kubeconfig else None
+                    api_client = await config.new_client_from_config(config_file=path, persist_config=False)
+                    source = f"kubeconfig {path or os.environ.get('KUBECONFIG') or '~/.kube/config'}"
+            except (config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
+                raise EvictorUnavailable(f"Kubernetes credentials: {type(exc).__name__}: {exc}".strip()) from None
+            self._api_client = api_client
+            self._core = client.CoreV1Api(api_client)
+            self.source = f"{source} ({api_client.configuration.host})"
+            return self.source
+
+    async def evict(self, namespace: str, pod: str) -> EvictionResult:
+        try:
+            await self.connect()
+        except EvictorUnavailable as exc:
+            return EvictionResult("unavailable", str(exc))
+        import aiohttp
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        body = client.V1Eviction(
+            api_version="policy/v1",
+            kind="Eviction",
+            metadata=client.V1ObjectMeta(name=pod, namespace=namespace),
+        )
+        try:
+            await self._core.create_namespaced_pod_eviction(pod, namespace, body, _request_timeout=self.timeout)
+        except ApiException as exc:
+            status = int(exc.status or 0)
+            reason = f"HTTP {status} {exc.reason or ''}".strip()
+            if status == 404:
+                return EvictionResult("gone", reason)
+            if status == 429:
+                headers = exc.headers or {}
+                return EvictionResult("throttled", reason, retry_after=parse_retry_after(headers.get("Retry-After")))
+            if status >= 500:
+                return EvictionResult("server_error", reason)
+            return EvictionResult("error", reason)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return EvictionResult("unavailable", f"{type(exc).__name__}: {exc}")
+        return EvictionResult("evicted")
+
+    async def close(self) -> None:
+        if self._api_client is not None:
+            api_client, self._api_client, self._core = self._api_client, None, None
+            await api_client.close()
+
+
+__all__ = [
+    "BACKOFF_BASE_S",
+    "BACKOFF_MAX_S",
+    "RETRY_AFTER_MAX_S",
+    "parse_retry_after",
+    "next_delay",
+    "EvictorUnavailable",
+    "NoEvictor",
+    "KubernetesEvictor",
+    "in_cluster_available",
+]
