@@ -192,6 +192,45 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_releases(args: argparse.Namespace) -> int:
+    """Pending Kubernetes releases; `--clear-unreadable` removes the unreadable-releases marker."""
+    from services.converger.releases import RELEASES_FILE, UNREADABLE_MARKER, ReleasesFile
+
+    info = node_info(args.state_dir)
+    data = Path(info.data_dir)
+    marker = data / UNREADABLE_MARKER
+    if args.clear_unreadable:
+        if not marker.exists():
+            print(f"no marker at {marker}: nothing to clear")
+            return 0
+        print(f"removing {marker}: you assert that no pod holds a GPU of an allocation this node does not know")
+        marker.unlink()
+
+        async def kick() -> None:
+            nc = await connect(info)
+            try:
+                await nc.request(NodeSubjects(info.node_id).converger_pass, b"", timeout=3)
+            finally:
+                await nc.close()
+
+        _run(kick())
+        return 0
+    try:
+        pending = msgspec.json.decode((data / RELEASES_FILE).read_bytes(), type=ReleasesFile).releases
+    except FileNotFoundError:
+        pending = {}
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        print(f"{data / RELEASES_FILE} is unreadable ({exc}); the converger sets it aside at its next pass")
+        return 1
+    if marker.exists():
+        print(f"UNREADABLE releases marker present ({marker}): every GPU counts as claimed. `bcd releases --clear-unreadable` once you are sure.")
+    if not pending:
+        print("no pending Kubernetes releases")
+    for rel in pending.values():
+        print(f"{rel.allocation_id} ({rel.reservation_id}) gen {rel.generation} since {rel.since.isoformat(timespec='seconds')}: {', '.join(rel.devices)}")
+    return 1 if marker.exists() else 0
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -236,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     client("doctor", cmd_doctor, "check the node and say what is wrong")
     ap = client("apply", cmd_apply, "sign a NodeSpec JSON file and put it through the control plane")
     ap.add_argument("spec", type=Path)
+    rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")
+    rel.add_argument("--clear-unreadable", action="store_true")
     ev = client("events", cmd_events, "follow the control plane's verified event log")
     ev.add_argument("--no-follow", action="store_true")
     ev.add_argument("--last", type=int, default=50, help="show this many past events first")

@@ -248,6 +248,8 @@ class BridgeApp(ServiceApp):
     async def specs_loop(self) -> None:
         while not self.ctx.stopping.is_set():
             await self.up_connected.wait()
+            # cleared before the work, so a wake set during it (a retry, a new put) is kept
+            self.spec_wake.clear()
             try:
                 data = self.latest_spec
                 self.latest_spec = None
@@ -257,7 +259,6 @@ class BridgeApp(ServiceApp):
                     await self.take(data)
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 self.log.warning("reading the node spec failed; retrying", error=str(exc) or type(exc).__name__)
-            self.spec_wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.spec_wake.wait(), self.opts.resync_interval)
 

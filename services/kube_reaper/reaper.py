@@ -117,6 +117,7 @@ class Reaper:
         metrics: Metrics | None = None,
         recheck_interval: float = 5.0,
         reevict_after: float = REEVICT_AFTER_S,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.pods = pods
         self.processes = processes
@@ -127,6 +128,7 @@ class Reaper:
         self.m = metrics or Metrics()
         self.recheck_interval = max(0.05, float(recheck_interval))
         self.reevict_after = reevict_after
+        self._sleep = sleep
         self.watched: dict[str, Watch] = {}
         self.evictions: dict[tuple[str, str], asyncio.Task[None]] = {}
         #: pod -> monotonic time its eviction last finished (accepted or gone)
@@ -282,7 +284,7 @@ class Reaper:
                 retry_in_s=round(delay, 2),
                 attempt=attempt,
             )
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
 
     async def cancel_evictions(self) -> None:
         tasks = list(self.evictions.values())
