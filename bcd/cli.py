@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--upstream-token-file", type=Path)
     up.add_argument("--upstream-nkey-file", type=Path)
     up.add_argument("--upstream-creds", type=Path)
+    up.add_argument("--kubeconfig", type=Path, default=os.environ.get("BCD_KUBECONFIG") or None, help="kubeconfig for kube_reaper's evictions")
+    up.add_argument("--pod-resources-socket", type=Path, default=os.environ.get("BCD_POD_RESOURCES_SOCKET") or None, help="the kubelet's pod-resources socket")
     up.add_argument("--apply", type=Path, help="apply this spec once the node is up, print status and events")
     up.add_argument("--verbose", action="store_true", help="service logs on this terminal instead of <state>/logs")
     up.add_argument("--log-level", default=_env_default("BCD_LOG_LEVEL", "INFO"))

@@ -27,7 +27,7 @@ from .nodebus import NatsServer, prepare_node_bus
 from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
 
 #: the services `bcd up` runs, in start order.
-NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge")
+NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper")
 
 
 def layout(state: Path) -> dict[str, Path]:
@@ -116,6 +116,17 @@ def cmd_up(args: argparse.Namespace) -> int:
             if value:
                 bridge_env[env] = str(value)
 
+    # kube_reaper: the kubelet's pod-resources socket and the Eviction API when
+    # given; on a fake host it reads the host file's processes. Without a
+    # kubelet every pending release counts as held (unreachable = held).
+    reaper_env = {
+        "BCD_PROCESSES": "fake" if fake_host else "nvml",
+        "BCD_EVICTOR": "kubernetes" if args.kubeconfig else "none",
+    }
+    if args.kubeconfig:
+        reaper_env["BCD_KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
+    if args.pod_resources_socket:
+        reaper_env["BCD_POD_RESOURCES_SOCKET"] = str(Path(args.pod_resources_socket).resolve())
     specs: list[ProcessSpec] = []
     metrics: dict[str, str] = {}
     for name in args.services:
@@ -126,6 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "BCD_NATS_PASSWORD_FILE": str(creds[name]),
             "BCD_METRICS_PORT": str(port),
             **(bridge_env if name == "gateway_bridge" else {}),
+            **(reaper_env if name == "kube_reaper" else {}),
         }
         if port:
             metrics[name] = f"http://127.0.0.1:{port}/metrics"

@@ -277,15 +277,15 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     for alloc, rel in sorted(observed.pending_releases.items()):
         if alloc in wanted:
             steps.append(DropPendingRelease(alloc))
-        elif observed.release_held.get(alloc) is False:
+            continue
+        released.add(alloc)
+        if alloc in observed.holds:
+            # recorded, then a crash before the withdraw: finish withdrawing first
+            steps.append(WithdrawKubeHold(alloc, rel))
+        if observed.release_held.get(alloc) is False:
             steps.append(ReportKubeRelease(alloc, rel))
-            released.add(alloc)
         else:
             pending[alloc] = rel
-            released.add(alloc)
-            if alloc in observed.holds:
-                # recorded, then a crash before the withdraw: finish withdrawing
-                steps.append(WithdrawKubeHold(alloc, rel))
 
     # 2. Release holds no longer wanted (and finish releases a crash interrupted).
     for alloc, intent in sorted(state.intents.items()):

@@ -312,7 +312,11 @@ class Reaper:
             if holders or not snap.reachable:
                 continue
             msg = Freed(allocation_id=alloc, devices=list(w.devices))
-            await self._publish_freed(msg)
+            try:
+                await self._publish_freed(msg)
+            except Exception as exc:  # noqa: BLE001 - the bus is away; the next look publishes again
+                self.log.warning("could not publish freed; keeps watching", allocation_id=alloc, error=f"{type(exc).__name__}: {exc}")
+                continue
             del self.watched[alloc]
             freed.append(msg)
             self.log.info("withdrawn devices free", allocation_id=alloc, devices=w.devices, watched_s=round(time.monotonic() - w.since, 1))

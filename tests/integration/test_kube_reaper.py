@@ -22,7 +22,6 @@ import pytest
 
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
-    DEVICES_QUERY_CODEC,
     EVICT_REPLY_CODEC,
     FREED_CODEC,
     HELD_REPLY_CODEC,

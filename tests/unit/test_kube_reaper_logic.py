@@ -365,3 +365,22 @@ async def test_kubernetes_evictor_without_credentials_is_unavailable_not_a_crash
 def test_retry_after_dates_in_the_past_wait_nothing():
     past = (datetime.now(timezone.utc) - timedelta(minutes=5)).strftime("%a, %d %b %Y %H:%M:%S GMT")
     assert parse_retry_after(past) == 0.0
+
+
+async def test_a_failed_freed_publish_keeps_the_watch_and_publishes_later():
+    r, _, freed = make()
+    failures = {"left": 1}
+    publish = r._publish_freed
+
+    async def flaky(msg: Freed) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("bus away")
+        await publish(msg)
+
+    r._publish_freed = flaky
+    await r.evict(q(A))
+    assert await r.recheck() == [] and "alloc_1" in r.watched
+    assert [f.allocation_id for f in await r.recheck()] == ["alloc_1"]
+    assert len(freed) == 1 and r.watched == {}
+    assert any(level == "warning" and "could not publish freed" in msg for level, msg, _ in r.log.lines)
