@@ -313,6 +313,12 @@ class ConvergerApp(ServiceApp):
                 log.info("pass converged", **fields)
             else:
                 log.debug("nothing to do", **fields)
+            # the reaper keeps its watches in memory: ask again for every pending
+            # release (idempotent there), so a restarted reaper resumes evicting
+            for alloc in p.pending:
+                rel = self.pending.get(alloc) or facts.pending.get(alloc)
+                if rel is not None:
+                    await self.reaper.evict(alloc, list(rel.devices))
             # a pending Kubernetes release is rechecked every retry interval (the
             # reaper's "freed" message usually comes first)
             return result.retry or bool(p.pending)

@@ -23,7 +23,7 @@ from shared.subjects import MSG_ID_HEADER, NodeSubjects
 
 from .harness import EXAMPLE_HOSTS
 from .kube_peers import ApiServer, FakeCluster, KubeletServer
-from .test_e2e import GPU, Node, applied, assignment, wait_for
+from .test_e2e import GPU, Node, applied, assignment, bcd, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -84,6 +84,27 @@ def test_a_kubernetes_release_waits_for_the_pod_then_is_reported_once(tmp_path, 
         node.wait_generation(gen3)
         assert node.holds() == {"plain"}
         assert gen2 < gen3
+
+        # an unreadable releases file while a pod holds a GPU of no allocation this node
+        # knows: every GPU stays claimed until an operator clears the marker
+        cluster.add("team-b", "stray-0", "nvidia.com/gpu", GPU[5])
+        (node.state / "data" / "releasing.json").write_text("{garbage")
+        gen4 = node.apply({"node_id": "node-1", "devices": [assignment("plain", GPU[0]), assignment("more", GPU[1])]})
+        node.wait_generation(gen4)
+        assert node.holds() == {"plain"}
+        more = [e for e in applied(node, "failed") if e.allocation_id == "more"]
+        assert more and "could not be read" in more[-1].event["message"]
+        assert (node.state / "data" / "releasing.unreadable").exists()
+        assert list((node.state / "data").glob("releasing.json.unreadable-*"))
+        wait_for(lambda: (node.cp_state().nodes["node-1"].conditions.get("KubernetesReleasesUnreadable") or None), 30, "condition raised")
+        listed = bcd("releases", "--state-dir", str(node.state))
+        assert listed.returncode == 1 and "UNREADABLE" in listed.stdout
+        cleared = bcd("releases", "--state-dir", str(node.state), "--clear-unreadable")
+        assert cleared.returncode == 0, cleared.stderr
+        gen5 = node.apply({"node_id": "node-1", "devices": [assignment("plain", GPU[0]), assignment("more2", GPU[1])]})
+        node.wait_generation(gen5)
+        assert node.holds() == {"plain", "more2"}
+        wait_for(lambda: node.cp_state().nodes["node-1"].conditions["KubernetesReleasesUnreadable"].status == "False", 30, "condition cleared")
     finally:
         node.stop()
 
