@@ -56,6 +56,9 @@ from shared.schemas import Limits
 from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, reserved_env_key
 from shared.vendorcdi import VendorCdi
 
+# the systemd slice of a sliced hold, also its bcd.dev/cgroup-parent
+from .slices import slice_name
+
 #: the CDI kind of every hold; a container asks for `bcd.dev/gpu=<device name>`.
 KIND = "bcd.dev/gpu"
 
@@ -114,9 +117,6 @@ def env_file_name(allocation_id: str) -> str:
     return f"{allocation_id}.env"
 
 
-def slice_name(allocation_id: str) -> str:
-    """The systemd slice of a sliced hold, also its `bcd.dev/cgroup-parent`."""
-    return f"bcd-alloc-{allocation_id}.slice"
 
 
 # ---------------------------------------------------------------------------- content

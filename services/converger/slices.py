@@ -42,6 +42,7 @@ log = get_logger(__name__)
 SLICE_PREFIX = "bcd-alloc-"
 SLICE_SUFFIX = ".slice"
 _SLICE_RE = re.compile(r"^bcd-alloc-(.+)\.slice\Z")
+_DASH = "\\x2d"
 _CPULIST_RE = re.compile(CPULIST_PATTERN)
 
 #: D-Bus signature of every property `slice_properties` may return, in the
@@ -77,10 +78,17 @@ class SliceError(Exception):
 
 
 def slice_name(allocation_id: str) -> str:
-    """`bcd-alloc-<allocation_id>.slice`; ValueError unless the id is a valid allocation id."""
+    """`bcd-alloc-<allocation_id>.slice`; ValueError unless the id is a valid allocation id.
+
+    systemd reads every `-` of a slice name as a level of the hierarchy, so
+    `bcd-alloc-a-1.slice` would sit inside `bcd-alloc-a.slice` (a's limits
+    bounding a-1, stopping a stopping a-1). A `-` inside the allocation id is
+    therefore escaped as systemd-escape does (`\x2d`); ids without one keep the
+    seed's plain name.
+    """
     if not isinstance(allocation_id, str) or not ID_RE.match(allocation_id):
         raise ValueError(f"not an allocation id: {allocation_id!r}")
-    return f"{SLICE_PREFIX}{allocation_id}{SLICE_SUFFIX}"
+    return f"{SLICE_PREFIX}{allocation_id.replace('-', _DASH)}{SLICE_SUFFIX}"
 
 
 def allocation_of(name: str) -> str | None:
@@ -88,9 +96,12 @@ def allocation_of(name: str) -> str | None:
     if not isinstance(name, str):
         return None
     m = _SLICE_RE.match(name)
-    if m is None or not ID_RE.match(m.group(1)):
+    if m is None or "-" in m.group(1):
         return None
-    return m.group(1)
+    alloc = m.group(1).replace(_DASH, "-")
+    if not ID_RE.match(alloc):
+        return None
+    return alloc
 
 
 # ---------------------------------------------------------------- cpulists

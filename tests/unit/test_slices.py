@@ -883,3 +883,20 @@ def test_fake_set_pids_of_a_missing_slice_is_refused(tmp_path):
 
 if __name__ == "__main__":
     asyncio.run(_serve_fake_systemd(sys.argv[1]))
+
+
+@pytest.mark.parametrize(
+    ("alloc", "name"),
+    [
+        ("alloc_01jz8k2v", "bcd-alloc-alloc_01jz8k2v.slice"),  # the seed's example: unchanged
+        ("a-1", "bcd-alloc-a\\x2d1.slice"),  # not nested under bcd-alloc-a.slice
+        ("x-y-z", "bcd-alloc-x\\x2dy\\x2dz.slice"),
+    ],
+)
+def test_a_dash_in_the_allocation_id_is_escaped_so_slices_do_not_nest(alloc, name):
+    from services.converger.slices import allocation_of, slice_name
+
+    assert slice_name(alloc) == name
+    assert allocation_of(name) == alloc
+    # the unescaped form is not one of ours: it would be a child of another hold's slice
+    assert allocation_of(f"bcd-alloc-{alloc}.slice") == (None if "-" in alloc else alloc)
