@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
 import signal
-import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,6 +62,8 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from shared import logs
+from shared.keyfile import KeyFileError as SharedKeyFileError
+from shared.keyfile import load_or_create_key
 from shared.fsutil import atomic_write
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
@@ -423,56 +423,9 @@ def load_or_create_cp_key(state_dir: Path) -> tuple[Ed25519PrivateKey, Path]:
 
 def _load_or_create_private(path: Path) -> Ed25519PrivateKey:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return _create_private(path)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise KeyFileError(f"{path}: is a symlink; refusing to follow it") from None
-        raise KeyFileError(f"{path}: cannot open ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"{path}: not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise KeyFileError(
-                f"{path}: key file is readable by others (mode {mode:04o}); "
-                f"it may have leaked: chmod 600 it if you are sure it did not, or remove it to make a new key"
-            )
-        if st.st_uid != os.geteuid():
-            raise KeyFileError(f"{path}: owned by uid {st.st_uid}, not by this control plane (uid {os.geteuid()})")
-        data = f.read()
-    try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except ValueError as exc:
-        raise KeyFileError(f"{path}: not a PEM private key ({exc})") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{path}: not an Ed25519 key")
-    return key
-
-
-def _create_private(path: Path) -> Ed25519PrivateKey:
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-            f.flush()
-            os.fsync(f.fileno())
-        # link(2) fails when another process made the key meanwhile: never overwrite a key.
-        os.link(tmp, path)
-    except FileExistsError:
-        os.unlink(tmp)
-        return _load_or_create_private(path)
-    os.unlink(tmp)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        key, _ = load_or_create_key(path, owner="this control plane")
+    except SharedKeyFileError as exc:
+        raise KeyFileError(str(exc)) from None
     return key
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.fsutil import atomic_write
 from shared.subjects import (
     CONTROLPLANE_USER,
     NODE_BUS_USERS,
@@ -65,14 +66,7 @@ def find_nats_server() -> Path:
 def write_private(path: Path, data: str | bytes) -> None:
     """Write a secret atomically with mode 0600."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    raw = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, data.encode() if isinstance(data, str) else data, 0o600)
 
 
 def ensure_passwords(creds_dir: Path, users: Iterable[str]) -> dict[str, Path]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from shared.logs import get_logger
+from shared.fsutil import atomic_write, fsync_dir
 from shared.schemas.common import CPULIST_PATTERN, ID_RE
 from shared.schemas.nodespec import HugePages, Limits
 
@@ -233,33 +233,6 @@ class Slices(Protocol):
 # ---------------------------------------------------------------- fake backend
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, fsync, rename, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def _to_json(name: str, value: object) -> object:
     return list(value) if PROPERTY_SIGNATURES.get(name) == "ay" else value
 
@@ -305,7 +278,7 @@ class FakeSlices:
         path = self.path(allocation_id)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, json.dumps(record, indent=2, sort_keys=True).encode() + b"\n")
+            atomic_write(path, json.dumps(record, indent=2, sort_keys=True).encode() + b"\n", 0o644)
         except OSError as exc:
             raise SliceError(f"cannot write fake slice record {path}: {exc}") from None
 
@@ -341,7 +314,7 @@ class FakeSlices:
             path = self.path(allocation_id)
             try:
                 path.unlink(missing_ok=True)
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
             except OSError as exc:
                 raise SliceError(f"cannot remove fake slice record {path}: {exc}") from None
             return True

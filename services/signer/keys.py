@@ -1,81 +1,18 @@
-"""The node key on disk: created once, 0600, never readable by anyone else.
-
-The private key is stored as unencrypted PKCS#8 PEM; its protection is the
-file mode and the signer's own user (deploy/systemd). A key file that group
-or others can read is refused, since it may already have leaked.
-"""
+"""The node key on disk: the signer's use of shared/keyfile.py (created once, 0600, refused if others can read it)."""
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-
-class KeyFileError(Exception):
-    """The key file is unsafe or unreadable; the text says what to do."""
+from shared.keyfile import KeyFileError
+from shared.keyfile import load_or_create_key as _load_or_create
 
 
 def load_or_create_key(path: Path) -> tuple[Ed25519PrivateKey, bool]:
     """Return (key, created)."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return _create(path), True
-    except OSError as exc:
-        raise KeyFileError(f"{path}: cannot open ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"{path}: not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise KeyFileError(
-                f"{path}: key file is readable by others (mode {mode:04o}); "
-                f"it may have leaked: chmod 600 it if you are sure it did not, or remove it to make a new key"
-            )
-        if st.st_uid != os.geteuid():
-            raise KeyFileError(f"{path}: owned by uid {st.st_uid}, not by this signer (uid {os.geteuid()})")
-        data = f.read()
-    try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except ValueError as exc:
-        raise KeyFileError(f"{path}: not a PEM private key ({exc})") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{path}: not an Ed25519 key")
-    return key, False
-
-
-def _create(path: Path) -> Ed25519PrivateKey:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-            f.flush()
-            os.fsync(f.fileno())
-        # link(2) fails if another signer created the key meanwhile: never overwrite a key.
-        os.link(tmp, path)
-    except FileExistsError:
-        os.unlink(tmp)
-        key, _ = load_or_create_key(path)
-        return key
-    os.unlink(tmp)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return key
+    return _load_or_create(path, owner="this signer")
 
 
 __all__ = ["KeyFileError", "load_or_create_key"]

@@ -14,13 +14,13 @@ spec the file declares into cdi_dir, as the NVIDIA toolkit would on a real host.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from shared.fsutil import atomic_write as shared_atomic_write
 from shared.schemas import HostResources, HugePagePool, MigProfile, NumaNode, RunningProcess
 from shared.schemas.common import END, CpuList, Name, NonNegInt, PciAddress, PositiveInt
 
@@ -222,26 +222,7 @@ def load_host_file(path: Path | str) -> FakeHost:
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Temp file in the same directory, fsync, rename, fsync the directory (DESIGN 5, CDI rules)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            # mkstemp creates 0600; runtimes read CDI specs as other users.
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    shared_atomic_write(path, data, mode)
 
 
 class FakeHwAdapter:
