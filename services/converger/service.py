@@ -79,6 +79,8 @@ class ConvergerApp(ServiceApp):
             Option("--retry-interval", "seconds before a retryable pass runs again", default=30.0, type=float),
             Option("--drift-interval", "seconds between drift passes", default=600.0, type=float),
             Option("--system-reserve-bytes", "host memory never promised to holds", default=0, type=int),
+            Option("--outbox-max-msgs", "events the outbox keeps while upstream is away; full: new binds wait", default=100_000, type=int),
+            Option("--outbox-max-bytes", "bytes the outbox keeps while upstream is away", default=256 * 1024 * 1024, type=int),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -116,7 +118,7 @@ class ConvergerApp(ServiceApp):
         self.releases = ReleasesStore(Path(o.data_dir))
         self.reaper = BusReaper(ctx.nc, ctx.subjects)
         self.pending: dict[str, PendingRelease] = {}
-        self.outbox = JetStreamOutbox(ctx.nc, ctx.subjects)
+        self.outbox = JetStreamOutbox(ctx.nc, ctx.subjects, max_msgs=o.outbox_max_msgs, max_bytes=o.outbox_max_bytes)
         await self.outbox.ensure()
         self.applier = Applier(
             node_id=o.node_id,

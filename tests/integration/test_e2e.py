@@ -203,7 +203,7 @@ def test_kill_9_of_every_process_during_spec_changes_loses_and_repeats_nothing(n
     control plane and nats-server in turn); at the end the node holds exactly the
     last spec and the control plane saw one verified Bound per bind and one
     verified Released per release."""
-    victims = ["converger", "gateway_bridge", "signer", "inventory", "nats-server", "controlplane", "converger"]
+    victims = ["converger", "gateway_bridge", "signer", "inventory", "kube_reaper", "nats-server", "controlplane", "converger"]
     sequence: list[list[dict]] = []
     gpus = list(range(8))
     for step, _ in enumerate(victims):

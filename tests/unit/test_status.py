@@ -1,0 +1,102 @@
+"""`bcd status` and `bcd doctor` verdicts, as tables over a gathered report."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from bcd.status import NodeReport, doctor_checks, problems, render_status
+from shared.jsutil import StreamDepth
+from shared.schemas import ConvergerStatus, HoldSummary, SectionStatus
+from tests.converger_kit import host_inventory
+
+NOW = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)
+SERVICES = ["signer", "inventory", "converger", "gateway_bridge", "kube_reaper"]
+GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+
+
+def ping(name: str, **md: str) -> dict:
+    return {"name": name, "id": "x", "version": "0.1.0", "metadata": {"node_id": "node-1", **md}}
+
+
+def report(**kw) -> NodeReport:
+    base = dict(
+        node_id="node-1",
+        reachable=True,
+        expected=SERVICES,
+        services={n: ping(n, **({"cp_keys": "1"} if n == "gateway_bridge" else {})) for n in SERVICES},
+        inventory=host_inventory(),
+        converger=ConvergerStatus(
+            generation=3,
+            section=SectionStatus(section="devices", state="CONVERGED", observed_generation=3),
+            holds=[HoldSummary(allocation_id="a1", reservation_id="r1", generation=3, binding="BINDING_HOLD", devices=[GPU0])],
+            vendor_cdi_spec="/etc/cdi/nvidia.json",
+        ),
+        outbox=StreamDepth(messages=0, bytes=0, oldest=None),
+        now=NOW,
+    )
+    base.update(kw)
+    return NodeReport(**base)
+
+
+def conv(**kw) -> ConvergerStatus:
+    c = report().converger
+    assert c is not None
+    import msgspec
+
+    return msgspec.structs.replace(c, **kw)
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "unhealthy"),
+    [
+        ("healthy", {}, []),
+        ("bus-down", {"reachable": False, "error": "node bus nats://x unreachable"}, ["node bus nats://x unreachable"]),
+        ("service-down", {"services": {n: ping(n) for n in SERVICES if n != "signer"}}, ["service signer does not answer $SRV.PING"]),
+        (
+            "retrying",
+            {"converger": conv(section=SectionStatus(section="devices", state="PROGRESSING", observed_generation=3, message="a1: cannot write"), next_retry_in_s=12.0)},
+            ["devices section PROGRESSING (retrying): a1: cannot write"],
+        ),
+        ("failed-is-a-refusal-not-ill-health", {"converger": conv(section=SectionStatus(section="devices", state="FAILED", observed_generation=3, message="a9: overlap"))}, []),
+        ("outbox-stale", {"outbox": StreamDepth(messages=4, bytes=100, oldest=NOW - timedelta(minutes=5))}, ["outbox not draining: 4 events, oldest 300 s"]),
+        ("outbox-fresh", {"outbox": StreamDepth(messages=4, bytes=100, oldest=NOW - timedelta(seconds=5))}, []),
+    ],
+)
+def test_problems(name, changes, unhealthy):
+    assert problems(report(**changes)) == unhealthy
+
+
+def levels(r: NodeReport) -> dict[str, str]:
+    return {name: level for level, name, _ in doctor_checks(r)}
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "expect"),
+    [
+        ("all-good", {}, {"bus": "ok", "service.signer": "ok", "signed-specs": "ok", "vendor-cdi-spec": "ok"}),
+        ("bus-down", {"reachable": False, "error": "down"}, {"bus": "fail"}),
+        ("service-down", {"services": {n: ping(n, **({"cp_keys": "1"} if n == "gateway_bridge" else {})) for n in SERVICES if n != "converger"}}, {"service.converger": "fail"}),
+        ("unsigned", {"services": {n: ping(n, **({"cp_keys": "0"} if n == "gateway_bridge" else {})) for n in SERVICES}}, {"unsigned-specs": "warn"}),
+        ("unprivileged-gpu-host", {"converger": conv(privileged=False)}, {"gpu-binding": "warn"}),
+        ("no-vendor-spec", {"converger": conv(vendor_cdi_spec="")}, {"vendor-cdi-spec": "warn"}),
+        ("section-failed", {"converger": conv(section=SectionStatus(section="devices", state="FAILED", observed_generation=3, message="a9: overlap"))}, {"section": "warn"}),
+    ],
+)
+def test_doctor_checks(name, changes, expect):
+    got = levels(report(**changes))
+    for check, level in expect.items():
+        assert got.get(check) == level, (check, got)
+    if name == "all-good":
+        assert "gpu-binding" not in got and "unsigned-specs" not in got
+
+
+def test_render_status_shows_who_holds_each_gpu():
+    text = render_status(report())
+    lines = text.splitlines()
+    assert any(line.startswith("0    0000:18:00.0") and line.endswith("a1") for line in lines)
+    assert any("slots slot0:- slot1:- slot2:- slot3:-" in line for line in lines)
+    assert any("MIG gi1/ci0:-" in line for line in lines)
+    assert "section devices: CONVERGED  observed_generation 3" in text
+    assert text.endswith("health: ok")
