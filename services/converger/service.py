@@ -25,7 +25,6 @@ from shared.schemas import (
     HOLDER_QUERY_CODEC,
     INVENTORY_CODEC,
     NODE_SPEC_CODEC,
-    PCI_RE,
     BadMessage,
     ConvergerStatus,
     Empty,

@@ -23,7 +23,6 @@ worth a retry).
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time

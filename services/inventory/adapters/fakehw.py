@@ -13,7 +13,6 @@ spec the file declares into cdi_dir, as the NVIDIA toolkit would on a real host.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
