@@ -1054,13 +1054,17 @@ async def connect_upstream(url: str, user: str, password_file: Path | None, *, r
     async def on_error(exc: Exception) -> None:
         log.warning("nats error", error=str(exc))
 
+    nc: Client | None = None
+
     async def on_disconnect() -> None:
-        log.warning("disconnected from upstream")
+        # a close we asked for is not news
+        if nc is None or not (nc.is_closed or nc.is_draining):
+            log.warning("disconnected from upstream")
 
     async def on_reconnect() -> None:
         log.info("reconnected to upstream")
 
-    return await nats.connect(
+    nc = await nats.connect(
         url,
         name="bcd-controlplane",
         user=user if password is not None else None,
@@ -1074,6 +1078,7 @@ async def connect_upstream(url: str, user: str, password_file: Path | None, *, r
         reconnect_time_wait=1,
         connect_timeout=5,
     )
+    return nc
 
 
 async def _close(nc: Client) -> None:
