@@ -582,6 +582,8 @@ class ControlPlane:
         self._kv: dict[str, KeyValue] = {}
         self._hellos: dict[str, Hello] = {}
         self._events: list[EventRecord] = []
+        #: event ids that have an "applied" line in events.jsonl
+        self._logged_applied: set[str] = set()
         self._rejected: list[EventRecord] = []
         self._duplicates: list[EventRecord] = []
         #: set while `run` consumes (its subscriptions are in place on the server).
@@ -933,6 +935,11 @@ class ControlPlane:
         now = base["received_at"]
         with self.store.transaction() as st:
             if event_id in st.processed:
+                if event_id not in self._logged_applied:
+                    # applied and saved, then killed before its log line: the
+                    # redelivery writes the line it lost (the state is not applied again)
+                    res = st.reservations.get(rsv) if rsv else None
+                    return EventRecord(**fields, outcome="applied", state=res.state if res else "")
                 st.duplicate_count += 1
                 return EventRecord(**fields, outcome="duplicate")
             moved = apply_event(st, base["node_id"], event, event_id, now)
@@ -951,6 +958,8 @@ class ControlPlane:
 
     def _record(self, rec: EventRecord) -> None:
         {"applied": self._events, "duplicate": self._duplicates, "rejected": self._rejected}[rec.outcome].append(rec)
+        if rec.outcome == "applied" and rec.event_id:
+            self._logged_applied.add(rec.event_id)
         if rec.outcome == "duplicate":
             log.info("duplicate event ignored", node_id=rec.node_id, type=rec.type, event_id=rec.event_id)
         line = format_line(rec)
@@ -974,6 +983,8 @@ class ControlPlane:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # a torn last line after a crash
             {"applied": self._events, "duplicate": self._duplicates, "rejected": self._rejected}[rec.outcome].append(rec)
+            if rec.outcome == "applied" and rec.event_id:
+                self._logged_applied.add(rec.event_id)
 
     # ------------------------------------------------------------------ accessors
 

@@ -84,6 +84,7 @@ class BridgeApp(ServiceApp):
         self.inventory: Inventory | None = None
         self.inventory_dirty = asyncio.Event()
         self.hello_dirty = asyncio.Event()
+        self.records_wake = asyncio.Event()
         self.outbox_wake = asyncio.Event()
         self.spec_wake = asyncio.Event()
         self.latest_spec: bytes | None = None
@@ -139,8 +140,7 @@ class BridgeApp(ServiceApp):
             except BadMessage:
                 return
             self.inventory = inv
-            self.inventory_dirty.set()
-            self.hello_dirty.set()
+            self.mark_records()
 
         async def on_outbox(_: Any) -> None:
             self.outbox_wake.set()
@@ -173,8 +173,7 @@ class BridgeApp(ServiceApp):
             self.up_connected.set()
             self.m_up.set(1)
             self.log.info("upstream reconnected")
-            self.hello_dirty.set()
-            self.inventory_dirty.set()
+            self.mark_records()
             self.spec_wake.set()
             self.outbox_wake.set()
 
@@ -346,11 +345,17 @@ class BridgeApp(ServiceApp):
         self._found(what)
         return True
 
-    async def records_loop(self) -> None:
+    def mark_records(self) -> None:
+        """Hello and inventory need (re-)putting: a change, a reconnect, or the periodic re-put."""
         self.hello_dirty.set()
         self.inventory_dirty.set()
+        self.records_wake.set()
+
+    async def records_loop(self) -> None:
+        self.mark_records()
         while not self.ctx.stopping.is_set():
             await self.up_connected.wait()
+            self.records_wake.clear()
             try:
                 if self.hello_dirty.is_set():
                     hello = await self.hello()
@@ -366,20 +371,14 @@ class BridgeApp(ServiceApp):
                         self.inventory_dirty.clear()
             except (nats.errors.Error, asyncio.TimeoutError, ServiceCallError) as exc:
                 self.log.warning("publishing node records failed; retrying", error=str(exc) or type(exc).__name__)
-            delay = 1.0 if (self.hello_dirty.is_set() or self.inventory_dirty.is_set()) else self.opts.resync_interval
-            waiter = asyncio.ensure_future(self._either(self.hello_dirty, self.inventory_dirty))
+            # something left to put: retry in a second; else wait for a change or the periodic re-put
+            unfinished = self.hello_dirty.is_set() or self.inventory_dirty.is_set()
             try:
-                await asyncio.wait_for(waiter, delay)
+                await asyncio.wait_for(self.records_wake.wait(), 1.0 if unfinished else self.opts.resync_interval)
             except asyncio.TimeoutError:
-                # periodic re-put: cheap, and repairs a bucket recreated upstream
-                self.hello_dirty.set()
-                self.inventory_dirty.set()
-
-    @staticmethod
-    async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
-        while not (a.is_set() or b.is_set()):
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0)
+                if not unfinished:
+                    # periodic re-put: cheap, and repairs a bucket recreated upstream
+                    self.mark_records()
 
     async def _fetch_inventory(self) -> None:
         with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):

@@ -604,3 +604,24 @@ async def test_apply_spec_file_through_node_json(upstream, tmp_path):
     spec_file.write_text(json.dumps({"node_id": "node-1", "devices": [{"allocation_id": "x"}]}))
     with pytest.raises(ValueError, match="reservation_id"):
         await apply_spec_file(state, spec_file)
+
+
+async def test_a_kill_between_state_and_log_line_loses_no_log_line(upstream, cp_env, node1, tmp_path):
+    """Applied and saved, then killed before its events.jsonl line: the redelivery writes the line."""
+    cp, _ = cp_env
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+    # model the kill: the state has the event, the log lost its line
+    (tmp_path / "cp" / "events.jsonl").write_bytes(b"")
+    again = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None, fetch_timeout=0.2)
+    await again.ensure_upstream()
+    assert again.events() == []
+    async with consuming(again):
+        # the redelivery (here: a replay without the stream's header) restores the line, once
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), None)
+        await eventually(lambda: len(again.events()) == 1, what="line restored")
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), None)
+        await eventually(lambda: len(again.duplicates()) == 1, what="then a duplicate")
+    assert [e.event_id for e in again.events()] == ["node-1.whole.bound.g1"]
+    assert again.reservations()["rsv-whole"].state == "active"
