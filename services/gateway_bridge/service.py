@@ -85,6 +85,7 @@ class BridgeApp(ServiceApp):
         self.inventory_dirty = asyncio.Event()
         self.hello_dirty = asyncio.Event()
         self.records_wake = asyncio.Event()
+        self.hello_published = asyncio.Event()
         self.outbox_wake = asyncio.Event()
         self.spec_wake = asyncio.Event()
         self.latest_spec: bytes | None = None
@@ -361,6 +362,7 @@ class BridgeApp(ServiceApp):
                     hello = await self.hello()
                     if hello is not None and await self._put(f"$KV.{UPSTREAM_NODES_BUCKET}.{self.opts.node_id}", encode(hello), "KV bucket bcd_nodes"):
                         self.hello_dirty.clear()
+                        self.hello_published.set()
                         self.log.info("hello published", capabilities=hello.capabilities, boot_id=hello.boot_id, key_id=hello.key_id)
                 if self.inventory_dirty.is_set():
                     if self.inventory is None:
@@ -412,6 +414,9 @@ class BridgeApp(ServiceApp):
         stream = self.ctx.subjects.outbox_stream
         cursor = 0
         backoff = 0.5
+        # a control plane verifies a report against the node's Hello: none goes
+        # upstream before the Hello (with this boot's key and boot id) is there
+        await self.hello_published.wait()
         while not self.ctx.stopping.is_set():
             await self.up_connected.wait()
             try:
