@@ -63,7 +63,7 @@ from bcd.client import NodeInfo  # noqa: E402
 from bcd.controlplane import EVENTS_FILE, EventRecord, put_spec_file  # noqa: E402
 from bcd.nodebus import NatsServer  # noqa: E402
 from bcd.supervisor import die_with_parent  # noqa: E402
-from services.converger.eventids import bound_id  # noqa: E402
+from shared.eventids import bound_id  # noqa: E402
 from shared.fsutil import atomic_write  # noqa: E402
 from shared.schemas import (  # noqa: E402
     ATTESTED_REPORT_CODEC,

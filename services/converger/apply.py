@@ -22,9 +22,9 @@ from datetime import datetime, timezone
 import msgspec
 
 from shared import logs
+from shared.eventids import condition_id, section_id
 from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, encode
 
-from .eventids import section_id
 from .hostwriter import HostWriteError, HostWriter
 from .model import (
     BindHold,
@@ -230,8 +230,7 @@ class Applier:
         log.info("Kubernetes hold released: no pod holds its devices", allocation_id=step.allocation_id, event_id=rel.event_id)
 
     async def _set_condition(self, condition: Condition, state: ConvergerState) -> None:
-        stamp = condition.since.strftime("%Y%m%dt%H%M%S%f")
-        event_id = f"{self.node_id}.condition.{condition.type.lower()}.{condition.status.lower()}.{stamp}"
+        event_id = condition_id(self.node_id, condition)
         await self.outbox.publish("condition", event_id, encode(NodeCondition(condition=condition)))
         state.conditions[condition.type] = condition
         self.save_state(state)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from shared.eventids import bound_id, failed_id, released_id
 from shared.schemas import (
     AllocationBound,
     Condition,
@@ -31,7 +32,6 @@ from shared.schemas import (
 )
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
-from .eventids import bound_id, failed_id, released_id
 from .holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
 from .releases import PendingRelease
 from .model import (

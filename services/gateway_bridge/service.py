@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from nats.js.errors import APIError, NotFoundError
 from prometheus_client import Counter, Gauge
 
+from shared.eventids import condition_id
 from shared.jsutil import StreamMissing, stream_depth
 from shared.runtime import VERSION, Option, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
 from shared.schemas import (
@@ -326,8 +327,7 @@ class BridgeApp(ServiceApp):
     async def publish_condition(self, condition: Condition) -> None:
         """Through the outbox like every event, so it survives an upstream outage."""
         event = NodeCondition(condition=condition)
-        stamp = condition.since.strftime("%Y%m%dt%H%M%S%f")
-        event_id = f"{self.opts.node_id}.condition.{condition.type.lower()}.{condition.status.lower()}.{stamp}"
+        event_id = condition_id(self.opts.node_id, condition)
         js = self.ctx.nc.jetstream()
         try:
             await js.publish(self.ctx.subjects.outbox_subject("condition"), encode(event), headers={MSG_ID_HEADER: event_id})

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 
+from shared.schemas import Condition
+
 
 def _id(*parts: str) -> str:
     return ".".join(parts)
@@ -32,4 +34,10 @@ def section_id(node_id: str, section: str, generation: int, state: str, message:
     return _id(node_id, section, "section", f"g{generation}", state.lower(), digest)
 
 
-__all__ = ["bound_id", "released_id", "failed_id", "section_id"]
+def condition_id(node_id: str, condition: Condition) -> str:
+    """A condition change: its type, status and the instant it took that status."""
+    stamp = condition.since.strftime("%Y%m%dt%H%M%S%f")
+    return _id(node_id, "condition", condition.type.lower(), condition.status.lower(), stamp)
+
+
+__all__ = ["bound_id", "released_id", "failed_id", "section_id", "condition_id"]
