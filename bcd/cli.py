@@ -17,7 +17,16 @@ from pathlib import Path
 import msgspec
 
 from shared.runtime import METRICS_PORTS, ServiceCallError, call
-from shared.schemas import INVENTORY_CODEC, SIGNER_KEY_CODEC, Empty, Inventory, SignerKey
+from shared.schemas import (
+    GPU_REPLY_CODEC,
+    INVENTORY_CODEC,
+    SIGNER_KEY_CODEC,
+    Empty,
+    GpuReply,
+    GpuRequest,
+    Inventory,
+    SignerKey,
+)
 from shared.subjects import NodeSubjects
 
 from .client import NodeUnreachable, connect, node_info, ping_all
@@ -129,6 +138,53 @@ def cmd_key(args: argparse.Namespace) -> int:
         print(f"node {key.node_id}  key_id {key.key_id}  boot {key.boot_id}")
         print(f"public key (base64 raw Ed25519): {base64.b64encode(key.public_key).decode()}")
     return 0
+
+
+def cmd_gpu(args: argparse.Namespace) -> int:
+    """`bcd gpu list`, or exclude / include / reclaim one card by its PCI address (through the inventory)."""
+    from .status import render_gpus
+
+    info = node_info(args.state_dir)
+    subjects = NodeSubjects(info.node_id)
+
+    if args.action == "list":
+
+        async def listing() -> Inventory:
+            nc = await connect(info)
+            try:
+                return await call(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
+            finally:
+                await nc.close()
+
+        inv = _run(listing())
+        if args.json:
+            print(msgspec.json.format(msgspec.json.encode([{"pci_address": g.pci_address, **msgspec.to_builtins(g.status)} for g in inv.gpus])).decode())
+        else:
+            print(render_gpus(inv))
+        return 0
+
+    if not args.pci:
+        raise SystemExit(f"bcd gpu {args.action}: a PCI address is needed (like 0000:3b:00.0)")
+
+    async def act() -> GpuReply:
+        nc = await connect(info)
+        try:
+            return await call(nc, subjects.inventory_gpu, GpuRequest(action=args.action, pci=args.pci), GPU_REPLY_CODEC, timeout=10)
+        finally:
+            await nc.close()
+
+    reply = _run(act())
+    if args.json:
+        print(msgspec.json.encode(reply).decode())
+    else:
+        verdict = "accepted" if reply.accepted else "REFUSED"
+        print(f"{args.action} {reply.pci}: {verdict}: {reply.message}")
+        if reply.gpu is not None:
+            st = reply.gpu.status
+            print(f"  phase {st.phase}  driver {st.driver_binding.driver or '(none)'}  mode {st.driver_binding.mode}  management {st.driver_binding.management_state}")
+            for c in st.conditions:
+                print(f"  {c.type}={c.status} {c.reason}: {c.message}")
+    return 0 if reply.accepted else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -279,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("spec", type=Path)
     rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")
     rel.add_argument("--clear-unreadable", action="store_true")
+    gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card; exclude, include or reclaim one card")
+    gpu.add_argument("action", choices=("list", "exclude", "include", "reclaim"))
+    gpu.add_argument("pci", nargs="?", help="canonical PCI address, like 0000:3b:00.0")
     ev = client("events", cmd_events, "follow the control plane's verified event log")
     ev.add_argument("--no-follow", action="store_true")
     ev.add_argument("--last", type=int, default=50, help="show this many past events first")

@@ -461,6 +461,11 @@ def describe(event: object) -> tuple[str, str, str, int | None, str]:
         return "", "", c.type, None, detail
     if isinstance(event, GpuChanged):
         detail = f"{event.phase}/{event.management_state}" + (f" {short_atom('GPU-' + event.uuid.removeprefix('GPU-'))}" if event.uuid else "")
+        if event.reason:
+            detail += f" {event.reason}" + (f": {event.message}" if event.message else "")
+        reconf = next((c for c in event.status.conditions if c.type == "Reconfiguring" and c.status == "True"), None)
+        if reconf is not None:
+            detail += f" Reconfiguring={reconf.reason}"
         return "", "", event.pci_address, None, detail
     return "", "", "", None, ""
 

@@ -18,7 +18,7 @@ import nats.errors
 
 from shared.jsutil import StreamDepth, StreamMissing, stream_depth
 from shared.runtime import ServiceCallError, call
-from shared.schemas import CONVERGER_STATUS_CODEC, INVENTORY_CODEC, BadMessage, ConvergerStatus, Empty, Inventory
+from shared.schemas import CLAIMS_CODEC, CONVERGER_STATUS_CODEC, INVENTORY_CODEC, BadMessage, Claims, ConvergerStatus, Empty, Inventory
 from shared.subjects import NodeSubjects
 
 from .client import NodeInfo, NodeUnreachable, connect, ping_all
@@ -37,6 +37,7 @@ class NodeReport:
     inventory: Inventory | None = None
     converger: ConvergerStatus | None = None
     outbox: StreamDepth | None = None
+    claims: Claims | None = None
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
 
@@ -55,6 +56,8 @@ async def gather(info: NodeInfo) -> NodeReport:
             report.inventory = await call(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=3)
         with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
             report.converger = await call(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
+        with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
+            report.claims = await call(nc, subjects.converger_claims, Empty(), CLAIMS_CODEC, timeout=3)
         with contextlib.suppress(StreamMissing, nats.errors.Error, asyncio.TimeoutError):
             report.outbox = await stream_depth(nc, subjects.outbox_stream)
     finally:
@@ -76,6 +79,7 @@ def problems(report: NodeReport) -> list[str]:
     conv = report.converger
     if conv is not None and conv.section is not None and conv.section.state == "PROGRESSING" and conv.next_retry_in_s is not None:
         out.append(f"devices section PROGRESSING (retrying): {conv.section.message.splitlines()[-1] if conv.section.message else ''}")
+    out.extend(gpu_problems(report.inventory))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
         out.append(f"outbox not draining: {report.outbox.messages if report.outbox else 0} events, oldest {age:.0f} s")
@@ -97,6 +101,10 @@ def render_status(report: NodeReport) -> str:
     lines: list[str] = []
     conv, inv = report.converger, report.inventory
     held = _holders(conv)
+    vm_claims: dict[str, str] = {}
+    for c in report.claims.claims if report.claims else []:
+        if c.kind in ("instance", "domain"):
+            vm_claims.setdefault(c.pci_address, f"{c.kind} {c.holder}")
     gen = conv.generation if conv and conv.generation is not None else "-"
     age = _age(report)
     depth = report.outbox.messages if report.outbox else "?"
@@ -115,6 +123,9 @@ def render_status(report: NodeReport) -> str:
             what = held.get(g.atom_id, "-")
         if g.atom_id in held and (g.mig_mode or g.slots):
             what = held[g.atom_id] + " (whole)"
+        vm = vm_claims.get(g.pci_address)
+        if vm:
+            what = vm if what == "-" else f"{what}; {vm}"
         lines.append(f"{g.index:<4} {g.pci_address:<13} {g.status.phase:<12} {g.status.driver_binding.management_state:<11} {what}")
     if inv is None:
         lines.append("(inventory unavailable)")
@@ -136,6 +147,37 @@ def render_status(report: NodeReport) -> str:
     bad = problems(report)
     lines.append("health: " + ("ok" if not bad else "UNHEALTHY: " + "; ".join(bad)))
     return "\n".join(lines)
+
+
+def render_gpus(inv: Inventory) -> str:
+    """`bcd gpu list`: each card's driver binding, phase, management state and the conditions behind them."""
+    lines = [f"{'PCI':<13} {'DRIVER':<9} {'MODE':<11} {'PHASE':<13} {'MANAGEMENT':<11} CONDITIONS"]
+    for g in inv.gpus:
+        st = g.status
+        conds = ", ".join(f"{c.type}={c.status}/{c.reason}" for c in st.conditions)
+        lines.append(
+            f"{g.pci_address:<13} {st.driver_binding.driver or '-':<9} {st.driver_binding.mode:<11} "
+            f"{st.phase:<13} {st.driver_binding.management_state:<11} {conds}"
+        )
+        for c in st.conditions:
+            if c.type in ("Reclaim", "Reconfiguring") or (c.type == "AdapterReady" and c.status == "False"):
+                lines.append(f"{'':<13} {c.type}: {c.message}")
+    return "\n".join(lines)
+
+
+def gpu_problems(inv: Inventory | None) -> list[str]:
+    """Cards that need an operator: a disruption waiting for a reboot, a failed reclaim, a Failed phase."""
+    out: list[str] = []
+    for g in inv.gpus if inv else []:
+        for c in g.status.conditions:
+            if c.type == "Reconfiguring" and c.status == "True" and c.reason in ("DisruptionRequired", "DisruptionPending", "RebootRequested"):
+                out.append(f"GPU {g.pci_address} {c.reason}: {c.message}")
+            if c.type == "Reclaim" and c.status == "False" and c.reason == "Failed":
+                out.append(f"GPU {g.pci_address} reclaim failed: {c.message}")
+        if g.status.phase == "Failed":
+            ready = next((c for c in g.status.conditions if c.type == "AdapterReady"), None)
+            out.append(f"GPU {g.pci_address} phase Failed" + (f" ({ready.reason}: {ready.message})" if ready else ""))
+    return out
 
 
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
@@ -173,10 +215,11 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             out.append(("ok", "vendor-cdi-spec", conv.vendor_cdi_spec))
         if conv.section is not None and conv.section.state == "FAILED":
             out.append(("warn", "section", "devices section FAILED: " + "; ".join(conv.section.message.splitlines())))
+    out.extend(("fail", "gpu", p) for p in gpu_problems(inv))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
         out.append(("fail", "outbox", f"not draining: oldest event {age:.0f} s old"))
     return out
 
 
-__all__ = ["NodeReport", "gather", "problems", "render_status", "doctor_checks", "OUTBOX_STALE_S"]
+__all__ = ["NodeReport", "gather", "problems", "render_status", "render_gpus", "gpu_problems", "doctor_checks", "OUTBOX_STALE_S"]

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from .nodebus import NatsServer, prepare_node_bus
 from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
 
 #: the services `bcd up` runs, in start order.
-NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper")
+EXAMPLE_HOSTS_DIR = Path(__file__).resolve().parent.parent / "examples" / "hosts"
+
+NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher")
 
 
 def layout(state: Path) -> dict[str, Path]:
@@ -54,6 +57,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     if fake_host is not None and not fake_host.is_file():
         print(f"bcd up: fake host file {fake_host} does not exist", file=sys.stderr)
         return 2
+    if fake_host is not None and fake_host.parent == EXAMPLE_HOSTS_DIR.resolve():
+        # The fake kernel (vfio_switcher's fake backend) writes driver bindings into
+        # the host file: work on the node's own copy, never on the checked-in example.
+        copy = state / f"host-{fake_host.name}"
+        if not copy.exists():
+            shutil.copyfile(fake_host, copy)
+        log.info("fake host: working on a copy of the example", example=str(fake_host), copy=str(copy))
+        fake_host = copy
     embedded = not args.upstream
     if not embedded and not args.cp_key:
         print("bcd up: --upstream needs --cp-key FILE (the control plane's public key); "
@@ -127,6 +138,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         reaper_env["BCD_KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
     if args.pod_resources_socket:
         reaper_env["BCD_POD_RESOURCES_SOCKET"] = str(Path(args.pod_resources_socket).resolve())
+    # vfio_switcher: on a fake host it switches cards by editing the host file
+    # (the inventory's next scan sees it); otherwise the real sysfs files.
+    switcher_env = {"BCD_BACKEND": "fake" if fake_host else "sysfs"}
     specs: list[ProcessSpec] = []
     metrics: dict[str, str] = {}
     for name in args.services:
@@ -138,6 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "BCD_METRICS_PORT": str(port),
             **(bridge_env if name == "gateway_bridge" else {}),
             **(reaper_env if name == "kube_reaper" else {}),
+            **(switcher_env if name == "vfio_switcher" else {}),
         }
         if port:
             metrics[name] = f"http://127.0.0.1:{port}/metrics"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 
+from datetime import datetime, timezone
+
 from shared.schemas import Condition
 
 
@@ -40,4 +42,20 @@ def condition_id(node_id: str, condition: Condition) -> str:
     return _id(node_id, "condition", condition.type.lower(), condition.status.lower(), stamp)
 
 
-__all__ = ["bound_id", "released_id", "failed_id", "section_id", "condition_id"]
+def gpu_id(node_id: str, pci_address: str, at: datetime, change: str) -> str:
+    """A PhysicalGPU change of one card (a `gpu` event): the card, the instant, and what changed.
+
+    `change` names the change (the new phase, managementState and condition
+    reasons, or the switch event behind it); only its digest goes into the
+    id, so two different changes of one card at one instant get two ids and
+    the same change, journaled and replayed, keeps its id. The PCI address
+    is lowercase hex with `:` and `.`, all allowed in an event id.
+    """
+    digest = hashlib.sha256(change.encode()).hexdigest()[:12]
+    if at.tzinfo is not None:
+        at = at.astimezone(timezone.utc)
+    stamp = at.strftime("%Y%m%dt%H%M%S%f")
+    return _id(node_id, "gpu", pci_address, stamp, digest)
+
+
+__all__ = ["bound_id", "released_id", "failed_id", "section_id", "condition_id", "gpu_id"]

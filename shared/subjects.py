@@ -154,6 +154,11 @@ class NodeSubjects:
         return self.subject("inventory", "changed")
 
     @property
+    def inventory_gpu(self) -> str:
+        """An operator's exclude / include / reclaim of one card (GpuRequest)."""
+        return self.subject("inventory", "gpu")
+
+    @property
     def inventory_bucket(self) -> str:
         return f"bcd_node_{self.node_id}_inventory"
 
@@ -182,9 +187,30 @@ class NodeSubjects:
         return self.subject("converger", "holder")
 
     @property
+    def converger_claims(self) -> str:
+        """Every GPU's claims (Claims): what the inventory derives managementState from."""
+        return self.subject("converger", "claims")
+
+    @property
+    def converger_claims_changed(self) -> str:
+        """Published (plain Claims) by the converger when the claims change."""
+        return self.subject("converger", "claims_changed")
+
+    @property
     def converger_pass(self) -> str:
         """Ask for a pass now (operator, reaper)."""
         return self.subject("converger", "pass")
+
+    # vfio_switcher
+    @property
+    def vfio_switch(self) -> str:
+        """switch(pci, target): the switcher's only endpoint (SwitchRequest -> SwitchReply)."""
+        return self.subject("vfio_switcher", "switch")
+
+    @property
+    def vfio_result(self) -> str:
+        """Published (plain SwitchReply) after every attempted switch, for the inventory."""
+        return self.subject("vfio_switcher", "result")
 
     # kube_reaper
     @property
@@ -256,8 +282,14 @@ class NodeSubjects:
         inbox = (f"{inbox_prefix(user)}.>",)
         table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "inventory": (
-                (self.inventory_changed, *self.kv_subjects(self.inventory_bucket)),
-                (self.service_wildcard("inventory"),),
+                (
+                    self.inventory_changed,
+                    *self.kv_subjects(self.inventory_bucket),
+                    # managementState needs the claims; gpu events go upstream through the outbox
+                    self.converger_claims,
+                    self.outbox_subject("gpu"),
+                ),
+                (self.service_wildcard("inventory"), self.converger_claims_changed, self.vfio_result),
             ),
             "signer": ((), (self.service_wildcard("signer"),)),
             "converger": (
@@ -271,6 +303,9 @@ class NodeSubjects:
                     self.reaper_held,
                     self.reaper_evict,
                     self.reaper_orphans,
+                    # the VFIO side: the converger is the only one that asks for switches
+                    self.vfio_switch,
+                    self.converger_claims_changed,
                 ),
                 (
                     self.service_wildcard("converger"),
@@ -302,7 +337,10 @@ class NodeSubjects:
                 ),
             ),
             "kube_reaper": ((self.inventory_get, self.reaper_freed), (self.service_wildcard("kube_reaper"),)),
-            "vfio_switcher": ((self.inventory_get,), (self.service_wildcard("vfio_switcher"),)),
+            "vfio_switcher": (
+                (self.inventory_get, self.converger_holder, self.vfio_result),
+                (self.service_wildcard("vfio_switcher"),),
+            ),
             "helper": ((), (self.service_wildcard("helper"),)),
             OPERATOR_USER: (
                 (
@@ -313,6 +351,8 @@ class NodeSubjects:
                     *self.stream_subjects(self.outbox_stream, create=False),
                     self.inventory_get,
                     self.inventory_rescan,
+                    self.inventory_gpu,
+                    self.converger_claims,
                     self.signer_key,
                     *self.kv_read_subjects(self.inventory_bucket),
                 ),

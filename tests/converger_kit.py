@@ -1,5 +1,6 @@
 """An in-process converger on real files: tmp CDI/run/data dirs, fake slices,
-a real Ed25519 signer and an outbox that keeps every event by id.
+a real Ed25519 signer, an outbox that keeps every event by id, and a fake
+vfio_switcher that plays the kernel's driver bindings in memory.
 
 Used by the unit tests of plan/apply, the property tests and the benchmark.
 The integration tests run the real processes instead.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from services.converger.apply import Applier, ApplyResult
@@ -30,6 +32,8 @@ from services.converger.outbox import OutboxError
 from services.converger.plan import plan
 from services.converger.slices import FakeSlices
 from services.converger.state import StateStore
+from services.converger.switcher import SwitchUnavailable
+from services.inventory.build import driver_mode
 from services.inventory.adapters import load_adapter
 from services.inventory.build import build_inventory
 from shared.schemas import (
@@ -41,6 +45,8 @@ from shared.schemas import (
     Limits,
     NodeSpec,
     ReportBody,
+    SwitchReply,
+    SwitchRequest,
 )
 from shared.signing import sign_report, verify_report
 
@@ -161,6 +167,84 @@ class FakeReaper:
         return self.reachable and self.orphans_clear
 
 
+@dataclass
+class FakeSwitcher:
+    """vfio_switcher as the converger sees it, and the kernel's driver bindings it changes.
+
+    `drivers` (PCI address -> driver, "" for none) overrides the host file's
+    drivers in every inventory the Node builds, as sysfs would after a real
+    switch; a reboot (a Node restarted with another boot id) starts a new one.
+    `script[pci]`: outcomes to answer for that card, consumed in order; then
+    every switch succeeds. `reachable=False`: no reply at all.
+    """
+
+    boot_id: str = "boot-1"
+    base_driver: str = "nvidia"
+    drivers: dict[str, str] = field(default_factory=dict)
+    script: dict[str, list[str]] = field(default_factory=dict)
+    requests: list[SwitchRequest] = field(default_factory=list)
+    reachable: bool = True
+    #: (pci, target) of each request; a short view of `requests`
+    @property
+    def asked(self) -> list[tuple[str, str]]:
+        return [(r.pci, r.target) for r in self.requests]
+
+    async def switch(self, request: SwitchRequest) -> SwitchReply:
+        self.requests.append(request)
+        if not self.reachable:
+            raise SwitchUnavailable("vfio_switcher unreachable (test)")
+        pci, target = request.pci, request.target
+        want = "vfio-pci" if target == "vfio-pci" else self.base_driver
+        queued = self.script.get(pci)
+        outcome = queued.pop(0) if queued else ("Unchanged" if self.drivers.get(pci) == want else "Succeeded")
+        driver = self.drivers.get(pci, self.base_driver)
+        if outcome in ("Succeeded", "Unchanged"):
+            driver = self.drivers[pci] = want
+        elif outcome == "DisruptionRequired":
+            driver = self.drivers[pci] = ""
+        reasons = {"Succeeded": "Switched", "Unchanged": "AlreadyOnTarget", "Refused": "Held", "Failed": "BindFailed", "DisruptionRequired": "UnbindTimedOut"}
+        return SwitchReply(
+            pci=pci,
+            target=target,
+            outcome=outcome,
+            reason=reasons.get(outcome, outcome),
+            message=f"{outcome} (test)",
+            driver=driver,
+            boot_id=self.boot_id,
+            why=request.why,
+            at=datetime.now(timezone.utc),
+        )
+
+
+def with_drivers(inventory: Inventory, drivers: dict[str, str]) -> Inventory:
+    """The inventory as it reads with the given drivers bound (driverBinding and mode follow)."""
+    if not drivers:
+        return inventory
+    gpus = []
+    for g in inventory.gpus:
+        if g.pci_address in drivers:
+            d = drivers[g.pci_address]
+            binding = msgspec.structs.replace(g.status.driver_binding, driver=d, mode=driver_mode(d))
+            g = msgspec.structs.replace(g, driver=d, status=msgspec.structs.replace(g.status, driver_binding=binding))
+        gpus.append(g)
+    return msgspec.structs.replace(inventory, gpus=gpus)
+
+
+def with_status(inventory: Inventory, pci: str, *, management_state: str | None = None, conditions: tuple = ()) -> Inventory:
+    """The inventory with one card's PhysicalGPU status changed (conditions replace those of their type)."""
+    gpus = []
+    for g in inventory.gpus:
+        if g.pci_address == pci:
+            st = g.status
+            if management_state is not None:
+                st = msgspec.structs.replace(st, driver_binding=msgspec.structs.replace(st.driver_binding, management_state=management_state))
+            types = {c.type for c in conditions}
+            st = msgspec.structs.replace(st, conditions=[c for c in st.conditions if c.type not in types] + list(conditions))
+            g = msgspec.structs.replace(g, status=st)
+        gpus.append(g)
+    return msgspec.structs.replace(inventory, gpus=gpus)
+
+
 class Node:
     """One node's converger, in process, on real files under `root`.
 
@@ -184,6 +268,7 @@ class Node:
         boot_id: str = "boot-1",
         supported_bindings: frozenset[str] | None = None,
         reaper: FakeReaper | None = None,
+        switcher: FakeSwitcher | None = None,
     ) -> None:
         self.root = root
         self.node_id = node_id
@@ -194,11 +279,20 @@ class Node:
         self.host_file = host_file
         self.adapter = load_adapter("fakehw", fake_host=host_file, cdi_dir=self.cdi_dir)
         self.adapter.write_cdi_spec()
-        self.inventory = build_inventory(self.adapter, node_id=node_id, revision=1, now=datetime.now(timezone.utc))
+        self.switcher = switcher if switcher is not None else FakeSwitcher(boot_id=boot_id)
+        self.inventory = with_drivers(
+            build_inventory(self.adapter, node_id=node_id, revision=1, now=datetime.now(timezone.utc)), self.switcher.drivers
+        )
         self.slices = FakeSlices(self.run_dir)
         self.domains = FakeDomains(host_file)
         self.store = StateStore(root / "data" / "converger")
         self.state: ConvergerState = self.store.load()
+        # what the service does at start: a new boot forgets running domains and
+        # the cards stuck in another boot
+        if self.state.boot_id and self.state.boot_id != boot_id:
+            self.state.domain_gpus = {}
+        self.state.vfio_stuck = {pci: b for pci, b in self.state.vfio_stuck.items() if b == boot_id}
+        self.state.boot_id = boot_id
         self.signer = signer if signer is not None else MemorySigner(node_id)
         self.outbox = outbox if outbox is not None else MemoryOutbox()
         self.crash = crash if crash is not None else (lambda _: None)
@@ -220,16 +314,26 @@ class Node:
             crash=self.crash,
             releases=self.releases,
             reaper=self.reaper,
+            switcher=self.switcher,
+            count_switch=lambda target, outcome: self.switch_counts.__setitem__((target, outcome), self.switch_counts.get((target, outcome), 0) + 1),
         )
+        self.switch_counts: dict[tuple[str, str], int] = {}
         self._init_args = dict(host_file=host_file, privileged=privileged, node_id=node_id, reserve=reserve, supported_bindings=supported_bindings)
 
     def restart(self, **changes) -> Node:
-        """A fresh process on the same host: same dirs, same durable outbox and key, state from disk."""
+        """A fresh process on the same host: same dirs, same durable outbox and key, state from disk.
+
+        Another `boot_id` is a reboot: the cards are back on the host file's drivers.
+        """
         args = {**self._init_args, "outbox": self.outbox, "signer": self.signer, "boot_id": self.boot_id, "reaper": self.reaper, **changes}
+        if "switcher" not in changes:
+            rebooted = args["boot_id"] != self.boot_id
+            args["switcher"] = FakeSwitcher(boot_id=args["boot_id"], script=self.switcher.script) if rebooted else self.switcher
         return Node(self.root, **args)
 
     def rescan(self) -> None:
-        self.inventory = build_inventory(self.adapter, node_id=self.node_id, revision=self.inventory.revision + 1, now=datetime.now(timezone.utc))
+        inv = build_inventory(self.adapter, node_id=self.node_id, revision=self.inventory.revision + 1, now=datetime.now(timezone.utc))
+        self.inventory = with_drivers(inv, self.switcher.drivers)
 
     def release_facts(self) -> ReleaseFacts:
         pending, unreadable = self.releases.load()
@@ -252,6 +356,7 @@ class Node:
             warned=set(),
             releases=self.release_facts(),
             now=self.now,
+            switched=self.applier.switched,
         )
 
     def plan(self, s: NodeSpec) -> Plan:
@@ -351,4 +456,4 @@ def rewrite_host(path: Path, change: Callable[[dict], object]) -> None:
     path.write_text(json.dumps(doc, indent=2))
 
 
-__all__ = ["H200", "GPU", "host_inventory", "hold", "spec", "MemorySigner", "MemoryOutbox", "Node", "host_copy", "rewrite_host", "check_hold_invariants", "fast_dir"]
+__all__ = ["H200", "GPU", "host_inventory", "hold", "spec", "MemorySigner", "MemoryOutbox", "FakeSwitcher", "with_drivers", "with_status", "Node", "host_copy", "rewrite_host", "check_hold_invariants", "fast_dir"]

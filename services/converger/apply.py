@@ -10,7 +10,13 @@ again after a crash and does the same thing, and every event keeps its id.
 A failed write or an unreachable signer/outbox is retryable: the step stops,
 no event for it is sent, the section reads PROGRESSING and the pass is tried
 again. If any release fails, no bind runs in this pass: a bind must never
-take an atom whose old hold is still on disk.
+take an atom whose old hold is still on disk (nor a switch to vfio-pci).
+
+A driver switch records the card in the VFIO record (state.vfio) before it
+asks vfio_switcher, so a crash in between converges on restart. Its outcome
+never touches the section: a refused or failed switch, or a switcher that
+cannot be reached, is retried at the next retry interval (WARN); a
+DisruptionRequired marks the card stuck for this boot (no retries).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import msgspec
 
 from shared import logs
 from shared.eventids import condition_id, section_id
-from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, encode
+from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, SwitchRequest, encode
 
 from .hostwriter import HostWriteError, HostWriter
 from .model import (
@@ -40,14 +46,18 @@ from .model import (
     ReleaseHold,
     RemoveTemp,
     ReportBound,
+    RecordVfio,
     ReportFailed,
     Step,
     StopSlice,
+    SwitchGpu,
     WriteEnv,
 )
 from .outbox import Outbox, OutboxError, Signer
 from .reaper import NoReaper, Reaper
 from .releases import PendingRelease, ReleasesStore
+from .switcher import NoSwitcher, Switcher, SwitchUnavailable
+from .vfio import NATIVE, VFIO_DRIVER
 
 log = logs.get_logger("bcd.converger.apply")
 
@@ -57,6 +67,10 @@ class ApplyResult:
     errors: list[str] = field(default_factory=list)
     done: int = 0
     section: SectionStatus | None = None
+    #: a driver switch is to be asked for again (refused, failed, switcher unreachable).
+    vfio_retry: bool = False
+    #: switch requests sent in this pass.
+    switch_requests: int = 0
 
     @property
     def retry(self) -> bool:
@@ -77,9 +91,19 @@ class Applier:
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
         releases: ReleasesStore | None = None,
         reaper: Reaper | None = None,
+        switcher: Switcher | None = None,
+        count_switch: Callable[[str, str], None] = lambda target, outcome: None,
     ) -> None:
         self.releases = releases
         self.reaper = reaper or NoReaper()
+        self.switcher = switcher or NoSwitcher()
+        #: (target, outcome) of each switch request, for the metric.
+        self.count_switch = count_switch
+        #: PCI address -> (where the card is, when the reply came) after each
+        #: switch that succeeded ("vfio-pci" / "native") or could not be rolled
+        #: back (the driver it was left on, "" for none); observe() applies those
+        #: newer than the inventory (vfio.switched_targets).
+        self.switched: dict[str, tuple[str, datetime]] = {}
         self.node_id = node_id
         self.writer = writer
         self.signer = signer
@@ -105,6 +129,13 @@ class Applier:
                 continue
             if not room and isinstance(step, BindHold):
                 result.errors.append(f"{step.allocation_id}: not bound in this pass: the outbox is full (upstream not draining)")
+                continue
+            if isinstance(step, SwitchGpu):
+                if release_failed and step.target == VFIO_DRIVER:
+                    log.warning("switch to vfio-pci held back: a release before it failed", pci=step.pci, why=step.why)
+                    result.vfio_retry = True
+                    continue
+                await self._switch(step, state, result)
                 continue
             if isinstance(step, ReleaseHold) and step.allocation_id in unreported:
                 # Fix: the plan reports an interrupted bind's Bound before releasing
@@ -182,6 +213,14 @@ class Applier:
             log.info("pending Kubernetes release taken back: the spec wants the allocation again", allocation_id=step.allocation_id)
         elif isinstance(step, SetCondition):
             await self._set_condition(step.condition, state)
+        elif isinstance(step, RecordVfio):
+            if step.holder is None:
+                state.vfio.pop(step.pci, None)
+                log.info("card back on its native driver; dropped from the VFIO record", pci=step.pci)
+            else:
+                state.vfio[step.pci] = step.holder
+                log.info("card on vfio-pci for an instance; recorded", pci=step.pci, instance=step.holder)
+            self.save_state(state)
         elif isinstance(step, ClearUnreadableMarker):
             assert self.releases is not None
             try:
@@ -191,6 +230,64 @@ class Applier:
             log.info("unreadable-releases marker cleared: no pod holds a GPU of an unknown allocation")
         else:  # pragma: no cover - the Step union is closed
             raise AssertionError(step)
+
+    # ------------------------------------------------------------------ VFIO switches
+
+    async def _switch(self, step: SwitchGpu, state: ConvergerState, result: ApplyResult) -> None:
+        """Record, ask, and record the outcome; never raises (the outcome decides the retry)."""
+        pci, target = step.pci, step.target
+        if target == VFIO_DRIVER or pci not in state.vfio:
+            if state.vfio.get(pci) != step.holder:
+                state.vfio[pci] = step.holder
+                self.save_state(state)
+        self.crash("vfio.recorded")
+        result.switch_requests += 1
+        try:
+            reply = await self.switcher.switch(SwitchRequest(pci=pci, target=target, why=step.why))
+        except SwitchUnavailable as exc:
+            self.count_switch(target, "Unreachable")
+            result.vfio_retry = True
+            log.warning("switch not done: vfio_switcher unavailable; retrying", pci=pci, target=target, why=step.why, error=str(exc))
+            return
+        self.count_switch(target, reply.outcome)
+        if reply.pci != pci or reply.target != target:
+            result.vfio_retry = True
+            log.warning("switch reply names another request; retrying", pci=pci, target=target, reply_pci=reply.pci, reply_target=reply.target)
+            return
+        if reply.ok:
+            if target == NATIVE:
+                state.vfio.pop(pci, None)
+            else:
+                state.vfio[pci] = step.holder
+            self.save_state(state)
+            self.switched[pci] = (target, self.clock())
+            result.done += 1
+            log.info("GPU switched", pci=pci, target=target, outcome=reply.outcome, driver=reply.driver, why=step.why)
+        elif reply.outcome == "DisruptionRequired":
+            state.vfio_stuck[pci] = self.boot_id()
+            self.save_state(state)
+            # where the card was left ("" for no driver), until the inventory shows it
+            self.switched[pci] = (reply.driver, self.clock())
+            log.error(
+                "GPU switch could not be rolled back: a node reboot is needed; not retried in this boot",
+                pci=pci,
+                target=target,
+                reason=reply.reason,
+                detail=reply.message,
+                driver=reply.driver,
+            )
+        else:
+            result.vfio_retry = True
+            log.warning(
+                "GPU switch not done; retrying",
+                pci=pci,
+                target=target,
+                outcome=reply.outcome,
+                reason=reply.reason,
+                detail=reply.message,
+                holder=reply.holder,
+                rolled_back=reply.rolled_back,
+            )
 
     # ------------------------------------------------------------------ Kubernetes releases
 

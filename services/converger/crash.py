@@ -34,8 +34,10 @@ RELEASE_POINTS: tuple[str, ...] = (
 )
 #: the split release of a Kubernetes hold.
 KUBE_POINTS: tuple[str, ...] = ("kube.recorded", "kube.withdrawn", "kube.published")
+#: a driver switch: the card is in the VFIO record, the switch not yet asked for.
+VFIO_POINTS: tuple[str, ...] = ("vfio.recorded",)
 CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
-ALL_POINTS = CRASH_POINTS + KUBE_POINTS
+ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS
 ENV = "BCD_CONVERGER_CRASH_AT"
 
 
@@ -55,4 +57,4 @@ class CrashPoints:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]
+__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "VFIO_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]

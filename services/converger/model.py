@@ -71,6 +71,14 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     intents: dict[str, Intent] = {}
     #: PCI address -> domain name, for domains running at the last pass.
     domain_gpus: dict[str, str] = {}
+    #: the VFIO record: PCI address -> instance id (or "reclaim") of each card
+    #: the converger put on vfio-pci, or is switching. Written BEFORE the
+    #: switch request, so a crash in between converges on restart; a card
+    #: leaves the record once it is back on its native driver.
+    vfio: dict[str, str] = {}
+    #: PCI address -> boot id of a switch that answered DisruptionRequired: no
+    #: switch of that card is asked for again in that boot.
+    vfio_stuck: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------------- observed
@@ -88,6 +96,10 @@ class Observed:
     vendor: VendorCdi | None = None
     #: PCI address -> holder text, GPUs claimed by the VFIO side (instance specs, running domains).
     vfio_claims: Mapping[str, str] = field(default_factory=dict)
+    #: PCI address -> where a switch since the inventory was read left the card
+    #: ("vfio-pci", "native", or the driver a DisruptionRequired left it on, "" for
+    #: none): the inventory does not show it yet.
+    switched: Mapping[str, str] = field(default_factory=dict)
     #: leftover temp files of interrupted atomic writes.
     temp_files: tuple[str, ...] = ()
     state: ConvergerState = field(default_factory=ConvergerState)
@@ -220,6 +232,28 @@ class ClearUnreadableMarker:
     pass
 
 
+@dataclass(frozen=True)
+class SwitchGpu:
+    """Record the card in the VFIO record (before anything else), then ask vfio_switcher to switch it.
+
+    `holder` is what the record keeps for the card: the instance id, or
+    "reclaim". A switch back to native keeps the record until it succeeded.
+    """
+
+    pci: str
+    target: Literal["vfio-pci", "native"]
+    why: str
+    holder: str
+
+
+@dataclass(frozen=True)
+class RecordVfio:
+    """The card is already where the VFIO side wants it: only the record changes (None drops it)."""
+
+    pci: str
+    holder: str | None
+
+
 Step = (
     ReleaseHold
     | StopSlice
@@ -234,6 +268,8 @@ Step = (
     | DropPendingRelease
     | SetCondition
     | ClearUnreadableMarker
+    | SwitchGpu
+    | RecordVfio
 )
 
 
@@ -256,6 +292,11 @@ class Plan:
     notes: tuple[str, ...] = ()
     #: Kubernetes releases still pending after this pass (the pass rechecks them).
     pending: tuple[str, ...] = ()
+    #: cards an instance wants on vfio-pci that wait for a hold, bind intent or
+    #: pending release to go (the pass retries them).
+    vfio_waiting: tuple[str, ...] = ()
+    #: why a card the VFIO side wants is not switched (logged when they change).
+    vfio_notes: tuple[str, ...] = ()
 
     def kinds(self) -> list[str]:
         return [type(s).__name__ for s in self.steps]
@@ -280,6 +321,8 @@ __all__ = [
     "DropPendingRelease",
     "SetCondition",
     "ClearUnreadableMarker",
+    "SwitchGpu",
+    "RecordVfio",
     "Step",
     "Failure",
     "Plan",

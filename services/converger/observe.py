@@ -10,6 +10,7 @@ interrupted atomic writes found, so the planner can repair drift.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +26,7 @@ from .model import ConvergerState, Observed
 from .reaper import Reaper
 from .releases import PendingRelease, ReleasesStore
 from .slices import SliceError, Slices
+from .vfio import switched_targets
 
 log = logs.get_logger("bcd.converger.observe")
 
@@ -105,7 +107,9 @@ def observe(
     warned: set[str] | None = None,
     releases: ReleaseFacts | None = None,
     now: datetime | None = None,
+    switched: Mapping[str, tuple[str, datetime]] | None = None,
 ) -> Observed:
+    """`switched`: where the Applier's switches left each card (PCI address -> (target, reply time))."""
     disk = read_disk(cdi_dir, run_dir, warned=warned)
     releases = releases or ReleaseFacts()
     vendor: VendorCdi | None
@@ -128,6 +132,7 @@ def observe(
         inventory=inventory,
         vendor=vendor,
         vfio_claims=vfio_claims(spec, domains, state),
+        switched=switched_targets(switched or {}, inventory),
         temp_files=tuple(disk.temp_files),
         state=state,
         pending_releases=releases.pending,

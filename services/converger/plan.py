@@ -5,9 +5,10 @@ GPU can move between allocations in one generation), then leftover slices,
 then the holds still wanted (missing slice or env file recreated), then new
 holds in spec order through the checks - binding, privilege, atoms,
 conflicts, host admission; the first failure decides - counting every atom
-bound earlier in the same pass. It reads nothing and writes nothing: the same
-inputs always give the same plan, and a plan made right after a successful
-apply is empty.
+bound earlier in the same pass; last, the VFIO side's driver switches
+(vfio.plan_vfio), after every release of the pass. It reads nothing and
+writes nothing: the same inputs always give the same plan, and a plan made
+right after a successful apply is empty.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ from .model import (
     WriteEnv,
 )
 from .slices import slice_name
+from .vfio import EXCLUDED_HOLDER, UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
 
 MIB = 1024 * 1024
-UNREADABLE_RELEASES_HOLDER = "(pending Kubernetes releases that could not be read)"
 HOLD_BINDINGS = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
 
 
@@ -82,6 +83,9 @@ class Claims:
     parts: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
     #: GPU atom id -> holder of the whole card through the VFIO side.
     vfio: dict[str, str] = field(default_factory=dict)
+    #: GPU atom ids of the cards the operator excluded (Excluded / ExcludedReleasePending):
+    #: no new hold takes them.
+    excluded: set[str] = field(default_factory=set)
     all_gpus_held_by: str = ""
 
     def add(self, atom_id: str, holder: str) -> None:
@@ -100,6 +104,8 @@ class Claims:
             return f"{ref.id}: every GPU of this node is held by {self.all_gpus_held_by}"
         if ref.gpu in self.vfio:
             return f"{ref.id}: {ref.gpu} is claimed by {self.vfio[ref.gpu]}"
+        if ref.gpu in self.excluded:
+            return f"{ref.id}: {ref.gpu} is held by {EXCLUDED_HOLDER}"
         if ref.id in self.atoms:
             return f"{ref.id} is held by {self.atoms[ref.id]}"
         parts = self.parts.get(ref.gpu, {})
@@ -386,6 +392,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
         gpu = index.by_pci.get(pci)
         if gpu is not None and gpu.atom_id:
             claims.vfio[gpu.atom_id] = holder
+    claims.excluded = {g.atom_id for g in index.by_pci.values() if g.atom_id and excluded(g)}
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")
     for alloc, rel in pending.items():
@@ -508,6 +515,11 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                 )
             )
     steps.extend(_conditions(observed, config, pending, unreadable))
+
+    # 7. The VFIO side: driver switches, after every release of this pass (a
+    #    card moves from a hold to an instance in one generation).
+    vfio = plan_vfio(spec, observed, _held_cards(claims, index))
+    steps.extend(vfio.steps)
     section = SectionStatus(
         section=SECTION,
         state="FAILED" if failures else "CONVERGED",
@@ -521,7 +533,25 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
         section=section,
         notes=tuple(notes),
         pending=tuple(sorted(pending)),
+        vfio_waiting=vfio.waiting,
+        vfio_notes=vfio.notes,
     )
+
+
+def _held_cards(claims: Claims, index: AtomIndex) -> dict[str, str]:
+    """PCI address -> holder of each card a hold or pending release names after this pass's releases."""
+    if claims.all_gpus_held_by:
+        return {pci: claims.all_gpus_held_by for pci in sorted(index.by_pci)}
+    held: dict[str, str] = {}
+    for atom, holder in sorted(claims.atoms.items()):
+        try:
+            ref = parse_atom(atom)
+        except AtomError:
+            continue
+        gpu = index.gpus.get(ref.gpu)
+        if gpu is not None:
+            held.setdefault(gpu.pci_address, holder)
+    return held
 
 
 STUCK = "KubernetesReleaseStuck"
@@ -635,7 +665,8 @@ def _check(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, confi
         if r.ref.id in seen:
             raise _Refused("overlap", f"{r.ref.id} is listed twice in this assignment")
         seen.add(r.ref.id)
-        if r.gpu.driver == "vfio-pci":
+        # a card on vfio-pci for an instance is refused naming the instance (below)
+        if r.gpu.driver == "vfio-pci" and r.ref.gpu not in claims.vfio:
             raise _Refused("overlap", f"{r.ref.id}: {r.ref.gpu} is bound to vfio-pci (passthrough)")
         problem = claims.conflict(r) or mine.conflict(r)
         if problem:

@@ -69,6 +69,23 @@ class ReleasesStore:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return self._set_aside(str(exc))
 
+    def peek(self) -> tuple[dict[str, PendingRelease], bool]:
+        """(pending releases, unreadable) without side effects (for queries between passes).
+
+        An unreadable file reads as unreadable here; the next pass sets it aside.
+        """
+        unreadable = self.marker.exists()
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}, unreadable
+        except OSError:
+            return {}, True
+        try:
+            return dict(_DECODER.decode(data).releases), unreadable
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return {}, True
+
     def _set_aside(self, why: str) -> tuple[dict[str, PendingRelease], bool]:
         aside = self.dir / f"{RELEASES_FILE}.unreadable-{int(time.time())}"
         try:

@@ -1,10 +1,17 @@
-"""The converger micro service: takes NodeSpecs, runs passes, answers status and holder.
+"""The converger micro service: takes NodeSpecs, runs passes, answers status, holder and claims.
 
 Endpoints: `spec` (the bridge hands over a verified NodeSpec; kept on disk so
 a restart converges without it), `status`, `holder` (which allocation,
 instance or domain holds a GPU - asked before a VFIO switch, reset or MIG
-change), `pass` (run one now). It follows the inventory through the node-bus
-`inventory.changed` messages and never plans without an inventory.
+change), `claims` (every card's claims, and the cards the converger put on
+vfio-pci: what the inventory derives managementState from), `pass` (run one
+now). It follows the inventory through the node-bus `inventory.changed`
+messages and never plans without an inventory. After a pass whose claims
+changed (and after the first one) it publishes them on `claims_changed`.
+
+The VFIO side: GPUs named by spec.instances are switched to vfio-pci through
+vfio_switcher (and back when no instance or running domain has them); see
+vfio.py for the rules and apply.py for the record and the retries.
 """
 
 from __future__ import annotations
@@ -20,14 +27,17 @@ from prometheus_client import Counter, Gauge, Histogram
 from shared.host import HostFactError, read_boot_id
 from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
 from shared.schemas import (
+    CLAIMS_CODEC,
     EMPTY_CODEC,
     FREED_CODEC,
     HOLDER_QUERY_CODEC,
     INVENTORY_CODEC,
     NODE_SPEC_CODEC,
     BadMessage,
+    Claims,
     ConvergerStatus,
     Empty,
+    GpuClaim,
     HolderQuery,
     HolderReply,
     HoldSummary,
@@ -52,6 +62,8 @@ from .outbox import BusSigner, JetStreamOutbox
 from .plan import plan
 from .slices import FakeSlices, Slices, SystemdSlices
 from .state import StateStore
+from .switcher import BusSwitcher
+from .vfio import card_claims
 
 
 class ConvergerApp(ServiceApp):
@@ -66,6 +78,10 @@ class ConvergerApp(ServiceApp):
         self.last_pass_at: datetime | None = None
         self.warned: set[str] = set()
         self.lock = asyncio.Lock()
+        #: the content (claims, vfio, generation) of the last Claims published.
+        self.claims_sent: tuple | None = None
+        #: the VFIO notes of the last pass (logged again only at DEBUG).
+        self.vfio_noted: set[str] = set()
 
     def options(self) -> list[Option]:
         return [
@@ -80,6 +96,7 @@ class ConvergerApp(ServiceApp):
             Option("--system-reserve-bytes", "host memory never promised to holds", default=0, type=int),
             Option("--outbox-max-msgs", "events the outbox keeps while upstream is away; full: new binds wait", default=100_000, type=int),
             Option("--outbox-max-bytes", "bytes the outbox keeps while upstream is away", default=256 * 1024 * 1024, type=int),
+            Option("--switch-timeout", "seconds to wait for vfio_switcher's answer to one switch", default=60.0, type=float),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -106,6 +123,8 @@ class ConvergerApp(ServiceApp):
             ctx.log.info("new boot: slices and env files will be recreated for kept holds", previous_boot=self.state.boot_id, boot_id=boot)
             # Domains that ran before the reboot do not run now.
             self.state.domain_gpus = {}
+        # a card stuck in an earlier boot may be switched again in this one
+        self.state.vfio_stuck = {pci: b for pci, b in self.state.vfio_stuck.items() if b == boot}
         self.state.boot_id = boot
         self.store.save(self.state)
         self.spec = self.store.load_spec()
@@ -129,6 +148,8 @@ class ConvergerApp(ServiceApp):
             crash=crash,
             releases=self.releases,
             reaper=self.reaper,
+            switcher=BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_timeout),
+            count_switch=lambda target, outcome: self.m_switches.labels(target=target, outcome=outcome).inc(),
         )
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
         self._metrics(ctx)
@@ -155,6 +176,7 @@ class ConvergerApp(ServiceApp):
         await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC)
         await ctx.endpoint("status", ctx.subjects.converger_status, self.status, EMPTY_CODEC, allow_empty=True)
         await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC)
+        await ctx.endpoint("claims", ctx.subjects.converger_claims, self.claims, EMPTY_CODEC, allow_empty=True)
         await ctx.endpoint("pass", ctx.subjects.converger_pass, self.request_pass, EMPTY_CODEC, allow_empty=True)
 
     def _metrics(self, ctx: ServiceContext) -> None:
@@ -167,6 +189,10 @@ class ConvergerApp(ServiceApp):
         self.m_section = Gauge("bcd_section_state", "1 for the devices section's current state", ["state"], registry=reg)
         self.m_pending = Gauge("bcd_kubernetes_releases_pending", "Kubernetes releases waiting for pods to let go", registry=reg)
         self.m_pending_age = Gauge("bcd_kubernetes_release_oldest_age_seconds", "Age of the oldest pending Kubernetes release", registry=reg)
+        self.m_switches = Counter(
+            "bcd_vfio_switch_requests", "Driver switches asked of vfio_switcher, by target and outcome", ["target", "outcome"], registry=reg
+        )
+        self.m_vfio = Gauge("bcd_vfio_recorded_gpus", "GPUs in the converger's VFIO record", registry=reg)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -218,32 +244,69 @@ class ConvergerApp(ServiceApp):
             vendor_cdi_spec=str(vendor) if (vendor := Path(self.opts.cdi_dir) / VENDOR_CDI_FILE).exists() else "",
         )
 
+    def _card_claims(self, inv: Inventory) -> list[GpuClaim]:
+        """Every card's claims, read now: holds on disk, intents, releasing.json, spec, domains."""
+        holds = self._holds()
+        pending, unreadable = self.releases.peek()
+        return card_claims(
+            inventory=inv,
+            holds={a: h.devices for a, h in holds.items()},
+            intents={a: i.devices for a, i in self.state.intents.items()},
+            pending={a: r.devices for a, r in pending.items()},
+            releases_unreadable=unreadable,
+            spec=self.spec,
+            domain_gpus=dict(self.state.domain_gpus),
+        )
+
     async def holder(self, q: HolderQuery) -> HolderReply:
         inv = self.inventory
         gpu = None
         if inv is not None:
             gpu = next((g for g in inv.gpus if q.gpu in (g.pci_address, g.atom_id)), None)
-        if gpu is None:
+        if gpu is None or inv is None:
             raise Refused(f"{q.gpu} is not a GPU of this node", code="404")
-        holds = await asyncio.to_thread(self._holds)
-        for h in sorted(holds.values(), key=lambda h: h.allocation_id):
-            if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in h.devices):
-                return HolderReply(held=True, kind="allocation", holder=h.allocation_id, gpu=gpu.pci_address)
-        for alloc, intent in self.state.intents.items():
-            if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in intent.devices):
-                return HolderReply(held=True, kind="allocation", holder=alloc, gpu=gpu.pci_address)
-        for alloc, rel in sorted(self.pending.items()):
-            if any(d == gpu.atom_id or d.startswith(gpu.atom_id + "/") for d in rel.devices):
-                return HolderReply(held=True, kind="release", holder=alloc, gpu=gpu.pci_address)
-        if self.releases.marker.exists():
-            return HolderReply(held=True, kind="release", holder="(pending Kubernetes releases that could not be read)", gpu=gpu.pci_address)
-        if self.spec is not None:
-            for inst in self.spec.instances:
-                if gpu.pci_address in inst.gpus:
-                    return HolderReply(held=True, kind="instance", holder=inst.instance_id, gpu=gpu.pci_address)
-        if gpu.pci_address in self.state.domain_gpus:
-            return HolderReply(held=True, kind="domain", holder=self.state.domain_gpus[gpu.pci_address], gpu=gpu.pci_address)
-        return HolderReply(held=False, gpu=gpu.pci_address)
+        claims = await asyncio.to_thread(self._card_claims, inv)
+        first = next((c for c in claims if c.pci_address == gpu.pci_address), None)
+        if first is None:
+            return HolderReply(held=False, gpu=gpu.pci_address)
+        return HolderReply(held=True, kind=first.kind, holder=first.holder, gpu=gpu.pci_address)
+
+    async def _claims_now(self) -> Claims | None:
+        inv = self.inventory
+        if inv is None:
+            await self._fetch_inventory()
+            inv = self.inventory
+        if inv is None:
+            return None
+        claims = await asyncio.to_thread(self._card_claims, inv)
+        return Claims(
+            claims=claims,
+            vfio=sorted(self.state.vfio),
+            generation=self.spec.generation if self.spec is not None else None,
+            at=datetime.now(timezone.utc),
+        )
+
+    async def claims(self, _: Empty) -> Claims:
+        c = await self._claims_now()
+        if c is None:
+            raise Refused("no inventory yet: claims cannot be matched to cards", code="503")
+        return c
+
+    async def _publish_claims(self) -> None:
+        """Publish the claims when they changed since the last publication (and the first time)."""
+        c = await self._claims_now()
+        if c is None:
+            return
+        key = (c.claims, c.vfio, c.generation)
+        if key == self.claims_sent:
+            return
+        try:
+            await self.ctx.nc.publish(self.ctx.subjects.converger_claims_changed, CLAIMS_CODEC.encode(c))
+        except Exception as exc:  # noqa: BLE001 - published again after the next pass
+            self.ctx.log.warning("claims not published; next pass tries again", error=str(exc) or type(exc).__name__)
+            return
+        self.claims_sent = key
+        self.ctx.log.info("claims published", cards=len({x.pci_address for x in c.claims}), vfio=c.vfio, generation=c.generation)
 
     # ------------------------------------------------------------------ the pass
 
@@ -257,7 +320,12 @@ class ConvergerApp(ServiceApp):
             self.inventory = inv
 
     async def run_pass(self, reason: str) -> bool:
-        """One pass; returns True when something is left to retry."""
+        """One pass, then the claims if they changed; returns True when something is left to retry."""
+        retry = await self._pass(reason)
+        await self._publish_claims()
+        return retry
+
+    async def _pass(self, reason: str) -> bool:
         async with self.lock:
             if self.spec is None:
                 return False
@@ -279,12 +347,25 @@ class ConvergerApp(ServiceApp):
                     domains=self.domains,
                     state=self.state,
                     warned=self.warned,
+                    switched=self.applier.switched,
                 )
+                # a success the inventory already shows no longer needs remembering
+                for pci in [pci for pci in self.applier.switched if pci not in observed.switched]:
+                    del self.applier.switched[pci]
                 p = plan(spec, observed, self.config)
                 for note in p.notes:
                     log.warning(note)
+                # a card that waits is noted at every retry: WARN once, then DEBUG while it lasts
+                for note in p.vfio_notes:
+                    (log.debug if note in self.vfio_noted else log.warning)(note)
+                self.vfio_noted = set(p.vfio_notes)
                 new_failures = [f for f in p.failures if self.state.reported_failures.get(f.allocation_id) != spec.generation]
                 result = await self.applier.apply(p, self.state)
+            if result.switch_requests:
+                # the inventory rescans on the switcher's notice (inventory.changed
+                # follows); read it now too, in case that came before our reply
+                await self._fetch_inventory()
+            self.m_vfio.set(len(self.state.vfio))
             self.last_pass_at = datetime.now(timezone.utc)
             self.pending = {a: r for a, r in facts.pending.items() if a in p.pending}
             self.m_pending.set(len(p.pending))
@@ -305,6 +386,8 @@ class ConvergerApp(ServiceApp):
             for binding in ("BINDING_HOLD", "BINDING_KUBERNETES"):
                 self.m_holds.labels(binding=binding).set(sum(1 for h in holds_now.values() if h.binding == binding))
             fields = dict(reason=reason, generation=spec.generation, steps=len(p.steps), done=result.done)
+            if result.vfio_retry or p.vfio_waiting:
+                fields.update(vfio_retry_in_s=self.opts.retry_interval, vfio_waiting=list(p.vfio_waiting))
             if result.retry:
                 # seed: section failures are logged WARN while retrying, ERROR when failed
                 log.warning("pass incomplete; retrying", errors=result.errors, retry_in_s=self.opts.retry_interval, **fields)
@@ -322,7 +405,9 @@ class ConvergerApp(ServiceApp):
                     await self.reaper.evict(alloc, list(rel.devices))
             # a pending Kubernetes release is rechecked every retry interval (the
             # reaper's "freed" message usually comes first)
-            return result.retry or bool(p.pending)
+            # a driver switch refused, failed or unanswered, or waiting for a hold
+            # to go, is asked for again at the next retry interval
+            return result.retry or bool(p.pending) or result.vfio_retry or bool(p.vfio_waiting)
 
     async def run(self, ctx: ServiceContext) -> None:
         await self.loop.run(ctx.stopping)

@@ -11,8 +11,9 @@ It owns three things no adapter may decide:
   compute driver, never slots on a card in MIG mode;
 - the first PhysicalGPU status of each card (seed 003): driverBinding from the
   bound driver, the AdapterReady condition, and the phase derived from them by
-  the `derive_phase` table, never set directly. managementState stays Unknown
-  (Managed=Unknown/Indeterminate) until the management logic derives it.
+  physicalgpu's `derive_phase` table, never set directly. managementState
+  stays Unknown (Managed=Unknown/Indeterminate) here; the service's
+  GpuTracker (gpustate.py) derives the rest from the claims and its state.
 """
 
 from __future__ import annotations
@@ -33,20 +34,22 @@ from shared.schemas import (
     PhysicalGPUStatus,
     Slot,
 )
-from shared.schemas.inventory import DriverMode, Phase
+from shared.schemas.inventory import DriverMode
 
 from .adapters.base import GpuFacts, MigCapable, SharingCapable, VendorAdapter, VfioCapable
+from .physicalgpu import (
+    ADAPTER_READY,
+    FAILED_REASONS,
+    INDETERMINATE,
+    MANAGED,
+    RECONFIGURING,
+    VFIO_DRIVER,
+    condition_of,
+    derive_phase,
+)
 
-VFIO_DRIVER = "vfio-pci"
-
-ADAPTER_READY = "AdapterReady"
-MANAGED = "Managed"
-RECONFIGURING = "Reconfiguring"
-
-#: AdapterReady=False reasons that mean the card cannot be used until someone acts (phase Failed).
-FAILED_REASONS = frozenset({"VFIORequiresBareMetal"})
-
-
+# The PhysicalGPU constants and the phase table live in physicalgpu.py (one
+# table for the first status here and the full one the GpuTracker derives).
 # --------------------------------------------------------------------------- atom ids
 
 
@@ -118,48 +121,17 @@ def managed_unknown(*, now: datetime) -> Condition:
     return Condition(
         type=MANAGED,
         status="Unknown",
-        reason="Indeterminate",
+        reason=INDETERMINATE,
         message="management state not derived yet",
         since=now,
     )
-
-
-def _condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
-    for c in conditions:
-        if c.type == type_:
-            return c
-    return None
-
-
-def derive_phase(mode: DriverMode, conditions: Sequence[Condition]) -> Phase:
-    """The phase table (seed 003), first matching row wins.
-
-    | row | when                                                        | phase         |
-    |-----|-------------------------------------------------------------|---------------|
-    | 1   | driverBinding.mode is Passthrough (whatever the conditions) | Passthrough   |
-    | 2   | AdapterReady=False with a reason in FAILED_REASONS          | Failed        |
-    | 3   | Reconfiguring=True (any reason: Requested ... Completing)   | Reconfiguring |
-    | 4   | AdapterReady=True                                           | Ready         |
-    | 5   | anything else (no driver, adapter not ready yet, unknown)   | Initializing  |
-    """
-    if mode == "Passthrough":
-        return "Passthrough"
-    ready = _condition(conditions, ADAPTER_READY)
-    if ready is not None and ready.status == "False" and ready.reason in FAILED_REASONS:
-        return "Failed"
-    reconfiguring = _condition(conditions, RECONFIGURING)
-    if reconfiguring is not None and reconfiguring.status == "True":
-        return "Reconfiguring"
-    if ready is not None and ready.status == "True":
-        return "Ready"
-    return "Initializing"
 
 
 def _keep_since(conditions: list[Condition], previous: Sequence[Condition]) -> list[Condition]:
     """A condition whose status and reason did not change keeps its transition time."""
     out: list[Condition] = []
     for c in conditions:
-        old = _condition(previous, c.type)
+        old = condition_of(previous, c.type)
         if old is not None and old.status == c.status and old.reason == c.reason:
             c = msgspec.structs.replace(c, since=old.since)
         out.append(c)

@@ -220,6 +220,8 @@ class CardFacts:
     excluded: bool = False
     #: since when the card has been on a passthrough binding with no claim, without a break (track_orphan).
     passthrough_unclaimed_since: datetime | None = None
+    #: how long that must last to read Orphaned (the seed's 2 minutes; shorter only in tests).
+    orphan_grace: timedelta = ORPHAN_GRACE
 
 
 def identity_known(facts: CardFacts) -> bool:
@@ -227,8 +229,14 @@ def identity_known(facts: CardFacts) -> bool:
 
 
 def live_binding(facts: CardFacts) -> bool:
-    """A kernel driver is bound, or a claim names the card: load may remain on it."""
-    return facts.mode != "None" or facts.claim is not None
+    """Load may remain on the card: a claim names it, or it is on a passthrough binding.
+
+    A free card on its compute driver is not a live binding (seed 003: the
+    exclusion of such a card reads Excluded at once); a card on vfio-pci is,
+    claimed or not, since a VM may still have it -- that is the case where
+    "excluded, so it reads Excluded" is false.
+    """
+    return facts.mode == "Passthrough" or facts.claim is not None
 
 
 def _orphan_candidate(facts: CardFacts) -> bool:
@@ -244,7 +252,7 @@ def _orphan_candidate(facts: CardFacts) -> bool:
 
 def _orphan_grace_over(facts: CardFacts) -> bool:
     since = facts.passthrough_unclaimed_since
-    return since is not None and facts.now - since >= ORPHAN_GRACE
+    return since is not None and facts.now - since >= facts.orphan_grace
 
 
 @dataclass(frozen=True)
@@ -320,7 +328,7 @@ MANAGEMENT_ROWS: tuple[ManagementRow, ...] = (
         "Orphaned",
         "False",
         ORPHANED,
-        lambda f: f"bound to {VFIO_DRIVER} with no claim for {_minutes(ORPHAN_GRACE)} or more without a break",
+        lambda f: f"bound to {VFIO_DRIVER} with no claim for {_minutes(f.orphan_grace)} or more without a break",
     ),
     # a short race (claim released, instance about to start) must not read as
     # an orphan, so the binding has to outlast the grace period first.
@@ -330,7 +338,7 @@ MANAGEMENT_ROWS: tuple[ManagementRow, ...] = (
         "Unknown",
         "Unknown",
         ORPHAN_PENDING,
-        lambda f: f"bound to {VFIO_DRIVER} with no claim; Orphaned after {_minutes(ORPHAN_GRACE)} without a break",
+        lambda f: f"bound to {VFIO_DRIVER} with no claim; Orphaned after {_minutes(f.orphan_grace)} without a break",
     ),
     ManagementRow(
         "no-live-binding",
@@ -373,7 +381,7 @@ def management_state(facts: CardFacts) -> tuple[ManagementState, Condition]:
     |--------------------------|--------------------------------------------------|-----------|-----------------------------|
     | no-identity              | no canonical PCI address                         | Unknown   | Unknown/Indeterminate       |
     | claim-lookup-failed      | the claim lookup failed                          | Unknown   | Unknown/Indeterminate       |
-    | excluded-release-pending | excluded, a driver bound or a claim remains      | Managed   | True/ExcludedReleasePending |
+    | excluded-release-pending | excluded, on vfio-pci or a claim remains         | Managed   | True/ExcludedReleasePending |
     | excluded                 | excluded, no live binding                        | Excluded  | False/Excluded              |
     | backing-allocation       | a claim backs the card                           | Managed   | True/BackingAllocation      |
     | unclaimed                | Compute, no claim                                | Unclaimed | True/NoBackingAllocation    |
@@ -476,7 +484,9 @@ def reclaim_gate(state: ManagementState, reason: str, occupancy_known: bool, occ
     return ReclaimDecision("admit", RECLAIM_IN_PROGRESS, "admitted: returning the card to its compute driver")
 
 
-def reclaim_progress(started_at: datetime, now: datetime, mode: DriverMode) -> Condition:
+def reclaim_progress(
+    started_at: datetime, now: datetime, mode: DriverMode, *, timeout: timedelta = RECLAIM_TIMEOUT
+) -> Condition:
     """The Reclaim condition of a started reclaim.
 
     | row       | when                                              | status  | reason     |
@@ -487,6 +497,7 @@ def reclaim_progress(started_at: datetime, now: datetime, mode: DriverMode) -> C
 
     Failed is terminal: the module cannot resolve it by itself, so the caller
     stops re-evaluating and an operator follows up (a reboot may be needed).
+    `timeout` is RECLAIM_TIMEOUT (the seed's 2 minutes) except in tests.
     """
     elapsed = now - started_at
     if mode == "Compute":
@@ -497,7 +508,7 @@ def reclaim_progress(started_at: datetime, now: datetime, mode: DriverMode) -> C
             message="the card is back on its compute driver",
             since=now,
         )
-    if elapsed < RECLAIM_TIMEOUT:
+    if elapsed < timeout:
         return Condition(
             type=RECLAIM,
             status="Unknown",

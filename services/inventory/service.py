@@ -6,26 +6,68 @@ goes out as a plain message on `bcd.<node>.inventory.changed` so the
 converger can run a pass. `get` answers the last scan; `rescan` scans now.
 A periodic rescan catches what changed behind our back (a MIG instance
 created, a driver rebound). The revision only moves when the content does.
+
+Every scan is followed by an evaluation of each card's PhysicalGPU status
+(gpustate.GpuTracker over the physicalgpu tables): the converger's claims
+(`converger.claims`, asked at every evaluation; no answer reads
+Indeterminate), the operator's exclusions and reclaims (endpoint `gpu`), the
+vfio_switcher's result notices (`vfio_switcher.result`) and the timers those
+rules need. The tracker's state is kept in `<data_dir>/inventory/gpus.json`.
+Every change of a card's phase, managementState or a condition's status or
+reason goes upstream as a `gpu` event through the node-bus outbox
+(`Nats-Msg-Id` = a deterministic event id); events the outbox did not take
+yet (the converger creates its stream) stay journaled and are retried.
+While a timer runs (orphan grace, a reclaim, a disruption) the inventory
+re-evaluates every `--gpu-tick` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
+from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.runtime import Option, Refused, ServiceApp, ServiceContext, StartupError, main_for
-from shared.schemas import EMPTY_CODEC, INVENTORY_CODEC, BadMessage, Inventory, encode
+from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
+from shared.schemas import (
+    CLAIMS_CODEC,
+    EMPTY_CODEC,
+    GPU_REQUEST_CODEC,
+    INVENTORY_CODEC,
+    SWITCH_REPLY_CODEC,
+    BadMessage,
+    Claims,
+    Empty,
+    Gpu,
+    GpuReply,
+    GpuRequest,
+    Inventory,
+    SwitchReply,
+    encode,
+)
+from shared.schemas.common import PCI_RE
+from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
 from .build import build_inventory, inventory_content_key
+from .gpustate import (
+    GpuState,
+    GpuStateStore,
+    GpuTracker,
+    StateFileError,
+    reclaim_accepted,
+    reclaim_condition,
+    state_dir_from,
+)
 
 
 class InventoryApp(ServiceApp):
@@ -38,7 +80,17 @@ class InventoryApp(ServiceApp):
         self.current: Inventory | None = None
         self.content_key: bytes = b""
         self.lock = asyncio.Lock()
+        #: set after every evaluation: the run loop re-reads whether a timer runs.
         self.wake = asyncio.Event()
+        self.tracker: GpuTracker | None = None
+        self.store: GpuStateStore | None = None
+        self.last_scan = 0.0
+        #: the last claims lookup failed (logged once per outage).
+        self.claims_failing = False
+        #: the outbox did not take the last event (logged once per outage).
+        self.outbox_waiting = False
+        #: the last error writing the state file (logged once until it changes).
+        self.save_error = ""
 
     def options(self) -> list[Option]:
         return [
@@ -50,6 +102,11 @@ class InventoryApp(ServiceApp):
             Option("--rescan-interval", "seconds between periodic rescans", default=30.0, type=float),
             Option("--slots-per-gpu", "slots configured on each GPU not in MIG mode (nvidia adapter)", default=0, type=int),
             Option("--mps-pipe-dir", "MPS pipe directory (nvidia adapter)", default="/tmp/nvidia-mps"),
+            Option("--data-dir", "state directory of this node; the inventory keeps <data-dir>/inventory/gpus.json", default=Path("/var/lib/bcd"), type=Path),
+            Option("--gpu-tick", "seconds between evaluations while a GPU timer runs (orphan grace, reclaim, disruption)", default=5.0, type=float),
+            Option("--claims-timeout", "seconds to wait for the converger's claims (no answer reads Indeterminate)", default=1.0, type=float),
+            Option("--orphan-grace", "seconds a passthrough binding with no claim must last to read Orphaned (tests only; the seed says 120)", default=120.0, type=float),
+            Option("--reclaim-timeout", "seconds after which a reclaim still not on the compute driver is Failed (tests only; the seed says 120)", default=120.0, type=float),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -58,6 +115,25 @@ class InventoryApp(ServiceApp):
         o = ctx.opts
         if o.adapter == "fakehw" and o.fake_host is None:
             raise StartupError("--adapter fakehw needs --fake-host FILE (or BCD_FAKE_HOST)")
+        for flag, value in (("--gpu-tick", o.gpu_tick), ("--claims-timeout", o.claims_timeout), ("--orphan-grace", o.orphan_grace), ("--reclaim-timeout", o.reclaim_timeout)):
+            if not value > 0:
+                raise StartupError(f"{flag} must be a positive number of seconds, not {value}")
+        self.store = GpuStateStore(state_dir_from(o.data_dir), log=ctx.log)
+        state = GpuState()
+        try:
+            self.store.ensure_dir()
+            state = self.store.load()
+        except StateFileError as exc:
+            # the inventory itself must keep running; requests that need the file are refused.
+            ctx.log.error("GPU state cannot be kept; exclusions, reclaims and disruptions will not survive a restart", error=str(exc))
+            self.save_error = str(exc)
+        self.tracker = GpuTracker(
+            o.node_id,
+            orphan_grace=timedelta(seconds=o.orphan_grace),
+            reclaim_timeout=timedelta(seconds=o.reclaim_timeout),
+            state=state,
+        )
+        ctx.metadata["state_file"] = str(self.store.path)
         try:
             self.adapter = load_adapter(
                 o.adapter,
@@ -67,6 +143,8 @@ class InventoryApp(ServiceApp):
                 proc_root=o.proc_root,
                 slots_per_gpu=o.slots_per_gpu,
                 mps_pipe_dir=o.mps_pipe_dir,
+                # cards the nvidia adapter can no longer ask NVML about (vfio-pci) keep their uuid
+                known_uuids=self.tracker.known_uuids() or None,
             )
             wrote = self.adapter.write_cdi_spec()
         except AdapterUnavailable as exc:
@@ -83,6 +161,16 @@ class InventoryApp(ServiceApp):
         self.m_gpus = Gauge("bcd_inventory_gpus", "GPUs on this node", registry=reg)
         self.m_atoms = Gauge("bcd_inventory_atoms", "Atoms on this node by kind", ["kind"], registry=reg)
         self.m_phase = Gauge("bcd_gpu_phase", "1 for each GPU's current PhysicalGPU phase", ["pci_address", "phase"], registry=reg)
+        self.m_mstate = Gauge(
+            "bcd_gpu_management_state", "1 for each GPU's current managementState", ["pci_address", "state"], registry=reg
+        )
+        self.m_reclaims = Counter(
+            "bcd_gpu_reclaims", "Reclaim requests by outcome (held, admitted, refused, succeeded, failed)", ["outcome"], registry=reg
+        )
+        self.m_events = Counter("bcd_gpu_events", "GpuChanged events journaled for upstream", registry=reg)
+        self.m_events_pending = Gauge("bcd_gpu_events_pending", "GpuChanged events waiting for the node outbox", registry=reg)
+        self.m_claims_errors = Counter("bcd_gpu_claims_lookup_failures", "Failed converger.claims lookups", registry=reg)
+        self.m_state_errors = Counter("bcd_gpu_state_write_failures", "Failed writes of gpus.json", registry=reg)
 
         js = ctx.nc.jetstream()
         bucket = ctx.subjects.inventory_bucket
@@ -94,6 +182,35 @@ class InventoryApp(ServiceApp):
         await self.scan_and_publish(ctx, reason="start")
         await ctx.endpoint("get", ctx.subjects.inventory_get, lambda _: self.get(), EMPTY_CODEC, allow_empty=True)
         await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True)
+        await ctx.endpoint("gpu", ctx.subjects.inventory_gpu, lambda req: self.gpu_request(ctx, req), GPU_REQUEST_CODEC)
+
+        async def on_claims(msg: Msg) -> None:
+            try:
+                claims = CLAIMS_CODEC.decode(msg.data)
+            except BadMessage as exc:
+                ctx.log.warning("ignoring an undecodable claims notice", error=str(exc))
+                return
+            await self._refresh_logged(ctx, "claims changed", claims=claims)
+
+        async def on_switch(msg: Msg) -> None:
+            try:
+                reply = SWITCH_REPLY_CODEC.decode(msg.data)
+            except BadMessage as exc:
+                ctx.log.warning("ignoring an undecodable switch result", error=str(exc))
+                return
+            ctx.log.info(
+                "switch result",
+                pci=reply.pci,
+                target=reply.target,
+                outcome=reply.outcome,
+                reason=reply.reason,
+                switch_event=reply.event,
+                boot_id=reply.boot_id,
+            )
+            await self._refresh_logged(ctx, "switch result", switch=reply)
+
+        await ctx.nc.subscribe(ctx.subjects.converger_claims_changed, cb=on_claims)
+        await ctx.nc.subscribe(ctx.subjects.vfio_result, cb=on_switch)
 
     async def _load_last(self, ctx: ServiceContext) -> None:
         """Continue the revision of what an earlier run published."""
@@ -113,32 +230,108 @@ class InventoryApp(ServiceApp):
 
     # ------------------------------------------------------------------ work
 
-    async def scan_and_publish(self, ctx: ServiceContext, reason: str) -> Inventory:
+    async def scan_and_publish(
+        self, ctx: ServiceContext, reason: str, *, claims: Claims | None = None, switch: SwitchReply | None = None
+    ) -> Inventory:
+        """Scan, evaluate every card's PhysicalGPU status, publish on change, send the GPU events.
+
+        `claims` given (a claims_changed notice) are used as they are;
+        otherwise the converger is asked. `switch` is the switcher's notice
+        that caused this scan.
+        """
         async with self.lock:
-            started = time.perf_counter()
-            revision = self.current.revision if self.current else 0
-            try:
-                inv = await asyncio.to_thread(
-                    build_inventory,
-                    self.adapter,
-                    node_id=ctx.opts.node_id,
-                    revision=revision,
-                    now=datetime.now(timezone.utc),
-                    previous=self.current,
+            if claims is None:
+                claims = await self._fetch_claims(ctx)
+            base = await self._scan(ctx, reason)
+            if base is None:
+                assert self.current is not None
+                return self.current
+            if switch is not None:
+                assert self.tracker is not None
+                self.tracker.note_switch(switch)
+            return await self._evaluate_and_publish(ctx, base, claims, reason, switch=switch)
+
+    async def _refresh_logged(self, ctx: ServiceContext, reason: str, **kw: Any) -> None:
+        try:
+            await self.scan_and_publish(ctx, reason, **kw)
+        except Exception:  # noqa: BLE001 - a notice never kills the service; the error is logged
+            ctx.log.exception("scan failed", reason=reason)
+
+    async def _fetch_claims(self, ctx: ServiceContext) -> Claims | None:
+        """The converger's claims; None (Indeterminate, fail-closed) when it does not answer in time."""
+        try:
+            claims = await call(
+                ctx.nc, ctx.subjects.converger_claims, Empty(), CLAIMS_CODEC, timeout=float(ctx.opts.claims_timeout)
+            )
+        except (ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage) as exc:
+            self.m_claims_errors.inc()
+            if not self.claims_failing:
+                ctx.log.warning(
+                    "claims lookup failed; every card reads managementState Unknown (Indeterminate) until it answers",
+                    subject=ctx.subjects.converger_claims,
+                    error=str(exc) or type(exc).__name__,
                 )
-            except (AdapterError, OSError) as exc:
-                self.m_scans.labels(outcome="error").inc()
-                ctx.log.error("scan failed; keeping the last inventory", reason=reason, error=str(exc))
-                if self.current is None:
-                    raise
-                return self.current
-            finally:
-                self.m_scan_seconds.observe(time.perf_counter() - started)
-            inv = msgspec.structs.replace(inv, adapter=ctx.opts.adapter)
-            key = inventory_content_key(inv)
-            if self.current is not None and key == self.content_key:
-                self.m_scans.labels(outcome="unchanged").inc()
-                return self.current
+            self.claims_failing = True
+            return None
+        if self.claims_failing:
+            ctx.log.info("claims lookup answers again", claims=len(claims.claims))
+        self.claims_failing = False
+        return claims
+
+    async def _scan(self, ctx: ServiceContext, reason: str) -> Inventory | None:
+        """One read of the host (no PhysicalGPU evaluation yet); None when it failed and a last inventory exists."""
+        started = time.perf_counter()
+        revision = self.current.revision if self.current else 0
+        try:
+            inv = await asyncio.to_thread(
+                build_inventory,
+                self.adapter,
+                node_id=ctx.opts.node_id,
+                revision=revision,
+                now=datetime.now(timezone.utc),
+                previous=self.current,
+            )
+        except (AdapterError, OSError) as exc:
+            self.m_scans.labels(outcome="error").inc()
+            ctx.log.error("scan failed; keeping the last inventory", reason=reason, error=str(exc))
+            if self.current is None:
+                raise
+            return None
+        finally:
+            self.m_scan_seconds.observe(time.perf_counter() - started)
+            self.last_scan = time.monotonic()
+        return msgspec.structs.replace(inv, adapter=ctx.opts.adapter)
+
+    async def _evaluate_and_publish(
+        self, ctx: ServiceContext, base: Inventory, claims: Claims | None, reason: str, *, switch: SwitchReply | None = None
+    ) -> Inventory:
+        tracker = self.tracker
+        assert tracker is not None
+        revision = self.current.revision if self.current else 0
+        result = tracker.evaluate(base, claims, switch=switch)
+        for outcome in result.reclaims:
+            self.m_reclaims.labels(outcome=outcome).inc()
+        if result.new_boot:
+            ctx.log.info("new boot id; orphan timers restart", boot_id=base.boot_id)
+        for pe in result.events:
+            e = pe.event
+            ctx.log.info(
+                "gpu changed",
+                pci=e.pci_address,
+                phase=e.phase,
+                management_state=e.management_state,
+                conditions={c.type: f"{c.status}/{c.reason}" for c in e.status.conditions},
+                switch_event=e.reason,
+                event_id=pe.event_id,
+            )
+        self.m_events.inc(len(result.events))
+        self._save(ctx)
+        inv = result.inventory
+        key = inventory_content_key(inv)
+        if self.current is not None and key == self.content_key:
+            self.m_scans.labels(outcome="unchanged").inc()
+            inv = self.current
+        else:
             inv = _with_revision(inv, revision + 1)
             assert self.kv is not None
             payload = encode(inv)
@@ -155,7 +348,59 @@ class InventoryApp(ServiceApp):
                 atoms=len(inv.atoms),
                 bucket=ctx.subjects.inventory_bucket,
             )
-            return inv
+        await self._flush_events(ctx)
+        self.wake.set()
+        return inv
+
+    def _save(self, ctx: ServiceContext, *, strict: bool = False) -> None:
+        """Write gpus.json when the tracker's state changed; errors are logged (raised when strict)."""
+        assert self.store is not None and self.tracker is not None
+        try:
+            self.store.save(self.tracker.state)
+        except StateFileError as exc:
+            self.m_state_errors.inc()
+            if str(exc) != self.save_error:
+                ctx.log.error("cannot save the GPU state", error=str(exc))
+                self.save_error = str(exc)
+            if strict:
+                raise
+            return
+        if self.save_error:
+            ctx.log.info("GPU state saved again", path=str(self.store.path))
+            self.save_error = ""
+
+    async def _flush_events(self, ctx: ServiceContext) -> None:
+        """Hand the journaled GPU events to the node-bus outbox, in order; stop at the first refusal."""
+        tracker = self.tracker
+        assert tracker is not None
+        if tracker.dropped_events:
+            ctx.log.error("GPU events dropped: the journal was full", dropped=tracker.dropped_events)
+            tracker.dropped_events = 0
+        js = ctx.nc.jetstream(timeout=5.0)
+        subject = ctx.subjects.outbox_subject("gpu")
+        sent = 0
+        for pe in list(tracker.outbox):
+            try:
+                await js.publish(subject, encode(pe.event), headers={MSG_ID_HEADER: pe.event_id})
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                if not self.outbox_waiting:
+                    ctx.log.warning(
+                        "GPU events wait for the node outbox (the converger creates it); retrying",
+                        stream=ctx.subjects.outbox_stream,
+                        queued=len(tracker.outbox) - sent,
+                        error=str(exc) or type(exc).__name__,
+                    )
+                self.outbox_waiting = True
+                break
+            sent += 1
+        if sent:
+            tracker.sent(sent)
+            self._save(ctx)
+            if self.outbox_waiting and not tracker.outbox:
+                ctx.log.info("GPU events reach the node outbox again")
+        if not tracker.outbox:
+            self.outbox_waiting = False
+        self.m_events_pending.set(len(tracker.outbox))
 
     def _observe(self, inv: Inventory) -> None:
         self.m_revision.set(inv.revision)
@@ -163,8 +408,68 @@ class InventoryApp(ServiceApp):
         for kind in ("gpu", "mig", "slot"):
             self.m_atoms.labels(kind=kind).set(sum(1 for a in inv.atoms if a.kind == kind))
         self.m_phase.clear()
+        self.m_mstate.clear()
         for g in inv.gpus:
             self.m_phase.labels(pci_address=g.pci_address, phase=g.status.phase).set(1)
+            self.m_mstate.labels(pci_address=g.pci_address, state=g.status.driver_binding.management_state).set(1)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def gpu_request(self, ctx: ServiceContext, req: GpuRequest) -> GpuReply:
+        """`bcd gpu exclude|include|reclaim <pci>`: recorded in gpus.json first, then evaluated."""
+        pci, action = req.pci, req.action
+
+        def refuse(message: str, gpu: Gpu | None = None) -> GpuReply:
+            ctx.log.info("gpu request refused", action=action, pci=pci, reason=message)
+            return GpuReply(pci=pci, action=action, accepted=False, message=message, gpu=gpu)
+
+        if not PCI_RE.match(pci):
+            return refuse(
+                f"{pci!r} is not a canonical PCI address (domain:bus:device.function in lowercase hex, e.g. 0000:3b:00.0)"
+            )
+        tracker = self.tracker
+        assert tracker is not None
+        async with self.lock:
+            claims = await self._fetch_claims(ctx)
+            base = await self._scan(ctx, f"gpu {action}")
+            if base is None:
+                raise Refused("the host cannot be scanned right now; try again", code="503")
+            listed = any(g.pci_address == pci for g in base.gpus)
+            record = tracker.card(pci)
+            if not listed and not (action == "include" and record is not None and record.excluded):
+                return refuse(f"no GPU at {pci} in this node's inventory")
+            snapshot = tracker.snapshot()
+            if action == "exclude":
+                changed = tracker.exclude(pci)
+                note = "excluded" if changed else "already excluded"
+            elif action == "include":
+                changed = tracker.include(pci)
+                note = "exclusion lifted" if changed else "not excluded"
+            else:
+                changed = tracker.request_reclaim(pci)
+                note = "" if changed else "a reclaim of this card is already pending"
+            if changed:
+                # intent first: a request that cannot be recorded is not taken
+                try:
+                    self._save(ctx, strict=True)
+                except StateFileError as exc:
+                    tracker.restore(snapshot)
+                    return refuse(f"cannot record the request: {exc}")
+            inv = await self._evaluate_and_publish(ctx, base, claims, f"gpu {action}")
+        card = next((g for g in inv.gpus if g.pci_address == pci), None)
+        if action == "reclaim":
+            condition = reclaim_condition(card.status if card is not None else None)
+            text = condition.message if condition is not None else "no Reclaim condition"
+            accepted = not changed or reclaim_accepted(condition)
+            message = f"{note}: {text}" if note else text
+            if not accepted:
+                return refuse(message, card)
+        else:
+            accepted = True
+            state = card.status.driver_binding.management_state if card is not None else "not listed"
+            message = f"{note}; managementState is {state}"
+        ctx.log.info("gpu request", action=action, pci=pci, accepted=accepted, message=message)
+        return GpuReply(pci=pci, action=action, accepted=accepted, message=message, gpu=card)
 
     async def get(self) -> Inventory:
         if self.current is None:
@@ -175,15 +480,37 @@ class InventoryApp(ServiceApp):
         return await self.scan_and_publish(ctx, reason="request")
 
     async def run(self, ctx: ServiceContext) -> None:
+        """Rescan every --rescan-interval, or every --gpu-tick while a GPU timer runs."""
         interval = max(0.1, float(ctx.opts.rescan_interval))
+        tick = max(0.05, float(ctx.opts.gpu_tick))
         while not ctx.stopping.is_set():
+            self.wake.clear()
+            assert self.tracker is not None
+            every = min(interval, tick) if self.tracker.timers_running() else interval
+            delay = self.last_scan + every - time.monotonic()
+            if delay > 0 and await self._sleep(ctx, delay):
+                continue  # stopping, or an evaluation elsewhere may have started a timer
+            if ctx.stopping.is_set():
+                break
+            reason = "gpu tick" if every < interval else "periodic"
             try:
-                await asyncio.wait_for(ctx.stopping.wait(), timeout=interval)
-            except asyncio.TimeoutError:
-                try:
-                    await self.scan_and_publish(ctx, reason="periodic")
-                except Exception:  # noqa: BLE001 - keep scanning; the error is logged
-                    ctx.log.exception("periodic scan failed")
+                await self.scan_and_publish(ctx, reason=reason)
+            except Exception:  # noqa: BLE001 - keep scanning; the error is logged
+                ctx.log.exception("periodic scan failed")
+                self.last_scan = time.monotonic()
+
+    async def _sleep(self, ctx: ServiceContext, delay: float) -> bool:
+        """Wait `delay` seconds; True when woken early (stopping, or an evaluation happened)."""
+        waiters = [asyncio.ensure_future(ctx.stopping.wait()), asyncio.ensure_future(self.wake.wait())]
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+            for w in waiters:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await w
+        return bool(done)
 
     async def close(self, ctx: ServiceContext) -> None:
         if self.adapter is not None:

@@ -5,8 +5,9 @@ class and driver_override, and write unbind, driver_override, bind and
 drivers_probe. `SysfsDriver` does it through the real files under a sysfs root
 (a fake tree in tests); `FakeDriver` is an in-memory model of what the kernel
 does with those writes, with each failure the switch must survive injectable:
-an unbind that hangs (leaving the device unbound or still bound), a bind that
-fails, a device that vanishes.
+an unbind that fails or hangs (leaving the device unbound or still bound), a
+bind that fails, a device that vanishes. (`services/vfio_switcher/fakehost.py`
+plays the same model and faults over the fake host description file.)
 
 Reads are plain calls (sysfs reads of these attributes take no device lock);
 every write is a coroutine with a timeout, because a write can block in the
@@ -304,6 +305,7 @@ class FakeDriver:
         self.loaded: set[str] = set(drivers)
         self.calls: list[tuple[str, ...]] = []
         self._fail_bind: set[tuple[str, str]] = set()
+        self._fail_unbind: set[str] = set()
         self._hang_unbind: dict[str, UnbindHang] = {}
         self._vanish_at: dict[str, str] = {}
         self._pending: dict[str, str] = {}
@@ -319,6 +321,10 @@ class FakeDriver:
     def fail_bind(self, pci: str, driver: str) -> None:
         """Every bind (or probe) of `pci` to `driver` fails, as a failing probe() does."""
         self._fail_bind.add((pci, driver))
+
+    def fail_unbind(self, pci: str) -> None:
+        """The next unbind of `pci` fails (the write returns an error); the driver stays bound."""
+        self._fail_unbind.add(pci)
 
     def hang_unbind(self, pci: str, *, leave: UnbindHang) -> None:
         """The next unbind of `pci` hangs past its timeout, leaving it `leave`; it never returns until `release`."""
@@ -358,6 +364,9 @@ class FakeDriver:
         device = await self._enter("unbind", pci, timeout)
         if device.driver is None:
             raise DriverError(pci, f"unbind of {pci}: it is not bound to any driver")
+        if pci in self._fail_unbind:
+            self._fail_unbind.discard(pci)
+            raise DriverError(pci, f"unbind of {pci} from {device.driver} failed: the driver refused to let go")
         leave = self._hang_unbind.pop(pci, None)
         if leave is not None:
             if leave == "unbound":

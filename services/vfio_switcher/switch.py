@@ -226,6 +226,7 @@ class _Switch:
         if not port.exists(pci):
             return self._vanished("rollback", None, cause)
         now = port.current_driver(pci)
+        rebound = False
         if now is None:
             try:
                 await port.bind(pci, self.base, t)
@@ -236,9 +237,11 @@ class _Switch:
             if not port.exists(pci):
                 return self._vanished("rollback", None, cause)
             now = port.current_driver(pci)
+            rebound = now is not None
         tail = "; ".join(notes)
         if now is not None and now != VFIO_DRIVER:
-            back = "still on" if now == self.original else "rolled back to" if now == self.base else "left on"
+            # "still on": the driver never let go; "rolled back to": rebound after it had
+            back = "rolled back to" if rebound and now == self.base else "still on" if now == self.original else "left on"
             return SwitchResult(
                 pci=pci, target=self.target, outcome=Outcome.FAILED, reason=reason, event=self.event, driver=now,
                 rolled_back=now in (self.base, self.original),

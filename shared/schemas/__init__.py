@@ -8,7 +8,15 @@ wire type inside a service.
 from __future__ import annotations
 
 from .bus import (
+    Claims,
+    ClaimKind,
     ConvergerStatus,
+    GpuAction,
+    GpuClaim,
+    GpuReply,
+    GpuRequest,
+    SwitchReply,
+    SwitchRequest,
     DevicesQuery,
     Empty,
     EvictReply,
@@ -56,6 +64,12 @@ EVICT_REPLY_CODEC: Codec[EvictReply] = Codec(EvictReply, max_bytes=256 * 1024)
 FREED_CODEC: Codec[Freed] = Codec(Freed, max_bytes=64 * 1024)
 ORPHAN_QUERY_CODEC: Codec[OrphanQuery] = Codec(OrphanQuery, max_bytes=4 * DEFAULT_MAX_BYTES)
 ORPHAN_REPLY_CODEC: Codec[OrphanReply] = Codec(OrphanReply, max_bytes=256 * 1024)
+SWITCH_REQUEST_CODEC: Codec[SwitchRequest] = Codec(SwitchRequest, max_bytes=4096)
+SWITCH_REPLY_CODEC: Codec[SwitchReply] = Codec(SwitchReply, max_bytes=64 * 1024)
+CLAIMS_CODEC: Codec[Claims] = Codec(Claims, max_bytes=4 * DEFAULT_MAX_BYTES)
+GPU_REQUEST_CODEC: Codec[GpuRequest] = Codec(GpuRequest, max_bytes=4096)
+GPU_REPLY_CODEC: Codec[GpuReply] = Codec(GpuReply, max_bytes=DEFAULT_MAX_BYTES)
+GPU_CHANGED_CODEC: Codec[GpuChanged] = Codec(GpuChanged, max_bytes=256 * 1024)
 
 #: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
 UPSTREAM_TYPES: dict[str, object] = {
@@ -103,6 +117,20 @@ __all__ = [  # noqa: PLE0604
     "ORPHAN_QUERY_CODEC",
     "ORPHAN_REPLY_CODEC",
     "SignRequest",
+    "SwitchRequest",
+    "SwitchReply",
+    "ClaimKind",
+    "GpuClaim",
+    "Claims",
+    "GpuAction",
+    "GpuRequest",
+    "GpuReply",
+    "SWITCH_REQUEST_CODEC",
+    "SWITCH_REPLY_CODEC",
+    "CLAIMS_CODEC",
+    "GPU_REQUEST_CODEC",
+    "GPU_REPLY_CODEC",
+    "GPU_CHANGED_CODEC",
     "BadMessage",
     "Codec",
     "DEFAULT_MAX_BYTES",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
-from .common import AtomId, EventId, Id, KeyId, Name
+from .common import AtomId, EventId, Id, KeyId, Name, PciAddress, Text
 from .events import AttestedEvent, SectionStatus
+from .inventory import Gpu
 
 
 class SignRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,7 +131,106 @@ class OrphanReply(msgspec.Struct, frozen=True, kw_only=True):
     #: "namespace/pod: device" for each bcd GPU held by a pod outside known allocations.
     orphans: list[str] = []
 
+# --------------------------------------------------------------------------- VFIO and PhysicalGPU
+
+
+class SwitchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask vfio_switcher to move one GPU between its native driver and vfio-pci.
+
+    Plain bounded strings, not patterns: a malformed address or an unknown
+    target reaches the switcher and is refused with a reason (InvalidAddress,
+    InvalidRequest) instead of failing as an anonymous decode error.
+    """
+
+    pci: Annotated[str, msgspec.Meta(max_length=64)]
+    #: "vfio-pci" or "native"
+    target: Annotated[str, msgspec.Meta(max_length=16)]
+    #: who asks and why (logs and the result notice only)
+    why: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class SwitchReply(msgspec.Struct, frozen=True, kw_only=True):
+    """What a switch did; also published as a notice on `vfio_switcher.result`."""
+
+    pci: Annotated[str, msgspec.Meta(max_length=128)]
+    target: Annotated[str, msgspec.Meta(max_length=32)]
+    #: Succeeded | Unchanged | Refused | Failed | DisruptionRequired
+    outcome: Name
+    #: machine-readable cause (see services/vfio_switcher/switch.py SwitchResult.reason)
+    reason: Name
+    message: Text = ""
+    #: VFIOPrepareSucceeded | VFIOPrepareFailed | VFIOUnprepareFailed, or "" (refusals, no-ops)
+    event: Name = ""
+    #: the driver seen last ("" for none or not read)
+    driver: Name = ""
+    rolled_back: bool = False
+    #: who holds the GPU, for reason Held
+    holder: Name = ""
+    #: the boot the switch ran in (a DisruptionRequired clears only after another one)
+    boot_id: Name = ""
+    why: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    at: datetime
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("Succeeded", "Unchanged")
+
+
+ClaimKind = Literal["allocation", "release", "instance", "domain"]
+
+
+class GpuClaim(msgspec.Struct, frozen=True, kw_only=True):
+    """One thing that claims a GPU: a hold, a pending Kubernetes release, an instance spec, a running domain."""
+
+    pci_address: PciAddress
+    kind: ClaimKind
+    holder: Name
+
+
+class Claims(msgspec.Struct, frozen=True, kw_only=True):
+    """The converger's claims on every GPU (endpoint `converger.claims`, notice `converger.claims_changed`).
+
+    A GPU absent from `claims` is claimed by nothing the converger knows.
+    `vfio` lists the GPUs the converger itself put on vfio-pci (and will
+    return); a card on vfio-pci that is not listed was bound by someone else.
+    """
+
+    claims: list[GpuClaim] = []
+    vfio: list[PciAddress] = []
+    generation: int | None = None
+    at: datetime
+
+
+GpuAction = Literal["exclude", "include", "reclaim"]
+
+
+class GpuRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator's request on one card (`bcd gpu exclude|include|reclaim <pci>`), answered by the inventory."""
+
+    action: GpuAction
+    #: bounded plain string: a non-canonical address is refused with a reason.
+    pci: Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class GpuReply(msgspec.Struct, frozen=True, kw_only=True):
+    pci: Annotated[str, msgspec.Meta(max_length=128)]
+    action: Name
+    #: False: refused (the message says why; for reclaim, the Reclaim condition too)
+    accepted: bool
+    message: Text = ""
+    #: the card after the request, with its PhysicalGPU status
+    gpu: Gpu | None = None
+
+
 __all__ = [
+    "SwitchRequest",
+    "SwitchReply",
+    "ClaimKind",
+    "GpuClaim",
+    "Claims",
+    "GpuAction",
+    "GpuRequest",
+    "GpuReply",
     "SignRequest",
     "SignerKey",
     "Empty",

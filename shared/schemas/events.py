@@ -88,13 +88,17 @@ class NodeCondition(_Event, tag="condition", kw_only=True):
 
 
 class GpuChanged(_Event, tag="gpu", kw_only=True):
-    """A card's PhysicalGPU status changed."""
+    """A card's PhysicalGPU status changed, or a driver switch happened on it."""
 
     pci_address: PciAddress
     uuid: Name = ""
     phase: Phase
     management_state: ManagementState
     status: PhysicalGPUStatus
+    #: the switch event behind this report (VFIOPrepareSucceeded, VFIOPrepareFailed,
+    #: VFIOUnprepareFailed), or "" for a change the inventory derived by itself.
+    reason: Name = ""
+    message: Text = ""
 
 
 #: the events a node signs.

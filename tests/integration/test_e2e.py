@@ -58,7 +58,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 
 class Node:
-    def __init__(self, tmp: Path, *extra: str, host: Path | None = None) -> None:
+    def __init__(self, tmp: Path, *extra: str, host: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
         self.state = tmp / "state"
         self.log_path = tmp / "up.log"
@@ -66,6 +66,8 @@ class Node:
         if host is None:
             self.host.write_bytes((EXAMPLE_HOSTS / "h200x8.json").read_bytes())
         self.extra = extra
+        #: BCD_* settings passed to `bcd up` (and through it to every service)
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> "Node":
@@ -75,7 +77,7 @@ class Node:
             stdout=log,
             stderr=log,
             cwd=REPO,
-            env={k: v for k, v in os.environ.items() if not k.startswith("BCD_")},
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("BCD_")}, **self.env},
         )
         log.close()
         wait_for(lambda: SERVICES_UP(self), 60, "every service to answer $SRV.PING")

@@ -180,6 +180,10 @@ async def test_srv_ping_finds_every_running_service(node_bus, host_file):
     await sub.unsubscribe()
     assert names == {"inventory", "signer"}
     info = json.loads((await nc.request("$SRV.INFO.inventory", b"", timeout=2)).data)
-    assert {e["subject"] for e in info["endpoints"]} == {"bcd.node-1.inventory.get", "bcd.node-1.inventory.rescan"}
+    assert {e["subject"] for e in info["endpoints"]} == {
+        "bcd.node-1.inventory.get",
+        "bcd.node-1.inventory.rescan",
+        "bcd.node-1.inventory.gpu",
+    }
     stats = json.loads((await nc.request("$SRV.STATS.signer", b"", timeout=2)).data)
     assert {e["name"] for e in stats["endpoints"]} == {"sign", "key"}

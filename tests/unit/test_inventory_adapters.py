@@ -36,7 +36,7 @@ from services.inventory.adapters import (
     load_adapter,
 )
 from services.inventory.adapters.base import DomainLister, GpuFacts, HostScan, VendorCdi, read_vendor_cdi
-from services.inventory.adapters.fakehw import FakeHost, load_host_file
+from services.inventory.adapters.fakehw import FakeHost, HostGpuFaults, load_host_file
 from services.inventory.adapters.nvidia import (
     NvmlError,
     NvmlGiProfile,
@@ -89,7 +89,7 @@ class FakeNvml:
         lost_uuid_index: int | None = None,
     ) -> None:
         self.host = host
-        self.cards = sorted((g for g in host.gpus if g.driver == "nvidia"), key=lambda g: g.pci_address)
+        self.cards = sorted((g for g in host.gpus if g.driver == "nvidia" and g.present), key=lambda g: g.pci_address)
         self.init_error = init_error
         self.deny_gpu_instances = deny_gpu_instances
         self.lost_uuid_index = lost_uuid_index
@@ -215,6 +215,8 @@ def materialize(host: FakeHost, root: Path) -> Roots:
     sysfs, proc = root / "sys", root / "proc"
     devices = sysfs / "bus" / "pci" / "devices"
     for g in host.gpus:
+        if not g.present:
+            continue  # dropped off the bus: no sysfs entry
         d = devices / g.pci_address
         _w(d / "vendor", "0x10de\n")
         _w(d / "class", "0x030200\n")
@@ -558,6 +560,21 @@ def test_card_without_driver_is_initializing(rig: Callable[..., Rig]) -> None:
     assert (ready.status, ready.reason) == ("False", "NoDriver")
 
 
+def test_a_card_off_the_bus_is_not_listed(rig: Callable[..., Rig]) -> None:
+    def vanish(d: dict[str, Any]) -> None:
+        d["gpus"][1]["present"] = False
+        # a process the host file still lists on it is gone with it
+        d["processes"][0]["gpu_uuid"] = UUID(2)
+
+    r = rig(vanish)
+    inv = build(r.adapter)
+    assert [g.pci_address for g in inv.gpus] == [g.pci_address for g in r.host.gpus if g.present]
+    assert len(inv.gpus) == 7 and "0000:2a:00.0" not in {g.pci_address for g in inv.gpus}
+    assert not any(a.gpu_uuid == UUID(2) for a in inv.atoms)
+    assert UUID(2) not in {p.gpu_uuid for p in inv.processes}
+    assert r.adapter.driver_binding("0000:2a:00.0")[0] == ""  # nothing bound to a card that is not there
+
+
 def test_vfio_card_on_a_virtualized_host_is_still_passthrough(rig: Callable[..., Rig]) -> None:
     def guest(d: dict[str, Any]) -> None:
         d["virtualized"] = True
@@ -688,6 +705,8 @@ MANAGED = cond("Managed", "Unknown", "Indeterminate")
         ("Compute", [], "Initializing"),
         ("Compute", [cond("AdapterReady", "Unknown")], "Initializing"),
         ("Compute", [NOT_READY], "Initializing"),
+        # build.py uses physicalgpu's table: a Reconfiguring reason outside both flows fails closed
+        ("Compute", [READY, cond("Reconfiguring", "True", "Something")], "Initializing"),
     ],
 )
 def test_derive_phase_table(mode: str, conditions: list[Condition], phase: str) -> None:
@@ -967,6 +986,22 @@ HOST_FILE_ERRORS: list[tuple[str, str | Mutate, str]] = [
     ("vendor spec device name", lambda d: d["vendor_cdi_spec"]["devices"][3].pop("name"), "at `$.vendor_cdi_spec.devices[3]`"),
     ("domain with an unknown GPU", lambda d: d["domains"][0].update(gpus=["0000:77:00.0"]), "at `$.domains[0].gpus[0]`"),
     ("relative pipe dir", lambda d: d.update(mps_pipe_dir="tmp/mps"), "`$.mps_pipe_dir`"),
+    ("unknown unbind fault", set_gpu(0, faults={"unbind": "explode"}), "`$.gpus[0].faults.unbind`"),
+    ("unknown vanish point", set_gpu(0, faults={"vanish_at": "reset"}), "`$.gpus[0].faults.vanish_at`"),
+    ("unknown fault", set_gpu(0, faults={"melt": True}), "unknown field `melt` - at `$.gpus[0].faults`"),
+    ("present not a bool", set_gpu(0, present="no"), "`$.gpus[0].present`"),
+    ("bad driver_override", set_gpu(0, driver_override="vfio pci"), "`$.gpus[0].driver_override`"),
+    ("bad pci class", lambda d: d.update(pci_devices=[{"pci_address": "0000:31:00.0", "pci_class": "nic"}]), "`$.pci_devices[0].pci_class`"),
+    (
+        "duplicate pci device",
+        lambda d: d.update(pci_devices=[{"pci_address": "0000:31:00.0"}, {"pci_address": "0000:31:00.0"}]),
+        "appears twice - at `$.pci_devices[1].pci_address`",
+    ),
+    (
+        "pci device that is a GPU",
+        lambda d: d.update(pci_devices=[{"pci_address": "0000:31:00.0"}, {"pci_address": "0000:18:00.0"}]),
+        "is a GPU of this host (gpus[]) - at `$.pci_devices[1].pci_address`",
+    ),
 ]
 
 
@@ -978,6 +1013,36 @@ def test_fakehw_host_file_errors_name_the_field(tmp_path: Path, case: str, chang
         FakeHwAdapter(path, cdi_dir=tmp_path)
     assert str(err.value).startswith(f"fake host file {path}: ")
     assert message in str(err.value)
+
+
+def test_fakehw_decodes_the_vfio_fields(tmp_path: Path) -> None:
+    def vfio(d: dict[str, Any]) -> None:
+        d["gpus"][0].update(
+            driver="",
+            driver_override="vfio-pci",
+            faults={"unbind": "hang-unbound", "fail_bind": ["nvidia"], "vanish_at": "drivers_probe"},
+        )
+        d["gpus"][1].update(present=True)
+        d["pci_devices"] = [
+            {"pci_address": "0000:31:00.0", "pci_class": "0x020000", "driver": "mlx5_core"},
+            {"pci_address": "0000:05:00.0", "pci_class": "0x068000"},
+        ]
+
+    path = tmp_path / "host.json"
+    path.write_text(_host_with(vfio))
+    host = load_host_file(path)
+    g = host.gpus[0]
+    assert (g.driver, g.driver_override, g.present) == ("", "vfio-pci", True)
+    assert (g.faults.unbind, g.faults.fail_bind, g.faults.vanish_at) == ("hang-unbound", ["nvidia"], "drivers_probe")
+    assert host.gpus[2].faults == HostGpuFaults() and host.gpus[2].driver_override == ""
+    assert [(d.pci_address, d.pci_class, d.driver) for d in host.pci_devices] == [
+        ("0000:31:00.0", "0x020000", "mlx5_core"),
+        ("0000:05:00.0", "0x068000", ""),
+    ]
+    inv = build(FakeHwAdapter(path, cdi_dir=tmp_path / "cdi"))
+    # driver "" is mode None; other PCI devices are not GPUs and are not listed
+    assert inv.gpus[0].status.driver_binding.mode == "None" and inv.gpus[0].status.phase == "Initializing"
+    assert len(inv.gpus) == 8
 
 
 def test_fakehw_missing_host_file(tmp_path: Path) -> None:

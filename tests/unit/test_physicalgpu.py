@@ -146,13 +146,14 @@ MANAGEMENT_CASES = [
         "Indeterminate",
         id="lookup-passthrough",
     ),
+    pytest.param("excluded", facts(excluded=True), "Excluded", "False", "Excluded", id="excluded-free-compute-at-once"),
     pytest.param(
         "excluded-release-pending",
-        facts(excluded=True),
+        facts(excluded=True, claim="a1"),
         "Managed",
         "True",
         "ExcludedReleasePending",
-        id="excluded-compute",
+        id="excluded-compute-claimed",
     ),
     pytest.param(
         "excluded-release-pending",

@@ -100,3 +100,76 @@ def test_render_status_shows_who_holds_each_gpu():
     assert any("MIG gi1/ci0:-" in line for line in lines)
     assert "section devices: CONVERGED  observed_generation 3" in text
     assert text.endswith("health: ok")
+
+
+# ---------------------------------------------------------------------------- GPUs (issue 6)
+
+
+def _with_status(inv, pci_index: int, **status_kw):
+    import msgspec
+
+    from shared.schemas import DriverBinding, PhysicalGPUStatus
+
+    gpus = list(inv.gpus)
+    g = gpus[pci_index]
+    st = PhysicalGPUStatus(**status_kw)
+    gpus[pci_index] = msgspec.structs.replace(g, status=st)
+    return msgspec.structs.replace(inv, gpus=gpus), g.pci_address, DriverBinding
+
+
+def _cond(type_: str, status: str, reason: str, message: str = "m"):
+    from shared.schemas import Condition
+
+    return Condition(type=type_, status=status, reason=reason, message=message, since=NOW)
+
+
+@pytest.mark.parametrize(
+    ("name", "conditions", "phase", "expect"),
+    [
+        ("nothing-to-say", [_cond("AdapterReady", "True", "DriverReady")], "Ready", None),
+        ("disruption", [_cond("Reconfiguring", "True", "DisruptionRequired", "reboot needed")], "Reconfiguring", "DisruptionRequired: reboot needed"),
+        ("reboot-requested", [_cond("Reconfiguring", "True", "RebootRequested")], "Reconfiguring", "RebootRequested"),
+        ("completing-is-fine", [_cond("Reconfiguring", "True", "Completing")], "Reconfiguring", None),
+        ("reclaim-failed", [_cond("Reclaim", "False", "Failed", "still Passthrough")], "Passthrough", "reclaim failed: still Passthrough"),
+        ("reclaim-refused-is-no-problem", [_cond("Reclaim", "False", "Refused")], "Ready", None),
+        ("failed-phase", [_cond("AdapterReady", "False", "VFIORequiresBareMetal", "virtualized")], "Failed", "phase Failed (VFIORequiresBareMetal: virtualized)"),
+    ],
+)
+def test_gpu_problems_make_the_node_unhealthy(name, conditions, phase, expect):
+    inv, pci, _ = _with_status(host_inventory(), 0, phase=phase, conditions=conditions)
+    bad = problems(report(inventory=inv))
+    found = [p for p in bad if p.startswith(f"GPU {pci}")]
+    if expect is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expect in found[0], found
+        assert any(level == "fail" and check == "gpu" for level, check, _ in doctor_checks(report(inventory=inv)))
+
+
+def test_render_gpus_shows_binding_phase_management_and_why():
+    from bcd.status import render_gpus
+
+    from shared.schemas import DriverBinding
+
+    inv, pci, _ = _with_status(
+        host_inventory(),
+        1,
+        phase="Passthrough",
+        driver_binding=DriverBinding(driver="vfio-pci", mode="Passthrough", management_state="Orphaned"),
+        conditions=[_cond("Managed", "False", "Orphaned"), _cond("Reclaim", "Unknown", "Held", "held: waiting")],
+    )
+    out = render_gpus(inv)
+    line = next(l for l in out.splitlines() if l.startswith(pci))
+    assert "vfio-pci" in line and "Passthrough" in line and "Orphaned" in line and "Reclaim=Unknown/Held" in line
+    assert "Reclaim: held: waiting" in out
+
+
+def test_status_shows_vm_claims_beside_holds():
+    from shared.schemas import Claims, GpuClaim
+
+    inv = host_inventory()
+    pci = inv.gpus[1].pci_address
+    claims = Claims(claims=[GpuClaim(pci_address=pci, kind="instance", holder="vm-7")], at=NOW)
+    out = render_status(report(claims=claims))
+    line = next(l for l in out.splitlines() if pci in l)
+    assert line.rstrip().endswith("instance vm-7")

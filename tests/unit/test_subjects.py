@@ -179,7 +179,15 @@ PUBLISH_MATRIX = [
     ),
     pytest.param(S.inventory_rescan, {"cli"}, id="inventory.rescan"),
     pytest.param(S.inventory_changed, {"inventory"}, id="inventory.changed"),
-    pytest.param(S.subject("vfio_switcher", "switch"), set(), id="vfio_switcher.switch"),
+    # only the converger asks for switches: a compromised inventory or operator session cannot
+    pytest.param(S.vfio_switch, {"converger"}, id="vfio_switcher.switch"),
+    pytest.param(S.vfio_result, {"vfio_switcher"}, id="vfio_switcher.result"),
+    pytest.param(S.inventory_gpu, {"cli"}, id="inventory.gpu"),
+    pytest.param(S.converger_claims, {"inventory", "cli"}, id="converger.claims"),
+    pytest.param(S.converger_claims_changed, {"converger"}, id="converger.claims_changed"),
+    pytest.param(S.converger_holder, {"vfio_switcher", "cli"}, id="converger.holder"),
+    pytest.param(S.outbox_subject("gpu"), {"converger", "inventory"}, id="outbox.gpu"),
+    pytest.param(S.outbox_subject("bound"), {"converger"}, id="outbox.bound"),
     pytest.param(S.subject("helper", "file.write"), set(), id="helper.file.write"),
     pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
     pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
@@ -207,13 +215,16 @@ def test_who_may_publish(subject: str, allowed: set[str]) -> None:
 
 def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
     inv = PERMS["inventory"].publish
-    for target in ("signer", "vfio_switcher", "helper", "converger", "kube_reaper", "gateway_bridge"):
+    for target in ("signer", "vfio_switcher", "helper", "kube_reaper", "gateway_bridge"):
         assert not any(overlaps(p, S.service_wildcard(target)) for p in inv), target
+    # of the converger, it may only read the claims
+    assert [p for p in inv if overlaps(p, S.service_wildcard("converger"))] == [S.converger_claims]
     assert not any(matches(p, S.signer_sign) for p in inv)
+    assert not any(matches(p, S.vfio_switch) for p in inv)
 
 
 #: what a service publishes inside its own namespace: notifications nobody answers.
-NOTIFICATIONS = {S.inventory_changed, S.reaper_freed}
+NOTIFICATIONS = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.vfio_result}
 
 
 @pytest.mark.parametrize("user", NODE_BUS_USERS)
@@ -225,7 +236,7 @@ def test_no_user_publishes_to_its_own_endpoints_or_another_node(user: str) -> No
 
 
 #: subjects of another service a user may subscribe to (notifications, not endpoints).
-FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed}
+FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.vfio_result}
 
 
 @pytest.mark.parametrize("service", SERVICES)

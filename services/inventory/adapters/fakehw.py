@@ -85,6 +85,28 @@ class HostMigInstance(_HostStruct, frozen=True, kw_only=True):
     memory_bytes: NonNegInt = 0
 
 
+class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
+    """Kernel misbehaviour the fake vfio_switcher backend plays back (each is consumed when it fires).
+
+    unbind: "fail" (the write errors, the driver stays), "hang" (never returns,
+    the driver stays), "hang-unbound" (never returns, the driver already let go);
+    fail_bind: drivers whose bind (probe) fails on this card;
+    vanish_at: the write at which the card drops off the bus.
+    """
+
+    unbind: Literal["", "fail", "hang", "hang-unbound"] = ""
+    fail_bind: list[DriverName] = []
+    vanish_at: Literal["", "unbind", "set_driver_override", "bind", "drivers_probe"] = ""
+
+
+class HostPciDevice(_HostStruct, frozen=True, kw_only=True):
+    """A PCI device that is not a GPU (a NIC, an NVMe drive): the switcher must refuse it."""
+
+    pci_address: PciAddress
+    pci_class: Annotated[str, msgspec.Meta(pattern=r"^0x[0-9a-fA-F]{6}" + END)] = "0x020000"
+    driver: DriverName = ""
+
+
 class HostGpu(_HostStruct, frozen=True, kw_only=True):
     uuid: GpuUuid
     index: NonNegInt
@@ -102,6 +124,14 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     mig_instances: list[HostMigInstance] = []
     #: configured sharing slots (MPS / time-slicing); none on a card in MIG mode.
     slots: NonNegInt = 0
+    #: what the fake kernel keeps in sysfs `driver_override` ("" for none); the
+    #: vfio_switcher's fake backend writes it together with `driver`.
+    driver_override: DriverName = ""
+    #: False once the card has dropped off the PCI bus (an injected vanish):
+    #: the inventory no longer lists it.
+    present: bool = True
+    #: failures the vfio_switcher's fake backend injects on this card.
+    faults: HostGpuFaults = HostGpuFaults()
 
 
 class HostProcess(_HostStruct, frozen=True, kw_only=True):
@@ -132,6 +162,8 @@ class FakeHost(_HostStruct, frozen=True, kw_only=True):
     gpus: list[HostGpu] = []
     processes: list[HostProcess] = []
     domains: list[HostDomain] = []
+    #: other PCI devices (not GPUs), for the vfio_switcher's fake backend.
+    pci_devices: list[HostPciDevice] = []
 
 
 _HOST_DECODER = msgspec.json.Decoder(FakeHost)
@@ -154,6 +186,7 @@ def _check(host: FakeHost) -> str | None:
         _dup([g.index for g in host.gpus], "$.gpus[{i}].index"),
         _dup([g.pci_address for g in host.gpus], "$.gpus[{i}].pci_address"),
         _dup([n.node for n in host.numa_nodes], "$.numa_nodes[{i}].node"),
+        _dup([d.pci_address for d in host.pci_devices], "$.pci_devices[{i}].pci_address"),
     ):
         if problem:
             return problem
@@ -179,11 +212,14 @@ def _check(host: FakeHost) -> str | None:
         )
         if problem:
             return problem
+    gpu_pcis = {g.pci_address for g in host.gpus}
+    for i, dev in enumerate(host.pci_devices):
+        if dev.pci_address in gpu_pcis:
+            return f"{dev.pci_address!r} is a GPU of this host (gpus[]) - at `$.pci_devices[{i}].pci_address`"
     gpu_uuids = {g.uuid for g in host.gpus}
     for i, proc in enumerate(host.processes):
         if proc.gpu_uuid not in gpu_uuids:
             return f"{proc.gpu_uuid!r} is not a GPU of this host - at `$.processes[{i}].gpu_uuid`"
-    gpu_pcis = {g.pci_address for g in host.gpus}
     for i, domain in enumerate(host.domains):
         for j, pci in enumerate(domain.gpus):
             if pci not in gpu_pcis:
@@ -281,10 +317,17 @@ class FakeHwAdapter:
                 mig_mode=g.mig_mode,
             )
             for g in sorted(host.gpus, key=lambda g: g.index)
+            # a card that dropped off the bus is not there to list (nor its processes)
+            if g.present
         )
+        present = {g.uuid for g in host.gpus if g.present}
         processes = tuple(
             sorted(
-                (RunningProcess(pid=p.pid, gpu_uuid=p.gpu_uuid, cgroup=p.cgroup) for p in host.processes),
+                (
+                    RunningProcess(pid=p.pid, gpu_uuid=p.gpu_uuid, cgroup=p.cgroup)
+                    for p in host.processes
+                    if p.gpu_uuid in present
+                ),
                 key=lambda p: (p.pid, p.gpu_uuid),
             )
         )
@@ -350,8 +393,9 @@ class FakeHwAdapter:
         ]
 
     def driver_binding(self, pci_address: str) -> tuple[str, str]:
+        """(driver bound now, native driver); ("", "") for a card not on the bus."""
         for g in self._host.gpus:
-            if g.pci_address == pci_address:
+            if g.pci_address == pci_address and g.present:
                 return g.driver, g.base_driver
         return "", ""
 
@@ -378,6 +422,8 @@ __all__ = [
     "HostMigProfile",
     "HostMigInstance",
     "HostGpu",
+    "HostGpuFaults",
+    "HostPciDevice",
     "HostProcess",
     "HostDomain",
     "load_host_file",

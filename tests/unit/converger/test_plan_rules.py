@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
+from datetime import datetime, timezone
+
 from services.converger.model import BindHold, PlanConfig, ReportFailed
 from services.converger.plan import UNREADABLE_RELEASES_HOLDER, plan
-from shared.schemas import InstanceGpus, Limits, NodeSpec
+from shared.schemas import Condition, Inventory, InstanceGpus, Limits, NodeSpec
 
-from tests.converger_kit import GPU, Node, hold, host_copy, rewrite_host, spec
+from tests.converger_kit import GPU, Node, hold, host_copy, rewrite_host, spec, with_status
 
 G = GPU
 MISSING_GPU = "GPU-5f1c2a90-0000-4000-8000-000000000009"
@@ -63,6 +65,18 @@ def domain_on_gpu1(doc: dict) -> None:
 
 def gpu3_on_vfio(doc: dict) -> None:
     doc["gpus"][3]["driver"] = "vfio-pci"
+
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+EXCLUDED_HOLDER = "(excluded by the operator)"
+
+
+def excluded(pci: str, reason: str = "Excluded") -> Callable[[Inventory], Inventory]:
+    """The card reads Excluded (or Managed/ExcludedReleasePending) in the inventory."""
+    state = "Excluded" if reason == "Excluded" else "Managed"
+    status = "False" if reason == "Excluded" else "True"
+    cond = Condition(type="Managed", status=status, reason=reason, message="excluded (test)", since=T0)
+    return lambda inv: with_status(inv, pci, management_state=state, conditions=(cond,))
 
 
 def gpu4_to_mig(doc: dict) -> None:
@@ -134,6 +148,8 @@ class Row:
     node: dict[str, Any] = field(default_factory=dict)
     observed: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    #: changes the inventory the pass plans against (a card's status)
+    inventory: Callable[[Inventory], Inventory] | None = None
 
 
 S1 = spec(1, hold("a1", G[0], cpus="0-3", memory_bytes=4 * GIB), hold("a2", f"{G[6]}/gi1/ci0"), hold("a3", f"{G[4]}/slot0", f"{G[4]}/slot1"))
@@ -207,10 +223,28 @@ ROWS = [
     Row("overlap-mig-and-slots-mixed", spec(2, hold("a1", f"{G[4]}/slot0"), hold("b1", f"{G[4]}/gi1/ci0")), ["ReportFailed"],
         [("b1", "overlap", f"{G[4]}/gi1/ci0: {G[4]} is partitioned by slots (slot0 held by a1); MIG instances and slots do not mix on one GPU")],
         before=spec(1, hold("a1", f"{G[4]}/slot0")), host_after=gpu4_to_mig),
-    Row("overlap-instance-spec-gpu", spec(1, hold("b1", G[0]), instances=INST), ["ReportFailed"],
+    # the VFIO side: a card an instance claims (switched to vfio-pci in the same pass)
+    Row("overlap-instance-spec-gpu", spec(1, hold("b1", G[0]), instances=INST), ["ReportFailed", "SwitchGpu", "SwitchGpu"],
         [("b1", "overlap", f"{G[0]}: {G[0]} is claimed by instance vm-a")]),
-    Row("overlap-instance-spec-mig", spec(1, hold("b1", f"{G[6]}/gi1/ci1"), instances=INST), ["ReportFailed"],
+    Row("overlap-instance-spec-mig", spec(1, hold("b1", f"{G[6]}/gi1/ci1"), instances=INST), ["ReportFailed", "SwitchGpu", "SwitchGpu"],
         [("b1", "overlap", f"{G[6]}/gi1/ci1: {G[6]} is claimed by instance vm-a")]),
+    Row("overlap-instance-claim-of-an-earlier-generation", spec(2, hold("b1", G[0]), instances=INST), ["ReportFailed"],
+        [("b1", "overlap", f"{G[0]}: {G[0]} is claimed by instance vm-a")], before=spec(1, instances=INST)),
+    Row("overlap-instance-card-on-vfio-names-the-instance", spec(1, hold("b1", G[3]), instances=[InstanceGpus(instance_id="vm-c", gpus=["0000:5d:00.0"])]),
+        ["ReportFailed", "RecordVfio"], [("b1", "overlap", f"{G[3]}: {G[3]} is claimed by instance vm-c")], host=gpu3_on_vfio),
+    Row("overlap-instance-first-of-two", spec(1, hold("b1", G[1]), instances=[*INST, InstanceGpus(instance_id="vm-b", gpus=[PCI[1]])]),
+        ["ReportFailed", "SwitchGpu", "SwitchGpu", "SwitchGpu"], [("b1", "overlap", f"{G[1]}: {G[1]} is claimed by instance vm-b")]),
+    # a card the operator excluded takes no new hold; a hold kept on it stays
+    Row("overlap-excluded-card", spec(1, hold("b1", G[0]), hold("c1", G[1])), ["BindHold", "ReportFailed"],
+        [("b1", "overlap", f"{G[0]}: {G[0]} is held by {EXCLUDED_HOLDER}")], bound=["c1"], inventory=excluded(PCI[0])),
+    Row("overlap-excluded-release-pending-mig", spec(1, hold("b1", f"{G[6]}/gi1/ci0")), ["ReportFailed"],
+        [("b1", "overlap", f"{G[6]}/gi1/ci0: {G[6]} is held by {EXCLUDED_HOLDER}")],
+        inventory=excluded(PCI[6], "ExcludedReleasePending")),
+    Row("excluded-card-keeps-its-hold", spec(1, hold("a1", G[0])), [], before=spec(1, hold("a1", G[0])),
+        inventory=excluded(PCI[0], "ExcludedReleasePending")),
+    Row("excluded-card-new-hold-beside-kept-one", spec(2, hold("a1", f"{G[4]}/slot0"), hold("b1", f"{G[4]}/slot1")), ["ReportFailed"],
+        [("b1", "overlap", f"{G[4]}/slot1: {G[4]} is held by {EXCLUDED_HOLDER}")], before=spec(1, hold("a1", f"{G[4]}/slot0")),
+        inventory=excluded("0000:9a:00.0", "ExcludedReleasePending")),
     Row("overlap-running-domain", spec(1, hold("b1", G[1]), hold("c1", G[2])), ["BindHold", "ReportFailed"],
         [("b1", "overlap", f"{G[1]}: {G[1]} is claimed by running domain build-vm-01")], bound=["c1"], host=domain_on_gpu1),
     Row("overlap-gpu-on-vfio-pci", spec(1, hold("b1", G[3])), ["ReportFailed"],
@@ -323,6 +357,8 @@ async def test_plan_rule(row: Row, tmp_path: Path) -> None:
         node.rescan()
     if row.drift is not None:
         row.drift(node)
+    if row.inventory is not None:
+        node.inventory = row.inventory(node.inventory)
     observed = node.observe(row.spec)
     if row.observed:
         observed = dataclasses.replace(observed, **row.observed)

@@ -28,7 +28,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from services.converger.crash import CRASH_POINTS
+from services.converger.crash import CRASH_POINTS, VFIO_POINTS
 from shared.schemas import DeviceAssignment, HugePages, InstanceGpus, Limits, NodeSpec
 
 from tests.converger_kit import GPU, H200, Node, check_hold_invariants, fast_dir, host_copy, host_inventory
@@ -118,6 +118,7 @@ def test_plan_after_apply_is_empty(first: list[DeviceAssignment], second: list[D
             p, r = await settle(node, s)
             assert not r.errors, r.errors
             assert node.plan(s).steps == (), node.plan(s).kinds()
+            vfio_settled(node, s)
             live = check_hold_invariants(node)
             # what is held is exactly what is wanted and did not fail (a kept hold
             # is never checked again, so it never fails)
@@ -127,6 +128,20 @@ def test_plan_after_apply_is_empty(first: list[DeviceAssignment], second: list[D
 
     with fast_dir("bcd-prop-") as root:
         run(scenario(root))
+
+
+def vfio_settled(node: Node, s: NodeSpec) -> None:
+    """The VFIO record after a converged pass: every listed card an instance wants is on
+    vfio-pci and recorded (or waits for a hold), and no listed card is recorded that no
+    instance wants."""
+    listed = {g.pci_address for g in node.inventory.gpus}
+    claimed = {pci for inst in s.instances for pci in inst.gpus} & listed
+    recorded = set(node.state.vfio) & listed
+    assert recorded <= claimed, (recorded, claimed)
+    waiting = set(node.plan(s).vfio_waiting)
+    assert claimed - waiting == recorded, (claimed, waiting, recorded)
+    assert all(node.switcher.drivers.get(pci) == "vfio-pci" for pci in recorded), node.switcher.drivers
+    assert all(d != "vfio-pci" for pci, d in node.switcher.drivers.items() if pci in listed - recorded), node.switcher.drivers
 
 
 # ------------------------------------------------------------------------------ (b)
@@ -154,7 +169,7 @@ CRASH = st.tuples(
     st.just("crash"),
     st.lists(assignment(), min_size=1, max_size=5, unique_by=lambda a: a.allocation_id),
     INSTANCES,
-    st.one_of(st.sampled_from(CRASH_POINTS), st.integers(1, 24)),
+    st.one_of(st.sampled_from(CRASH_POINTS + VFIO_POINTS), st.integers(1, 24)),
     st.sampled_from([1, 1, 1, 2]),
 )
 ACTION = st.one_of(
@@ -258,6 +273,7 @@ def test_drift_and_crashes_never_break_the_invariants(first: tuple, rest: list[t
         # and a final pass always converges to the spec
         await converged(node, current)
         assert node.state.intents == {}
+        vfio_settled(node, current)
         if (node.cdi_dir / "bcd-broken.json").exists():
             assert (node.cdi_dir / "bcd-broken.json").read_text() == "{"
 

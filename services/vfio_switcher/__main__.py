@@ -1,0 +1,3 @@
+from services.vfio_switcher.service import main
+
+main()
