@@ -570,7 +570,7 @@ class ControlPlane:
         state_dir: Path,
         *,
         out: TextIO | None = sys.stdout,
-        fetch_batch: int = 64,
+        fetch_batch: int = 1,
         fetch_timeout: float = 0.5,
         js_timeout: float = 5.0,
     ) -> None:
@@ -795,7 +795,14 @@ class ControlPlane:
                 ack_policy=AckPolicy.EXPLICIT,
                 deliver_policy=DeliverPolicy.ALL,
                 filter_subject=upstream_events_filter(),
-                ack_wait=30,
+                # One message in flight: a control plane killed with a message
+                # unacked must see it again BEFORE the ones after it (with more
+                # in flight, the next instance gets the later messages at once and
+                # the unacked one only after ack_wait: a node's Released would be
+                # applied before its Bound). The short ack_wait bounds the stall
+                # after such a kill; a slow judgement sends in_progress.
+                ack_wait=10,
+                max_ack_pending=1,
                 max_deliver=-1,
             ),
         )

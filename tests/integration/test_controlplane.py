@@ -625,3 +625,27 @@ async def test_a_kill_between_state_and_log_line_loses_no_log_line(upstream, cp_
         await eventually(lambda: len(again.duplicates()) == 1, what="then a duplicate")
     assert [e.event_id for e in again.events()] == ["node-1.whole.bound.g1"]
     assert again.reservations()["rsv-whole"].state == "active"
+
+
+async def test_a_control_plane_killed_with_an_event_unacked_applies_it_before_the_later_ones(upstream, cp_env, node1, tmp_path):
+    """A kill with a fetched, unacked Bound: the next instance must not apply the Released after it first."""
+    cp, _ = cp_env
+    # the durable consumer exists, as after an earlier run
+    async with consuming(cp):
+        pass
+    await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+    released = AllocationReleased(allocation_id="whole", reservation_id="rsv-whole", generation=2, devices=[GPU0])
+    await node1.publish("released", node1.report(released, "node-1.whole.released.g2"), "node-1.whole.released.g2")
+    # the "killed" instance: fetched the Bound as the consumer and died before acking it
+    nc = await upstream.connect(CONTROLPLANE_USER)
+    psub = await nc.jetstream().pull_subscribe_bind("controlplane", stream="BCD_EVENTS")
+    [taken] = await psub.fetch(1, timeout=5)
+    assert taken.subject.endswith(".bound")
+    await nc.close()
+
+    again = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None, fetch_timeout=0.2)
+    await again.ensure_upstream()
+    async with consuming(again):
+        await eventually(lambda: len(again.events()) == 2, timeout=30, what="both events applied")
+    assert [e.type for e in again.events()] == ["bound", "released"]
+    assert again.reservations()["rsv-whole"].state == "released"
