@@ -211,6 +211,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if problems(report) else 0
 
 
+def cmd_bus(args: argparse.Namespace) -> int:
+    """The node bus: each service's endpoints ($SRV.STATS), the outbox and KV state, and the
+    monitoring endpoint's view (version, connections per user, subscriptions, JetStream)."""
+    from .busview import bus_json, bus_problems, gather_bus, render_bus
+
+    info = node_info(args.state_dir)
+    report = _run(gather_bus(info, args.wait))
+    print(json.dumps(bus_json(report), indent=2) if args.json else render_bus(report))
+    return 1 if bus_problems(report) else 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .status import doctor_checks, gather
 
@@ -331,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     client("key", cmd_key, "show the node's public key and key_id")
     client("status", cmd_status, "GPUs and who holds them, the devices section, the outbox; exit 1 when unhealthy")
     client("doctor", cmd_doctor, "check the node and say what is wrong")
+    client("bus", cmd_bus, "the node bus: endpoints' requests, errors and times ($SRV.STATS), outbox, KV, connections; exit 1 when unhealthy").add_argument(
+        "--wait", type=float, default=1.0, help="seconds to wait for $SRV.STATS replies"
+    )
     ap = client("apply", cmd_apply, "sign a NodeSpec JSON file and put it through the control plane")
     ap.add_argument("spec", type=Path)
     rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")

@@ -260,7 +260,85 @@ def prepare_node_bus(
     return conf_path, creds
 
 
+def write_config_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bcd.nodebus write-config`: the node bus of a host install (systemd units).
+
+    Writes the bus config and one password per NATS user (kept when present),
+    `<state-dir>/node.json` for the `bcd` operator commands and, when missing,
+    `<state-dir>/node.env` with the node id and bus URL every unit reads.
+    """
+    import argparse
+
+    from shared.runtime import METRICS_PORTS
+
+    from .client import NodeInfo, write_node_info
+    from .up import NODE_SERVICES
+
+    parser = argparse.ArgumentParser(prog="python -m bcd.nodebus", description="node bus config for a host install")
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write-config", help="write nats.conf, the passwords, node.json and node.env")
+    w.add_argument("--node-id", required=True)
+    w.add_argument("--bus-dir", type=Path, default=Path("/etc/bcd/bus"))
+    w.add_argument("--store-dir", type=Path, default=Path("/var/lib/bcd/nats"))
+    w.add_argument("--port", type=int, default=4222)
+    w.add_argument("--http-port", type=int, default=8222, help="loopback monitoring port (0: off)")
+    w.add_argument("--state-dir", type=Path, default=Path("/etc/bcd"), help="where node.json and node.env go")
+    w.add_argument("--data-dir", type=Path, default=Path("/var/lib/bcd/converger"))
+    w.add_argument("--cdi-dir", type=Path, default=Path("/etc/cdi"))
+    w.add_argument("--run-dir", type=Path, default=Path("/run/bcd"))
+    w.add_argument("--upstream-url", default="")
+    w.add_argument("--with-helper", action="store_true", help="the root helper runs on this host")
+    args = parser.parse_args(argv)
+    from shared.subjects import NodeSubjects
+
+    try:
+        NodeSubjects(args.node_id)
+    except ValueError as exc:
+        print(f"bcd.nodebus: {exc}", file=sys.stderr)
+        return 2
+    if args.port <= 0 or args.http_port < 0:
+        print("bcd.nodebus: a host install needs fixed ports (--port > 0, --http-port >= 0)", file=sys.stderr)
+        return 2
+    env_path = args.state_dir / "node.env"
+    if env_path.exists():
+        current = dict(
+            line.split("=", 1) for line in env_path.read_text().splitlines() if "=" in line and not line.startswith("#")
+        )
+        if current.get("BCD_NODE_ID", args.node_id) != args.node_id:
+            print(
+                f"bcd.nodebus: {env_path} names node {current['BCD_NODE_ID']!r}, not {args.node_id!r}; "
+                "the bus permissions are tied to the node id (remove it to change the node id)",
+                file=sys.stderr,
+            )
+            return 2
+    args.bus_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    conf, creds = prepare_node_bus(args.bus_dir, args.store_dir, args.node_id, port=args.port, http_port=args.http_port)
+    services = [*NODE_SERVICES, *(["helper"] if args.with_helper else [])]
+    info = NodeInfo(
+        node_id=args.node_id,
+        nats_url=f"nats://127.0.0.1:{args.port}",
+        creds_dir=str(args.bus_dir / "creds"),
+        monitor_url=f"http://127.0.0.1:{args.http_port}" if args.http_port else "",
+        metrics={s: f"http://127.0.0.1:{METRICS_PORTS[s]}/metrics" for s in services if s in METRICS_PORTS},
+        services=services,
+        cdi_dir=str(args.cdi_dir),
+        run_dir=str(args.run_dir),
+        data_dir=str(args.data_dir),
+        upstream_url=args.upstream_url,
+    )
+    write_node_info(args.state_dir, info)
+    wrote = [conf, *creds.values(), args.state_dir / "node.json"]
+    if not env_path.exists():
+        atomic_write(env_path, f"BCD_NODE_ID={args.node_id}\nBCD_NATS_URL=nats://127.0.0.1:{args.port}\n".encode(), 0o644)
+        wrote.append(env_path)
+    for path in wrote:
+        print(path)
+    return 0
+
+
 __all__ = [
+    "write_config_main",
     "NatsServerNotFound",
     "find_nats_server",
     "write_private",
@@ -274,3 +352,7 @@ __all__ = [
     "NatsServer",
     "prepare_node_bus",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(write_config_main())

@@ -201,6 +201,12 @@ class NodeSubjects:
         """Ask for a pass now (operator, reaper)."""
         return self.subject("converger", "pass")
 
+    @property
+    def converger_status_changed(self) -> str:
+        """Published (plain, empty) by the converger when what the Hello derives from
+        its status changed (it found the root helper: it binds holds now)."""
+        return self.subject("converger", "status_changed")
+
     # vfio_switcher
     @property
     def vfio_switch(self) -> str:
@@ -231,6 +237,33 @@ class NodeSubjects:
     def reaper_freed(self) -> str:
         """Published by the reaper when a withdrawn allocation's devices are free."""
         return self.subject("kube_reaper", "freed")
+
+    # helper (root, optional): only the converger may ask it anything
+    @property
+    def helper_file_write(self) -> str:
+        """Write a hold's CDI spec or env file (HelperFileWrite -> HelperReply)."""
+        return self.subject("helper", "file.write")
+
+    @property
+    def helper_file_remove(self) -> str:
+        return self.subject("helper", "file.remove")
+
+    @property
+    def helper_slice_apply(self) -> str:
+        return self.subject("helper", "slice.apply")
+
+    @property
+    def helper_slice_remove(self) -> str:
+        return self.subject("helper", "slice.remove")
+
+    @property
+    def helper_info(self) -> str:
+        """Where the helper writes (HelperInfo); the converger's look for a helper."""
+        return self.subject("helper", "info")
+
+    @property
+    def helper_endpoints(self) -> tuple[str, ...]:
+        return (self.helper_file_write, self.helper_file_remove, self.helper_slice_apply, self.helper_slice_remove, self.helper_info)
 
     # the node's durable outbox (node-bus JetStream), drained upstream by the bridge
     @property
@@ -306,6 +339,9 @@ class NodeSubjects:
                     # the VFIO side: the converger is the only one that asks for switches
                     self.vfio_switch,
                     self.converger_claims_changed,
+                    # the root helper writes for an unprivileged converger; nobody else may ask it
+                    *self.helper_endpoints,
+                    self.converger_status_changed,
                 ),
                 (
                     self.service_wildcard("converger"),
@@ -334,6 +370,8 @@ class NodeSubjects:
                     f"$KV.{self.inventory_bucket}.>",
                     # wake-up when the converger adds to the outbox
                     self.outbox_filter,
+                    # the Hello is put again when the converger's privilege changed
+                    self.converger_status_changed,
                 ),
             ),
             "kube_reaper": ((self.inventory_get, self.reaper_freed), (self.service_wildcard("kube_reaper"),)),

@@ -30,7 +30,7 @@ from services.converger.observe import ReleaseFacts, observe
 from services.converger.releases import ReleasesStore
 from services.converger.outbox import OutboxError
 from services.converger.plan import plan
-from services.converger.slices import FakeSlices
+from shared.slices import FakeSlices
 from services.converger.state import StateStore
 from services.converger.switcher import SwitchUnavailable
 from services.inventory.build import driver_mode

@@ -1,25 +1,64 @@
 """The HostWriter port: the only way the converger changes the host.
 
-Every path is built here from a validated allocation id; every file's bytes
-are built here from typed fields (HoldContent) plus the vendor CDI spec on
-disk - nothing from the wire names a path, a device node or a hook. The
-in-process `LocalHostWriter` serves a root or fake-host converger; the root
-helper (a later issue) implements the same port for an unprivileged one.
-Every failure is a `HostWriteError`: retryable, the pass tries again.
+Every path is built from a validated allocation id; every file's bytes are
+built from typed fields (HoldContent) plus the vendor CDI spec on disk, by
+`shared.holdfiles.hold_file_bytes` - nothing from the wire names a path, a
+device node or a hook. Two writers implement the port:
+
+- `LocalHostWriter`, in process, for a converger that runs as root or on a
+  fake host;
+- `HelperHostWriter`, for an unprivileged one: every operation is a request
+  to the root helper (services/helper) over the node bus, carrying typed
+  fields only; the helper builds the same bytes with the same function.
+
+Every failure is a `HostWriteError`: retryable, the pass tries again. A
+refusal by the helper is one too (retried like a failed write).
+
+The port is synchronous (the applier calls it on the event loop, as it does
+the local writer's fsyncs), so `HelperHostWriter` talks to the helper over a
+connection of its own, served by a thread with its own event loop
+(`BusHelperTransport`); each call blocks the converger's loop for one
+request (milliseconds; at most `timeout`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from shared.fsutil import atomic_write, is_temp_name, remove_durably
-from shared.schemas import ID_RE, Limits
-from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi, VendorSpecError, read_vendor_cdi
+import nats
+import nats.errors
+from nats.aio.client import Client
 
-from .holdfiles import HoldContent, build_cdi_spec, render_cdi_spec, render_env_file
-from .slices import SliceError, Slices
+from shared.fsutil import TEMP_MARK, atomic_write, is_temp_name, remove_durably
+from shared.holdfiles import ENV_SUBDIR, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
+from shared.runtime import ServiceCallError, call
+from shared.schemas import (
+    HELPER_INFO_CODEC,
+    HELPER_REPLY_CODEC,
+    ID_RE,
+    BadMessage,
+    Empty,
+    HelperFileRemove,
+    HelperFileWrite,
+    HelperInfo,
+    HelperReply,
+    HelperSliceApply,
+    HelperSliceRemove,
+    Limits,
+    encode,
+)
+from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix
+from shared.vendorcdi import VendorSpecError
+
+from shared.holdfiles import HoldContent
+from shared.slices import SliceError, Slices
 
 
 class HostWriteError(Exception):
@@ -47,7 +86,7 @@ def cdi_path(cdi_dir: Path, allocation_id: str) -> Path:
 
 
 def env_path(run_dir: Path, allocation_id: str) -> Path:
-    return Path(run_dir) / "allocations" / f"{_checked(allocation_id)}.env"
+    return Path(run_dir) / ENV_SUBDIR / f"{_checked(allocation_id)}.env"
 
 
 class LocalHostWriter:
@@ -56,8 +95,7 @@ class LocalHostWriter:
         self.run_dir = Path(run_dir)
         self.slices = slices
         self.crash = crash
-        self._vendor_stamp: tuple[int, ...] | None = None
-        self._vendor_cached: VendorCdi | None = None
+        self.vendor = VendorCache(self.cdi_dir)
 
     def _write(self, path: Path, data: bytes, point: str) -> None:
         try:
@@ -72,34 +110,19 @@ class LocalHostWriter:
         except OSError as exc:
             raise HostWriteError(f"cannot remove {path}: {exc.strerror or exc}") from None
 
-    def _vendor(self) -> VendorCdi | None:
-        """The vendor spec, decoded again only when its file changed (it can be large)."""
-        path = self.cdi_dir / VENDOR_CDI_FILE
-        try:
-            st = path.stat()
-            stamp: tuple[int, ...] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
-        except FileNotFoundError:
-            stamp = None
-        except OSError as exc:
-            raise HostWriteError(f"vendor CDI spec unreadable: cannot read {path}: {exc.strerror or exc}") from None
-        if stamp != self._vendor_stamp or stamp is None:
-            self._vendor_cached = read_vendor_cdi(self.cdi_dir) if stamp is not None else None
-            self._vendor_stamp = stamp
-        return self._vendor_cached
-
     def write_cdi(self, content: HoldContent) -> None:
         try:
-            vendor = self._vendor()
+            vendor = self.vendor.get()
         except VendorSpecError as exc:
             raise HostWriteError(f"vendor CDI spec unreadable: {exc}") from None
-        data = render_cdi_spec(build_cdi_spec(content, vendor))
+        data = hold_file_bytes("cdi", content, vendor)
         self._write(cdi_path(self.cdi_dir, content.allocation_id), data, "bind.cdi-temp-written")
 
     def remove_cdi(self, allocation_id: str) -> None:
         self._remove(cdi_path(self.cdi_dir, allocation_id))
 
     def write_env(self, content: HoldContent) -> None:
-        self._write(env_path(self.run_dir, content.allocation_id), render_env_file(content), "bind.env-temp-written")
+        self._write(env_path(self.run_dir, content.allocation_id), hold_file_bytes("allocation-env", content, None), "bind.env-temp-written")
 
     def remove_env(self, allocation_id: str) -> None:
         self._remove(env_path(self.run_dir, allocation_id))
@@ -119,9 +142,267 @@ class LocalHostWriter:
     def remove_temp(self, path: str) -> None:
         p = Path(path)
         # only our own leftovers, only in our own directories
-        if not is_temp_name(p.name) or p.parent not in (self.cdi_dir, self.run_dir / "allocations"):
+        if not is_temp_name(p.name) or p.parent not in (self.cdi_dir, self.run_dir / ENV_SUBDIR):
             raise HostWriteError(f"refusing to remove {path}: not a temp file of ours")
         self._remove(p)
 
 
-__all__ = ["HostWriteError", "HostWriter", "LocalHostWriter", "cdi_path", "env_path"]
+
+# ---------------------------------------------------------------------------- through the root helper
+
+
+class HelperTransport(Protocol):
+    """One request to the helper: subject and encoded body in, reply body out.
+
+    Raises HostWriteError when the helper cannot be reached or does not answer.
+    """
+
+    def request(self, subject: str, payload: bytes, timeout: float) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class BusHelperTransport:
+    """Requests to the helper over a node-bus connection of its own, in a thread of its own.
+
+    `connect` opens the connection (the converger's NATS user); it runs on the
+    transport's loop, lazily at the first request and again after a failure.
+    """
+
+    def __init__(self, connect: Callable[[], Awaitable[Client]]) -> None:
+        self._connect = connect
+        self._nc: Client | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bcd-helper-bus", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    async def _request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        if self._nc is None or self._nc.is_closed:
+            self._nc = await asyncio.wait_for(self._connect(), timeout)
+        msg = await self._nc.request(subject, payload, timeout=timeout)
+        headers = msg.headers or {}
+        if SERVICE_ERROR_HEADER in headers:
+            # a bug in the helper (it answers every request it can decode with a HelperReply)
+            raise HostWriteError(f"root helper error {headers.get(SERVICE_ERROR_CODE_HEADER, '500')}: {headers[SERVICE_ERROR_HEADER]}")
+        return msg.data
+
+    def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        if self._closed:
+            raise HostWriteError("root helper: the converger is stopping")
+        fut = asyncio.run_coroutine_threadsafe(self._request(subject, payload, timeout), self._loop)
+        try:
+            return fut.result(timeout + 1.0)
+        except nats.errors.NoRespondersError:
+            raise HostWriteError("root helper not running (no responders)") from None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError, TimeoutError):
+            fut.cancel()
+            raise HostWriteError(f"root helper did not answer within {timeout:g}s") from None
+        except (nats.errors.Error, OSError) as exc:
+            raise HostWriteError(f"root helper unreachable: {exc or type(exc).__name__}") from None
+
+    async def _aclose(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.close(), 3.0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(5.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+_CDI_TEMP_RE = re.compile(r"^\.bcd-(?P<id>.+)\.json" + re.escape(TEMP_MARK) + r"(?P<pid>[1-9][0-9]{0,6})\Z")
+_ENV_TEMP_RE = re.compile(r"^\.(?P<id>.+)\.env" + re.escape(TEMP_MARK) + r"(?P<pid>[1-9][0-9]{0,6})\Z")
+
+
+def helper_mismatch(info: HelperInfo, cdi_dir: Path, run_dir: Path, slices_backend: str) -> str:
+    """Why a helper cannot serve this converger ("" when it can): it must write where the converger reads."""
+    problems = []
+    for what, mine, theirs in (("CDI dir", cdi_dir, info.cdi_dir), ("run dir", run_dir, info.run_dir)):
+        if os.path.realpath(mine) != theirs:
+            problems.append(f"the helper's {what} is {theirs}, this converger's {os.path.realpath(mine)}")
+    if slices_backend and info.slices != slices_backend:
+        problems.append(f"the helper's slices are {info.slices}, this converger's {slices_backend}")
+    return "; ".join(problems)
+
+
+class HelperHostWriter:
+    """The HostWriter port through the root helper (see the module docstring).
+
+    Before its first write it asks the helper's `info` and checks the helper
+    writes where this converger reads (`helper_mismatch`) and puts the same
+    MPS pipe directory into slot holds; it asks again after any failed call,
+    as the helper may have been restarted with other settings.
+    """
+
+    def __init__(
+        self,
+        transport: HelperTransport,
+        subjects: NodeSubjects,
+        cdi_dir: Path,
+        run_dir: Path,
+        *,
+        slices_backend: str = "",
+        timeout: float = 10.0,
+    ) -> None:
+        self.transport = transport
+        self.subjects = subjects
+        self.cdi_dir = Path(cdi_dir)
+        self.run_dir = Path(run_dir)
+        self.slices_backend = slices_backend
+        self.timeout = timeout
+        self.info: HelperInfo | None = None
+
+    def _info(self) -> HelperInfo:
+        if self.info is None:
+            data = self.transport.request(self.subjects.helper_info, encode(Empty()), self.timeout)
+            try:
+                info = HELPER_INFO_CODEC.decode(data)
+            except BadMessage as exc:
+                raise HostWriteError(f"root helper: info does not decode ({exc})") from None
+            problem = helper_mismatch(info, self.cdi_dir, self.run_dir, self.slices_backend)
+            if problem:
+                raise HostWriteError(f"root helper cannot serve this converger: {problem}")
+            self.info = info
+        return self.info
+
+    def _call(self, what: str, subject: str, body: object) -> HelperReply:
+        self._info()
+        try:
+            data = self.transport.request(subject, encode(body), self.timeout)
+            reply = HELPER_REPLY_CODEC.decode(data)
+        except HostWriteError:
+            self.info = None
+            raise
+        except BadMessage as exc:
+            self.info = None
+            raise HostWriteError(f"{what}: the root helper's reply does not decode ({exc})") from None
+        if not reply.ok:
+            self.info = None
+            raise HostWriteError(f"{what}: root helper {reply.outcome or 'refused'}: {reply.reason}")
+        return reply
+
+    def _hold(self, content: HoldContent) -> Any:
+        try:
+            wire = hold_to_wire(content)
+        except ValueError as exc:
+            raise HostWriteError(str(exc)) from None
+        info = self._info()
+        if content.mps_pipe_dir and content.mps_pipe_dir != info.mps_pipe_dir:
+            raise HostWriteError(
+                f"{content.allocation_id}: the root helper's MPS pipe directory is {info.mps_pipe_dir!r}, "
+                f"the inventory's {content.mps_pipe_dir!r}: give the helper --mps-pipe-dir {content.mps_pipe_dir}"
+            )
+        return wire
+
+    def write_cdi(self, content: HoldContent) -> None:
+        body = HelperFileWrite(kind="cdi", hold=self._hold(content))
+        self._call(f"CDI spec of {content.allocation_id}", self.subjects.helper_file_write, body)
+
+    def write_env(self, content: HoldContent) -> None:
+        body = HelperFileWrite(kind="allocation-env", hold=self._hold(content))
+        self._call(f"env file of {content.allocation_id}", self.subjects.helper_file_write, body)
+
+    def remove_cdi(self, allocation_id: str) -> None:
+        body = HelperFileRemove(kind="cdi", allocation_id=_checked(allocation_id))
+        self._call(f"CDI spec of {allocation_id}", self.subjects.helper_file_remove, body)
+
+    def remove_env(self, allocation_id: str) -> None:
+        body = HelperFileRemove(kind="allocation-env", allocation_id=_checked(allocation_id))
+        self._call(f"env file of {allocation_id}", self.subjects.helper_file_remove, body)
+
+    def apply_slice(self, allocation_id: str, limits: Limits) -> None:
+        body = HelperSliceApply(allocation_id=_checked(allocation_id), limits=limits_to_wire(limits))
+        self._call(f"slice of {allocation_id}", self.subjects.helper_slice_apply, body)
+
+    def stop_slice(self, allocation_id: str) -> bool:
+        body = HelperSliceRemove(allocation_id=_checked(allocation_id))
+        return self._call(f"slice of {allocation_id}", self.subjects.helper_slice_remove, body).gone
+
+    def remove_temp(self, path: str) -> None:
+        p = Path(path)
+        kind = ""
+        if p.parent == self.cdi_dir:
+            m, kind = _CDI_TEMP_RE.match(p.name), "cdi"
+        elif p.parent == self.run_dir / ENV_SUBDIR:
+            m, kind = _ENV_TEMP_RE.match(p.name), "allocation-env"
+        else:
+            m = None
+        if m is None or not ID_RE.match(m["id"]):
+            raise HostWriteError(f"refusing to remove {path}: not a temp file of ours")
+        body = HelperFileRemove(kind=kind, allocation_id=m["id"], temp_pid=int(m["pid"]))  # type: ignore[arg-type]
+        self._call(f"temp file {p.name}", self.subjects.helper_file_remove, body)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def writer_kind(mode: str, *, fake_host: bool, euid: int) -> str:
+    """`--writer` resolved: "local" (in process) or "helper" (through the root helper).
+
+    auto: local as root or on a fake host, else the helper; whether a helper
+    answers decides only whether the node is privileged (see the service).
+    """
+    if mode not in ("auto", "local", "helper"):
+        raise ValueError(f"--writer {mode!r} is not auto, local or helper")
+    if mode == "auto":
+        return "local" if fake_host or euid == 0 else "helper"
+    return mode
+
+
+def helper_connector(opts: Any) -> Callable[[], Awaitable[Client]]:
+    """How BusHelperTransport connects: the converger's NATS user, password and inbox prefix."""
+
+    async def connect() -> Client:
+        password = Path(opts.nats_password_file).read_text().strip() if opts.nats_password_file else None
+
+        async def quiet(_: Exception) -> None:
+            """Connection trouble shows as a failed write (HostWriteError), logged by the pass."""
+
+        return await nats.connect(
+            opts.nats_url,
+            name="bcd-converger-helper-writer",
+            user=opts.nats_user if password is not None else None,
+            password=password,
+            inbox_prefix=inbox_prefix(opts.nats_user).encode(),
+            error_cb=quiet,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            connect_timeout=3,
+        )
+
+    return connect
+
+
+async def find_helper(nc: Client, subjects: NodeSubjects, timeout: float = 2.0) -> tuple[HelperInfo | None, str]:
+    """Ask the root helper's `info` on the converger's own connection: (info, "") or (None, why not)."""
+    try:
+        return await call(nc, subjects.helper_info, Empty(), HELPER_INFO_CODEC, timeout=timeout), ""
+    except nats.errors.NoRespondersError:
+        return None, "no root helper answers"
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return None, f"the root helper did not answer within {timeout:g}s"
+    except (ServiceCallError, BadMessage, nats.errors.Error) as exc:
+        return None, f"the root helper's info failed: {exc or type(exc).__name__}"
+
+__all__ = [
+    "HostWriteError",
+    "HostWriter",
+    "LocalHostWriter",
+    "cdi_path",
+    "env_path",
+    "HelperTransport",
+    "BusHelperTransport",
+    "HelperHostWriter",
+    "helper_mismatch",
+    "find_helper",
+    "helper_connector",
+    "writer_kind",
+]

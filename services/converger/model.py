@@ -30,7 +30,7 @@ from shared.schemas import (
 )
 from shared.vendorcdi import VendorCdi
 
-from .holdfiles import HoldContent, HoldOnDisk
+from shared.holdfiles import HoldContent, HoldOnDisk
 from .releases import PendingRelease
 
 SECTION = "devices"

@@ -21,11 +21,11 @@ from shared.schemas import Inventory, NodeSpec
 from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi
 
 from .domains import Domains, DomainsError
-from .holdfiles import HoldOnDisk, NotAHold, parse_hold
+from shared.holdfiles import HoldOnDisk, NotAHold, parse_hold
 from .model import ConvergerState, Observed
 from .reaper import Reaper
 from .releases import PendingRelease, ReleasesStore
-from .slices import SliceError, Slices
+from shared.slices import SliceError, Slices
 from .vfio import switched_targets
 
 log = logs.get_logger("bcd.converger.observe")

@@ -33,7 +33,7 @@ from shared.schemas import (
 )
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
-from .holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
+from shared.holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
 from .releases import PendingRelease
 from .model import (
     SECTION,
@@ -56,7 +56,7 @@ from .model import (
     StopSlice,
     WriteEnv,
 )
-from .slices import slice_name
+from shared.slices import slice_name
 from .vfio import EXCLUDED_HOLDER, UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
 
 MIB = 1024 * 1024

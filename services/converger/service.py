@@ -17,6 +17,8 @@ vfio.py for the rules and apply.py for the record and the retries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,16 +53,25 @@ from .crash import CrashPoints
 from .domains import Domains, FakeDomains, NoDomains
 from shared.vendorcdi import VENDOR_CDI_FILE
 
-from .holdfiles import HoldOnDisk
-from .hostwriter import LocalHostWriter
+from shared.holdfiles import HoldOnDisk
+from .hostwriter import (
+    BusHelperTransport,
+    HelperHostWriter,
+    HostWriter,
+    LocalHostWriter,
+    find_helper,
+    helper_connector,
+    helper_mismatch,
+    writer_kind,
+)
 from .loop import PassLoop
 from .model import ConvergerState, PlanConfig
 from .observe import observe, read_disk, release_facts
 from .reaper import BusReaper
 from .releases import PendingRelease, ReleasesStore
 from .outbox import BusSigner, JetStreamOutbox
-from .plan import plan
-from .slices import FakeSlices, Slices, SystemdSlices
+from .plan import UNREADABLE, plan
+from shared.slices import FakeSlices, Slices, SystemdSlices
 from .state import StateStore
 from .switcher import BusSwitcher
 from .vfio import card_claims
@@ -97,6 +108,14 @@ class ConvergerApp(ServiceApp):
             Option("--outbox-max-msgs", "events the outbox keeps while upstream is away; full: new binds wait", default=100_000, type=int),
             Option("--outbox-max-bytes", "bytes the outbox keeps while upstream is away", default=256 * 1024 * 1024, type=int),
             Option("--switch-timeout", "seconds to wait for vfio_switcher's answer to one switch", default=60.0, type=float),
+            Option(
+                "--writer",
+                "who writes CDI specs, env files and slices: local (this process), helper (the root helper), "
+                "auto (local as root or on a fake host, else the helper when one answers, else none: unprivileged)",
+                default="auto",
+                choices=("auto", "local", "helper"),
+            ),
+            Option("--helper-recheck-interval", "seconds between looks for the root helper while unprivileged", default=30.0, type=float),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -111,7 +130,18 @@ class ConvergerApp(ServiceApp):
         backend = o.slices if o.slices != "auto" else ("fake" if fake else "systemd")
         self.slices: Slices = FakeSlices(o.run_dir) if backend == "fake" else SystemdSlices()
         self.domains: Domains = FakeDomains(o.fake_host) if fake else NoDomains()
-        self.privileged = fake or os.geteuid() == 0
+        crash = CrashPoints()
+        writer: HostWriter
+        self.helper_writer: HelperHostWriter | None = None
+        self.helper_note = ""
+        if writer_kind(o.writer, fake_host=fake, euid=os.geteuid()) == "local":
+            writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash)
+            self.privileged = True
+        else:
+            transport = BusHelperTransport(helper_connector(o))
+            writer = self.helper_writer = HelperHostWriter(transport, ctx.subjects, o.cdi_dir, o.run_dir, slices_backend=backend)
+            # --writer helper: the helper is required (a missing one fails writes, retried)
+            self.privileged = o.writer == "helper" or await self._look_for_helper()
         self.config = PlanConfig(node_id=o.node_id, privileged=self.privileged, system_reserve_bytes=o.system_reserve_bytes)
         self.store = StateStore(Path(o.data_dir) / "converger")
         self.state = self.store.load()
@@ -129,10 +159,13 @@ class ConvergerApp(ServiceApp):
         self.store.save(self.state)
         self.spec = self.store.load_spec()
         if not self.privileged:
-            ctx.log.warning("running unprivileged (not root, no helper): every plain hold will fail with node-unprivileged")
-
-        crash = CrashPoints()
-        writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash)
+            ctx.log.warning(
+                "running unprivileged (not root, no helper): every plain hold will fail with node-unprivileged",
+                why=self.helper_note,
+                recheck_in_s=o.helper_recheck_interval,
+            )
+        elif self.helper_writer is not None:
+            ctx.log.info("writing through the root helper", writer=o.writer)
         self.releases = ReleasesStore(Path(o.data_dir))
         self.reaper = BusReaper(ctx.nc, ctx.subjects)
         self.pending: dict[str, PendingRelease] = {}
@@ -189,6 +222,11 @@ class ConvergerApp(ServiceApp):
         self.m_section = Gauge("bcd_section_state", "1 for the devices section's current state", ["state"], registry=reg)
         self.m_pending = Gauge("bcd_kubernetes_releases_pending", "Kubernetes releases waiting for pods to let go", registry=reg)
         self.m_pending_age = Gauge("bcd_kubernetes_release_oldest_age_seconds", "Age of the oldest pending Kubernetes release", registry=reg)
+        self.m_unreadable = Gauge(
+            "bcd_kubernetes_releases_unreadable",
+            "1 while condition KubernetesReleasesUnreadable is True (releasing.json was unreadable: every GPU counts as claimed)",
+            registry=reg,
+        )
         self.m_switches = Counter(
             "bcd_vfio_switch_requests", "Driver switches asked of vfio_switcher, by target and outcome", ["target", "outcome"], registry=reg
         )
@@ -321,6 +359,8 @@ class ConvergerApp(ServiceApp):
 
     async def run_pass(self, reason: str) -> bool:
         """One pass, then the claims if they changed; returns True when something is left to retry."""
+        if self.helper_writer is not None and not self.privileged and await self._look_for_helper():
+            await self._become_privileged()
         retry = await self._pass(reason)
         await self._publish_claims()
         return retry
@@ -371,6 +411,8 @@ class ConvergerApp(ServiceApp):
             self.m_pending.set(len(p.pending))
             oldest = min((r.since for r in facts.pending.values() if r.allocation_id in p.pending), default=None)
             self.m_pending_age.set((self.last_pass_at - oldest).total_seconds() if oldest else 0)
+            unreadable = self.state.conditions.get(UNREADABLE)
+            self.m_unreadable.set(1 if unreadable is not None and unreadable.status == "True" else 0)
             self.failures = {f.allocation_id: f.reason for f in p.failures}
             for f in new_failures:
                 self.m_failures.labels(reason=f.reason).inc()
@@ -409,8 +451,53 @@ class ConvergerApp(ServiceApp):
             # to go, is asked for again at the next retry interval
             return result.retry or bool(p.pending) or result.vfio_retry or bool(p.vfio_waiting)
 
+    # ------------------------------------------------------------------ the root helper
+
+    async def _look_for_helper(self) -> bool:
+        """Does a root helper answer that writes where this converger reads?"""
+        info, why = await find_helper(self.ctx.nc, self.ctx.subjects)
+        if info is not None:
+            why = helper_mismatch(info, self.opts.cdi_dir, self.opts.run_dir, self.helper_writer.slices_backend if self.helper_writer else "")
+            if not why and self.helper_writer is not None:
+                self.helper_writer.info = info
+                return True
+            if why != self.helper_note:
+                self.ctx.log.error("a root helper answers but cannot serve this converger", why=why)
+        self.helper_note = why
+        return False
+
+    async def _become_privileged(self) -> None:
+        if self.privileged:
+            return
+        self.privileged = True
+        self.config = dataclasses.replace(self.config, privileged=True)
+        self.ctx.log.info("root helper found: holds bind through it from now on")
+        with contextlib.suppress(Exception):
+            await self.ctx.nc.publish(self.ctx.subjects.converger_status_changed, b"")
+        self.loop.trigger("root helper found")
+
+    async def _watch_helper(self, stopping: asyncio.Event) -> None:
+        """While unprivileged (--writer auto), look for the root helper every --helper-recheck-interval
+        (every second in the first half minute: a helper started at the same time connects late)."""
+        started = asyncio.get_running_loop().time()
+        while not self.privileged and not stopping.is_set():
+            interval = self.opts.helper_recheck_interval
+            if asyncio.get_running_loop().time() - started < 30:
+                interval = min(interval, 1.0)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopping.wait(), interval)
+            if not stopping.is_set() and not self.privileged and await self._look_for_helper():
+                await self._become_privileged()
+
     async def run(self, ctx: ServiceContext) -> None:
-        await self.loop.run(ctx.stopping)
+        async with asyncio.TaskGroup() as tasks:
+            if self.helper_writer is not None and not self.privileged:
+                tasks.create_task(self._watch_helper(ctx.stopping), name="converger.helper-watch")
+            await self.loop.run(ctx.stopping)
+
+    async def close(self, ctx: ServiceContext) -> None:
+        if self.helper_writer is not None:
+            await asyncio.to_thread(self.helper_writer.close)
 
 
 main = main_for(ConvergerApp)

@@ -135,6 +135,8 @@ class BridgeApp(ServiceApp):
         self.m_specs = Counter("bcd_node_specs", "Node specs received, by outcome", ["outcome"], registry=reg)
         self.m_unsigned = Gauge("bcd_unsigned_specs_accepted", "1 when no control-plane key is configured", registry=reg)
         self.m_unsigned.set(0 if self.keys else 1)
+        for outcome in ("accepted", "rejected"):
+            self.m_specs.labels(outcome=outcome)
 
         async def on_inventory(msg: Any) -> None:
             try:
@@ -147,8 +149,13 @@ class BridgeApp(ServiceApp):
         async def on_outbox(_: Any) -> None:
             self.outbox_wake.set()
 
+        async def on_converger_changed(_: Any) -> None:
+            # the converger found (or lost) the root helper: the Hello's capabilities change now
+            self.mark_records()
+
         await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=on_inventory)
         await ctx.nc.subscribe(ctx.subjects.outbox_filter, cb=on_outbox)
+        await ctx.nc.subscribe(ctx.subjects.converger_status_changed, cb=on_converger_changed)
 
     # ------------------------------------------------------------------ upstream connection
 

@@ -89,8 +89,12 @@ class InventoryApp(ServiceApp):
         self.claims_failing = False
         #: the outbox did not take the last event (logged once per outage).
         self.outbox_waiting = False
+        #: the outbox stream has acknowledged a publish since this process started
+        self.outbox_answered = False
         #: the last error writing the state file (logged once until it changes).
         self.save_error = ""
+        #: the revision the per-GPU gauges show (None: not set yet).
+        self.observed_revision: int | None = None
 
     def options(self) -> list[Option]:
         return [
@@ -164,6 +168,13 @@ class InventoryApp(ServiceApp):
         self.m_mstate = Gauge(
             "bcd_gpu_management_state", "1 for each GPU's current managementState", ["pci_address", "state"], registry=reg
         )
+        # every condition of every card, e.g. Reconfiguring=True/DisruptionRequired (a reboot is needed)
+        self.m_conditions = Gauge(
+            "bcd_gpu_condition",
+            "1 for each condition a GPU's PhysicalGPU status carries now",
+            ["pci_address", "type", "status", "reason"],
+            registry=reg,
+        )
         self.m_reclaims = Counter(
             "bcd_gpu_reclaims", "Reclaim requests by outcome (held, admitted, refused, succeeded, failed)", ["outcome"], registry=reg
         )
@@ -171,6 +182,8 @@ class InventoryApp(ServiceApp):
         self.m_events_pending = Gauge("bcd_gpu_events_pending", "GpuChanged events waiting for the node outbox", registry=reg)
         self.m_claims_errors = Counter("bcd_gpu_claims_lookup_failures", "Failed converger.claims lookups", registry=reg)
         self.m_state_errors = Counter("bcd_gpu_state_write_failures", "Failed writes of gpus.json", registry=reg)
+        for outcome in ("changed", "unchanged", "error"):
+            self.m_scans.labels(outcome=outcome)
 
         js = ctx.nc.jetstream()
         bucket = ctx.subjects.inventory_bucket
@@ -331,6 +344,9 @@ class InventoryApp(ServiceApp):
         if self.current is not None and key == self.content_key:
             self.m_scans.labels(outcome="unchanged").inc()
             inv = self.current
+            if self.observed_revision != inv.revision:
+                # after a restart the last inventory comes from KV: the gauges start from it
+                self._observe(inv)
         else:
             inv = _with_revision(inv, revision + 1)
             assert self.kv is not None
@@ -376,7 +392,11 @@ class InventoryApp(ServiceApp):
         if tracker.dropped_events:
             ctx.log.error("GPU events dropped: the journal was full", dropped=tracker.dropped_events)
             tracker.dropped_events = 0
-        js = ctx.nc.jetstream(timeout=5.0)
+        # Until the converger has created the outbox stream a publish gets no
+        # PubAck (the bridge's wake-up subscription counts as a responder, so no
+        # "no responders" either) and would wait out the whole timeout at every
+        # start: probe with a short one, use the long one once the stream answered.
+        js = ctx.nc.jetstream(timeout=1.0 if self.outbox_waiting or not self.outbox_answered else 5.0)
         subject = ctx.subjects.outbox_subject("gpu")
         sent = 0
         for pe in list(tracker.outbox):
@@ -393,6 +413,7 @@ class InventoryApp(ServiceApp):
                 self.outbox_waiting = True
                 break
             sent += 1
+            self.outbox_answered = True
         if sent:
             tracker.sent(sent)
             self._save(ctx)
@@ -403,15 +424,19 @@ class InventoryApp(ServiceApp):
         self.m_events_pending.set(len(tracker.outbox))
 
     def _observe(self, inv: Inventory) -> None:
+        self.observed_revision = inv.revision
         self.m_revision.set(inv.revision)
         self.m_gpus.set(len(inv.gpus))
         for kind in ("gpu", "mig", "slot"):
             self.m_atoms.labels(kind=kind).set(sum(1 for a in inv.atoms if a.kind == kind))
         self.m_phase.clear()
         self.m_mstate.clear()
+        self.m_conditions.clear()
         for g in inv.gpus:
             self.m_phase.labels(pci_address=g.pci_address, phase=g.status.phase).set(1)
             self.m_mstate.labels(pci_address=g.pci_address, state=g.status.driver_binding.management_state).set(1)
+            for c in g.status.conditions:
+                self.m_conditions.labels(pci_address=g.pci_address, type=c.type, status=c.status, reason=c.reason).set(1)
 
     # ------------------------------------------------------------------ endpoints
 

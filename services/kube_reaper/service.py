@@ -102,6 +102,11 @@ class KubeReaperApp(ServiceApp):
             watched=Gauge("bcd_reaper_watched_allocations", "Withdrawn allocations being watched", registry=reg),
             kubelet_reachable=Gauge("bcd_reaper_kubelet_reachable", "1 when the last pod-resources List answered", registry=reg),
         )
+        # every series from the start, so rate() and increase() see the first one
+        for outcome in ("evicted", "gone", "throttled", "server_error", "error", "unavailable"):
+            metrics.evictions.labels(outcome=outcome)
+        for result in ("held", "free", "unreachable"):
+            metrics.held_checks.labels(result=result)
 
         async def inventory() -> Inventory:
             return await call(ctx.nc, ctx.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=INVENTORY_TIMEOUT_S)

@@ -51,6 +51,9 @@ class SignerApp(ServiceApp):
         self.signatures = Counter(
             "bcd_signatures", "Sign requests by purpose and outcome", ["purpose", "outcome"], registry=ctx.registry
         )
+        # every series from the start, so rate() and increase() see the first request
+        for purpose, outcome in ((REPORT_PURPOSE, "signed"), (REPORT_PURPOSE, "error"), ("other", "refused")):
+            self.signatures.labels(purpose=purpose, outcome=outcome)
         await ctx.endpoint("sign", ctx.subjects.signer_sign, lambda req: self.sign(ctx, req), SIGN_REQUEST_CODEC)
         await ctx.endpoint("key", ctx.subjects.signer_key, lambda req: self.public(ctx, req), EMPTY_CODEC, allow_empty=True)
 

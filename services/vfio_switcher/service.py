@@ -130,6 +130,11 @@ class VfioSwitcherApp(ServiceApp):
             "bcd_vfio_switch_duration_seconds", "Time to answer a switch request", ["target"], registry=reg, buckets=DURATION_BUCKETS
         )
         self._disruptions = Counter("bcd_vfio_disruptions", "Switches that left a card needing a node reboot", registry=reg)
+        # every series from the start, so rate() and increase() see the first switch
+        for target in TARGETS:
+            self._duration.labels(target=target)
+            for outcome in Outcome:
+                self._switches.labels(target=target, outcome=outcome.value)
         ctx.metadata.update(
             {
                 "backend": o.backend,

@@ -30,6 +30,16 @@ from .bus import (
     SignerKey,
     SignRequest,
     SpecAck,
+    HelperDevice,
+    HelperFileRemove,
+    HelperFileWrite,
+    HelperHold,
+    HelperHugePages,
+    HelperInfo,
+    HelperLimits,
+    HelperReply,
+    HelperSliceApply,
+    HelperSliceRemove,
 )
 from .codec import DEFAULT_MAX_BYTES, BadMessage, Codec, encode
 from .common import *  # noqa: F403
@@ -70,6 +80,12 @@ CLAIMS_CODEC: Codec[Claims] = Codec(Claims, max_bytes=4 * DEFAULT_MAX_BYTES)
 GPU_REQUEST_CODEC: Codec[GpuRequest] = Codec(GpuRequest, max_bytes=4096)
 GPU_REPLY_CODEC: Codec[GpuReply] = Codec(GpuReply, max_bytes=DEFAULT_MAX_BYTES)
 GPU_CHANGED_CODEC: Codec[GpuChanged] = Codec(GpuChanged, max_bytes=256 * 1024)
+HELPER_FILE_WRITE_CODEC: Codec[HelperFileWrite] = Codec(HelperFileWrite, max_bytes=1024 * 1024)
+HELPER_FILE_REMOVE_CODEC: Codec[HelperFileRemove] = Codec(HelperFileRemove, max_bytes=4096)
+HELPER_SLICE_APPLY_CODEC: Codec[HelperSliceApply] = Codec(HelperSliceApply, max_bytes=16 * 1024)
+HELPER_SLICE_REMOVE_CODEC: Codec[HelperSliceRemove] = Codec(HelperSliceRemove, max_bytes=4096)
+HELPER_REPLY_CODEC: Codec[HelperReply] = Codec(HelperReply, max_bytes=16 * 1024)
+HELPER_INFO_CODEC: Codec[HelperInfo] = Codec(HelperInfo, max_bytes=64 * 1024)
 
 #: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
 UPSTREAM_TYPES: dict[str, object] = {
@@ -146,4 +162,20 @@ __all__ = [  # noqa: PLE0604
     "SIGNER_KEY_CODEC",
     "EMPTY_CODEC",
     "UPSTREAM_TYPES",
+    "HelperDevice",
+    "HelperFileRemove",
+    "HelperFileWrite",
+    "HelperHold",
+    "HelperHugePages",
+    "HelperInfo",
+    "HelperLimits",
+    "HelperReply",
+    "HelperSliceApply",
+    "HelperSliceRemove",
+    "HELPER_FILE_WRITE_CODEC",
+    "HELPER_FILE_REMOVE_CODEC",
+    "HELPER_SLICE_APPLY_CODEC",
+    "HELPER_SLICE_REMOVE_CODEC",
+    "HELPER_REPLY_CODEC",
+    "HELPER_INFO_CODEC",
 ]

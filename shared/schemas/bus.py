@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .common import AtomId, EventId, Id, KeyId, Name, PciAddress, Text
+from .common import END, AtomId, EventId, Id, KeyId, Name, PciAddress, Text
 from .events import AttestedEvent, SectionStatus
 from .inventory import Gpu
 
@@ -222,6 +222,141 @@ class GpuReply(msgspec.Struct, frozen=True, kw_only=True):
     gpu: Gpu | None = None
 
 
+
+# --------------------------------------------------------------------------- root helper
+#
+# Requests to the root helper (services/helper) forbid unknown fields: a field
+# the helper does not know (a path, a hook, a device node, a mount) is refused
+# at decode instead of being ignored. No field names a path: the helper builds
+# every path from the allocation id and its own directories, and the CDI
+# content from these typed fields plus the vendor spec on its disk. Ids are
+# plain bounded strings, checked by the helper, so a malformed one is refused
+# with a reason that names it.
+
+HelperFileKind = Literal["cdi", "allocation-env"]
+HelperDeviceKind = Literal["gpu", "mig", "slot"]
+
+#: NVML's GPU uuid, with or without its "GPU-" prefix.
+GPU_UUID_PATTERN = r"^(GPU-)?[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}" + END
+#: a MIG device uuid as NVML names it ("MIG-<uuid>", or the older "MIG-GPU-<uuid>/<gi>/<ci>").
+MIG_UUID_PATTERN = r"^MIG-[A-Za-z0-9][A-Za-z0-9/-]{0,127}" + END
+#: the largest CPU number (and NUMA node number) a helper request may name.
+HELPER_MAX_CPU = 8191
+HELPER_MAX_NUMA_NODE = 1023
+
+_HelperId = Annotated[str, msgspec.Meta(max_length=128)]
+_AtomPart = Annotated[int, msgspec.Meta(ge=0, le=9999)]
+
+
+class HelperStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the helper's requests: an unknown field is refused, never ignored."""
+
+
+class HelperDevice(HelperStruct, frozen=True, kw_only=True):
+    """One atom of a hold, as typed parts (the helper derives the atom id, the
+    visible id and the vendor device names from them)."""
+
+    kind: HelperDeviceKind
+    gpu_uuid: Annotated[str, msgspec.Meta(pattern=GPU_UUID_PATTERN)]
+    gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)]
+    #: MIG: GPU instance and compute instance ids; None otherwise.
+    gi: _AtomPart | None = None
+    ci: _AtomPart | None = None
+    #: slot number of a slot; None otherwise.
+    slot: _AtomPart | None = None
+    #: MIG: the MIG device's uuid (what NVIDIA_VISIBLE_DEVICES takes); "" otherwise.
+    mig_uuid: Annotated[str, msgspec.Meta(max_length=160)] = ""
+
+
+class HelperHugePages(HelperStruct, frozen=True, kw_only=True):
+    page_size_kib: Annotated[int, msgspec.Meta(ge=4, le=16 * 1024 * 1024)]
+    count: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
+
+
+class HelperLimits(HelperStruct, frozen=True, kw_only=True):
+    """A slice's limits, bounded (the helper also checks the highest CPU and NUMA node)."""
+
+    cpus: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cpu_millis: Annotated[int, msgspec.Meta(ge=0, le=(HELPER_MAX_CPU + 1) * 1000)] | None = None
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)] | None = None
+    hugepages: Annotated[list[HelperHugePages], msgspec.Meta(max_length=8)] = []
+    mems: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+class HelperHold(HelperStruct, frozen=True, kw_only=True):
+    """What a hold's two files say, as typed fields (shared/holdfiles.py maps it to HoldContent)."""
+
+    allocation_id: _HelperId
+    reservation_id: _HelperId
+    generation: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    binding: Literal["BINDING_HOLD", "BINDING_KUBERNETES"]
+    devices: Annotated[list[HelperDevice], msgspec.Meta(min_length=1, max_length=64)]
+    #: the hold runs in its slice (the helper names it bcd-alloc-<id>.slice itself).
+    sliced: bool = False
+    #: the assignment's KEY=VALUE lines (keys bcd sets itself are refused).
+    env: Annotated[list[Annotated[str, msgspec.Meta(max_length=4300)]], msgspec.Meta(max_length=128)] = []
+    #: slots with MPS running: the helper adds its own MPS pipe directory.
+    mps: bool = False
+    limits: HelperLimits | None = None
+
+
+class HelperFileWrite(HelperStruct, frozen=True, kw_only=True):
+    """`helper.file.write`: write the CDI spec or the env file of one hold."""
+
+    kind: HelperFileKind
+    hold: HelperHold
+
+
+class HelperFileRemove(HelperStruct, frozen=True, kw_only=True):
+    """`helper.file.remove`: remove a hold's CDI spec or env file, or (temp_pid)
+    the temp file a write by that process left behind."""
+
+    kind: HelperFileKind
+    allocation_id: _HelperId
+    temp_pid: Annotated[int, msgspec.Meta(ge=1, le=2**22)] | None = None
+
+
+class HelperSliceApply(HelperStruct, frozen=True, kw_only=True):
+    """`helper.slice.apply`: create or update `bcd-alloc-<allocation_id>.slice`."""
+
+    allocation_id: _HelperId
+    limits: HelperLimits
+
+
+class HelperSliceRemove(HelperStruct, frozen=True, kw_only=True):
+    """`helper.slice.remove`: stop `bcd-alloc-<allocation_id>.slice` if no process is in it."""
+
+    allocation_id: _HelperId
+
+
+class HelperReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The helper's answer to every request, like vfio_switcher's: a refusal is a
+    reply too, with its reason (a body that does not decode included)."""
+
+    ok: bool
+    #: "done", "refused" (the request is not acceptable; nothing was written) or
+    #: "failed" (the host failed it: disk, permissions, systemd; worth a retry)
+    outcome: Name
+    reason: Text = ""
+    #: a file or slice was written, changed or removed (False: it was already so).
+    changed: bool = False
+    #: slice.remove: the slice is gone (False: kept, a process runs in it).
+    gone: bool = True
+    #: the file written or removed.
+    path: Text = ""
+
+
+class HelperInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """`helper.info`: where the helper writes; the converger checks it reads the same places."""
+
+    cdi_dir: Text
+    run_dir: Text
+    #: "fake" or "systemd"
+    slices: Name
+    mps_pipe_dir: Text
+    euid: int
+    version: Name = ""
+
 __all__ = [
     "SwitchRequest",
     "SwitchReply",
@@ -245,4 +380,21 @@ __all__ = [
     "Freed",
     "OrphanQuery",
     "OrphanReply",
+    "HelperFileKind",
+    "HelperDeviceKind",
+    "GPU_UUID_PATTERN",
+    "MIG_UUID_PATTERN",
+    "HELPER_MAX_CPU",
+    "HELPER_MAX_NUMA_NODE",
+    "HelperStruct",
+    "HelperDevice",
+    "HelperHugePages",
+    "HelperLimits",
+    "HelperHold",
+    "HelperFileWrite",
+    "HelperFileRemove",
+    "HelperSliceApply",
+    "HelperSliceRemove",
+    "HelperReply",
+    "HelperInfo",
 ]

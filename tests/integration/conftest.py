@@ -12,3 +12,15 @@ async def node_bus(tmp_path):
         yield bus
     finally:
         await bus.aclose()
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A whole node (`bcd up`) on a copy of the 8 x H200 fake host; suites with their own `node` override it."""
+    from .wholenode import Node
+
+    n = Node(tmp_path).start()
+    try:
+        yield n
+    finally:
+        n.stop()

@@ -23,7 +23,7 @@ from shared.subjects import MSG_ID_HEADER, NodeSubjects
 
 from .harness import EXAMPLE_HOSTS
 from .kube_peers import ApiServer, FakeCluster, KubeletServer
-from .test_e2e import GPU, Node, applied, assignment, bcd, wait_for
+from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from .test_e2e import GPU, Node, applied, assignment, bcd, wait_for
+from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -47,15 +47,6 @@ def condition(status: dict, type_: str) -> dict | None:
 
 def spec(*devices: dict, instances: list[dict] | None = None) -> dict:
     return {"node_id": "node-1", "devices": list(devices), "instances": instances or []}
-
-
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path).start()
-    try:
-        yield n
-    finally:
-        n.stop()
 
 
 def test_a_vm_claim_switches_a_card_a_hold_on_it_is_refused_and_the_card_returns(node):

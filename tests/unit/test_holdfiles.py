@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.converger.holdfiles import (
+from shared.holdfiles import (
     CDI_VERSIONS,
     KIND,
     HoldContent,

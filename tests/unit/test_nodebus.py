@@ -66,3 +66,67 @@ def test_embedded_upstream_is_a_separate_account_with_per_node_users(tmp_path):
     assert "bcd.events.n1.>" in n1["publish"]["allow"]
     assert not any("n2" in s for s in n1["publish"]["allow"] + n1["subscribe"]["allow"])
     assert conf["accounts"]["UPSTREAM"]["jetstream"] == "enabled"
+
+
+# ---------------------------------------------------------------------------- write-config (host installs)
+
+
+def _write_config(tmp_path, *extra: str) -> int:
+    from bcd.nodebus import write_config_main
+
+    return write_config_main(
+        ["write-config", "--bus-dir", str(tmp_path / "bus"), "--store-dir", str(tmp_path / "nats"), "--state-dir", str(tmp_path / "etc"), *extra]
+    )
+
+
+def test_write_config_writes_the_bus_the_passwords_node_json_and_node_env(tmp_path, capsys):
+    import socket
+
+    from bcd.client import node_info
+    from bcd.nodebus import NatsServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _write_config(tmp_path, "--node-id", "gpu-7", "--port", str(port), "--http-port", "0", "--with-helper") == 0
+    info = node_info(tmp_path / "etc")
+    assert info.node_id == "gpu-7" and info.nats_url == f"nats://127.0.0.1:{port}" and info.monitor_url == ""
+    assert info.services[-1] == "helper" and set(info.metrics) == set(info.services)
+    env = (tmp_path / "etc" / "node.env").read_text()
+    assert env == f"BCD_NODE_ID=gpu-7\nBCD_NATS_URL=nats://127.0.0.1:{port}\n"
+    creds = tmp_path / "bus" / "creds"
+    assert {p.stem for p in creds.glob("*.password")} == set(NODE_BUS_USERS)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in creds.iterdir())
+    before = (creds / "converger.password").read_text()
+    # run again: passwords are kept, node.env untouched
+    assert _write_config(tmp_path, "--node-id", "gpu-7", "--port", str(port), "--http-port", "0") == 0
+    assert (creds / "converger.password").read_text() == before
+    # the config it wrote starts a real nats-server on that port
+    server = NatsServer(tmp_path / "bus" / "nats.conf", tmp_path / "nats.log")
+    server.start()
+    try:
+        assert server.port == port
+    finally:
+        server.stop()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--node-id", "Bad_Id"], "not a valid subject token"),
+        (["--node-id", "events"], "reserved"),
+        (["--node-id", "n1", "--port", "-1"], "fixed ports"),
+    ],
+)
+def test_write_config_refuses(tmp_path, capsys, args, words):
+    assert _write_config(tmp_path, *args) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "bus" / "nats.conf").exists()
+
+
+def test_write_config_refuses_to_change_the_node_id_of_an_installed_node(tmp_path, capsys):
+    assert _write_config(tmp_path, "--node-id", "n1") == 0
+    assert _write_config(tmp_path, "--node-id", "n2") == 2
+    assert "names node 'n1'" in capsys.readouterr().err
+    assert "BCD_NODE_ID=n1" in (tmp_path / "etc" / "node.env").read_text()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from services.converger.slices import (
+from shared.slices import (
     UINT64_MAX,
     FakeSlices,
     SliceError,
@@ -775,7 +775,7 @@ def test_systemd_applies_hugepages_through_hugetlb_files(fake_systemd, dbus_addr
 
 def test_systemd_without_cgroup_root_says_hugepages_are_not_enforced(systemd, fake_systemd, caplog):
     limits = Limits(cpus="0", hugepages=[HugePages(page_size_kib=2048, count=8)])
-    with caplog.at_level(logging.WARNING, logger="services.converger.slices"):
+    with caplog.at_level(logging.WARNING, logger="shared.slices"):
         systemd.apply("a1", limits)
     assert "huge page limits not enforced" in caplog.text
     assert "hugepages" not in systemd.properties("a1")
@@ -894,7 +894,7 @@ if __name__ == "__main__":
     ],
 )
 def test_a_dash_in_the_allocation_id_is_escaped_so_slices_do_not_nest(alloc, name):
-    from services.converger.slices import allocation_of, slice_name
+    from shared.slices import allocation_of, slice_name
 
     assert slice_name(alloc) == name
     assert allocation_of(name) == alloc

@@ -85,6 +85,12 @@ def test_matcher(pattern: str, subject: str, expected: bool) -> None:
         ("inventory_bucket", "bcd_node_n1_inventory"),
         ("signer_sign", "bcd.n1.signer.sign"),
         ("signer_key", "bcd.n1.signer.key"),
+        ("helper_file_write", "bcd.n1.helper.file.write"),
+        ("helper_file_remove", "bcd.n1.helper.file.remove"),
+        ("helper_slice_apply", "bcd.n1.helper.slice.apply"),
+        ("helper_slice_remove", "bcd.n1.helper.slice.remove"),
+        ("helper_info", "bcd.n1.helper.info"),
+        ("converger_status_changed", "bcd.n1.converger.status_changed"),
     ],
 )
 def test_named_subjects(name: str, expected: str) -> None:
@@ -188,7 +194,15 @@ PUBLISH_MATRIX = [
     pytest.param(S.converger_holder, {"vfio_switcher", "cli"}, id="converger.holder"),
     pytest.param(S.outbox_subject("gpu"), {"converger", "inventory"}, id="outbox.gpu"),
     pytest.param(S.outbox_subject("bound"), {"converger"}, id="outbox.bound"),
-    pytest.param(S.subject("helper", "file.write"), set(), id="helper.file.write"),
+    # the root helper writes as root: only the converger may ask it anything
+    pytest.param(S.helper_file_write, {"converger"}, id="helper.file.write"),
+    pytest.param(S.helper_file_remove, {"converger"}, id="helper.file.remove"),
+    pytest.param(S.helper_slice_apply, {"converger"}, id="helper.slice.apply"),
+    pytest.param(S.helper_slice_remove, {"converger"}, id="helper.slice.remove"),
+    pytest.param(S.helper_info, {"converger"}, id="helper.info"),
+    pytest.param(S.subject("helper", "other"), set(), id="helper.other"),
+    pytest.param("$SRV.PING.helper", {"cli"}, id="srv-ping-helper"),
+    pytest.param(S.converger_status_changed, {"converger"}, id="converger.status_changed"),
     pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
     pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
     pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-update"),
@@ -224,7 +238,7 @@ def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
 
 
 #: what a service publishes inside its own namespace: notifications nobody answers.
-NOTIFICATIONS = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.vfio_result}
+NOTIFICATIONS = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.vfio_result}
 
 
 @pytest.mark.parametrize("user", NODE_BUS_USERS)
@@ -236,7 +250,7 @@ def test_no_user_publishes_to_its_own_endpoints_or_another_node(user: str) -> No
 
 
 #: subjects of another service a user may subscribe to (notifications, not endpoints).
-FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.vfio_result}
+FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.vfio_result}
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -258,7 +272,10 @@ def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> Non
         pytest.param(S.inventory_get, {"inventory"}, id="inventory.get"),
         pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "cli"}, id="inventory.changed"),
         pytest.param(S.subject("vfio_switcher", "switch"), {"vfio_switcher"}, id="vfio_switcher.switch"),
-        pytest.param(S.subject("helper", "file.write"), {"helper"}, id="helper.file.write"),
+        pytest.param(S.helper_file_write, {"helper"}, id="helper.file.write"),
+        pytest.param(S.helper_slice_apply, {"helper"}, id="helper.slice.apply"),
+        pytest.param(S.helper_info, {"helper"}, id="helper.info"),
+        pytest.param(S.converger_status_changed, {"converger", "gateway_bridge"}, id="converger.status_changed"),
         pytest.param("bcd.n2.signer.sign", set(), id="other-node"),
     ],
 )
@@ -375,3 +392,16 @@ def test_node_id_events_is_reserved() -> None:
 def test_node_subjects_never_fall_under_the_events_filter(service: str) -> None:
     for node_id in ("n1", "events1", "event", "a" * 63):
         assert not overlaps(upstream_events_filter(), NodeSubjects(node_id).service_wildcard(service))
+
+
+def test_only_the_converger_reaches_the_root_helper() -> None:
+    """The helper writes as root: no other user may publish anything under its subjects."""
+    wildcard = S.service_wildcard("helper")
+    for user, perms in PERMS.items():
+        reach = [p for p in perms.publish if overlaps(p, wildcard)]
+        if user == "converger":
+            assert sorted(reach) == sorted(S.helper_endpoints), reach
+        else:
+            assert reach == [], f"{user} may publish {reach}"
+    # the helper itself publishes nothing but its replies
+    assert PERMS["helper"].publish == ()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.converger.holdfiles import check_cdi_rules, validate_against_schema
+from shared.holdfiles import check_cdi_rules, validate_against_schema
 
 from tests.converger_kit import GPU, Node, fast_dir, hold, host_copy, spec
 

@@ -1,7 +1,12 @@
 """The two files of a hold: its CDI spec (`<cdi_dir>/bcd-<allocation>.json`) and its env file.
 
 Pure builders, a parser and validators; no I/O except what a caller hands in
-as bytes. The hold IS its CDI spec: every fact the converger needs to keep or
+as bytes (and `VendorCache`, which reads the vendor spec). Shared by the converger (which plans, writes as root or on a fake
+host, and reads holds back) and the root helper (which writes for an
+unprivileged converger): both build a file's bytes with `hold_file_bytes`, so
+the two writers cannot drift apart. `hold_to_wire`/`hold_from_wire` carry a
+HoldContent to the helper as typed fields only (no path, device node, mount
+or hook). The hold IS its CDI spec: every fact the converger needs to keep or
 release it (allocation, reservation, generation, binding, slice, limits, the
 real atom ids) is in the spec's annotations, so `parse_hold` reads a hold back
 from disk without any other record.
@@ -52,12 +57,22 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared.schemas import Limits
+from shared.schemas import HugePages, Limits
+from shared.schemas.bus import (
+    GPU_UUID_PATTERN,
+    HELPER_MAX_CPU,
+    HELPER_MAX_NUMA_NODE,
+    MIG_UUID_PATTERN,
+    HelperDevice,
+    HelperHold,
+    HelperHugePages,
+    HelperLimits,
+)
 from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, reserved_env_key
-from shared.vendorcdi import VendorCdi
+from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi, VendorSpecError, read_vendor_cdi
 
 # the systemd slice of a sliced hold, also its bcd.dev/cgroup-parent
-from .slices import slice_name
+from shared.slices import parse_cpulist, slice_name
 
 #: the CDI kind of every hold; a container asks for `bcd.dev/gpu=<device name>`.
 KIND = "bcd.dev/gpu"
@@ -637,6 +652,219 @@ def validate_against_schema(spec: Mapping[str, Any], schema_dir: Path) -> list[s
     return [f"{_json_path(e.absolute_path)}: {e.message}" for e in errors]
 
 
+
+# ---------------------------------------------------------------------------- paths and bytes
+
+#: the two files of a hold, as the helper's requests name them.
+FILE_KINDS: tuple[str, ...] = ("cdi", "allocation-env")
+#: where the env files live inside run_dir.
+ENV_SUBDIR = "allocations"
+
+
+def checked_id(allocation_id: str) -> str:
+    """The id itself; ValueError unless it is a valid allocation id (a file-name part)."""
+    if not isinstance(allocation_id, str) or not ID_RE.match(allocation_id):
+        raise ValueError(f"allocation id {allocation_id!r} is not a valid id")
+    return allocation_id
+
+
+def hold_file_path(kind: str, cdi_dir: Path, run_dir: Path, allocation_id: str) -> Path:
+    """`<cdi_dir>/bcd-<id>.json` (kind cdi) or `<run_dir>/allocations/<id>.env` (kind allocation-env)."""
+    name = checked_id(allocation_id)
+    if kind == "cdi":
+        return Path(cdi_dir) / hold_file_name(name)
+    if kind == "allocation-env":
+        return Path(run_dir) / ENV_SUBDIR / env_file_name(name)
+    raise ValueError(f"unknown file kind {kind!r}")
+
+
+class VendorCache:
+    """The vendor CDI spec of a CDI directory, decoded again only when its file changed (it can be large).
+
+    The one reader of the disk in this module: both writers copy edits from
+    the spec they find in their own CDI directory. `get` raises
+    VendorSpecError when the file is there but cannot be read or decoded.
+    """
+
+    def __init__(self, cdi_dir: Path) -> None:
+        self.cdi_dir = Path(cdi_dir)
+        self._stamp: tuple[int, ...] | None = None
+        self._cached: VendorCdi | None = None
+
+    def get(self) -> VendorCdi | None:
+        path = self.cdi_dir / VENDOR_CDI_FILE
+        try:
+            st = path.stat()
+            stamp: tuple[int, ...] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        except OSError as exc:
+            raise VendorSpecError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if stamp != self._stamp or stamp is None:
+            self._cached = read_vendor_cdi(self.cdi_dir) if stamp is not None else None
+            self._stamp = stamp
+        return self._cached
+
+
+def hold_file_bytes(kind: str, hold: HoldContent, vendor: VendorCdi | None) -> bytes:
+    """The bytes of one file of a hold: what every writer (in-process or the helper) writes."""
+    if kind == "cdi":
+        return render_cdi_spec(build_cdi_spec(hold, vendor))
+    if kind == "allocation-env":
+        return render_env_file(hold)
+    raise ValueError(f"unknown file kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------- to and from the helper
+
+_GPU_UUID_RE = re.compile(GPU_UUID_PATTERN)
+_MIG_UUID_RE = re.compile(MIG_UUID_PATTERN)
+
+
+def gpu_atom_of(gpu_uuid: str) -> str:
+    """The atom id of a whole GPU from NVML's uuid ("GPU-..." as is; a bare uuid gets the prefix)."""
+    return gpu_uuid if gpu_uuid.startswith("GPU-") else f"GPU-{gpu_uuid}"
+
+
+def device_from_wire(w: HelperDevice) -> HoldDevice:
+    """A HoldDevice from typed parts: atom id, visible id and vendor names are derived here,
+    exactly as the converger's planner derives them from the inventory."""
+    if not _GPU_UUID_RE.search(w.gpu_uuid):
+        raise ValueError(f"gpu uuid {w.gpu_uuid!r} is not an NVML GPU uuid")
+    gpu = gpu_atom_of(w.gpu_uuid)
+    if w.kind == "mig":
+        if w.gi is None or w.ci is None or w.slot is not None:
+            raise ValueError(f"{gpu}: a MIG device needs gi and ci and no slot")
+        if not _MIG_UUID_RE.search(w.mig_uuid):
+            raise ValueError(f"{gpu}/gi{w.gi}/ci{w.ci}: MIG uuid {w.mig_uuid!r} is not of the form MIG-...")
+        return HoldDevice(f"{gpu}/gi{w.gi}/ci{w.ci}", "mig", w.gpu_uuid, w.gpu_index, w.mig_uuid, (w.mig_uuid,))
+    if w.gi is not None or w.ci is not None or w.mig_uuid:
+        raise ValueError(f"{gpu}: gi, ci and mig_uuid are for MIG devices only")
+    names = (w.gpu_uuid, str(w.gpu_index))
+    if w.kind == "slot":
+        if w.slot is None:
+            raise ValueError(f"{gpu}: a slot needs its number")
+        return HoldDevice(f"{gpu}/slot{w.slot}", "slot", w.gpu_uuid, w.gpu_index, w.gpu_uuid, names)
+    if w.slot is not None:
+        raise ValueError(f"{gpu}: slot is for slots only")
+    return HoldDevice(gpu, "gpu", w.gpu_uuid, w.gpu_index, w.gpu_uuid, names)
+
+
+_MIG_SUFFIX_RE = re.compile(r"^/gi(0|[1-9][0-9]{0,3})/ci(0|[1-9][0-9]{0,3})\Z")
+_SLOT_SUFFIX_RE = re.compile(r"^/slot(0|[1-9][0-9]{0,3})\Z")
+
+
+def device_to_wire(d: HoldDevice) -> HelperDevice:
+    """The typed parts of a HoldDevice; ValueError when the helper would not rebuild it exactly."""
+    gpu = gpu_atom_of(d.gpu_uuid)
+    suffix = d.atom_id[len(gpu):] if d.atom_id.startswith(gpu) else None
+    gi = ci = slot = None
+    if d.kind == "mig" and suffix is not None and (m := _MIG_SUFFIX_RE.match(suffix)):
+        gi, ci = int(m[1]), int(m[2])
+    elif d.kind == "slot" and suffix is not None and (m := _SLOT_SUFFIX_RE.match(suffix)):
+        slot = int(m[1])
+    elif not (d.kind == "gpu" and suffix == ""):
+        raise ValueError(f"{d.atom_id}: atom id does not follow from GPU uuid {d.gpu_uuid!r} and kind {d.kind}")
+    try:
+        w = HelperDevice(
+            kind=d.kind,
+            gpu_uuid=d.gpu_uuid,
+            gpu_index=d.gpu_index,
+            gi=gi,
+            ci=ci,
+            slot=slot,
+            mig_uuid=d.visible_id if d.kind == "mig" else "",
+        )
+        again = device_from_wire(w)
+    except ValueError as exc:
+        raise ValueError(f"{d.atom_id} cannot be written through the root helper: {exc}") from None
+    if again != d:
+        raise ValueError(f"{d.atom_id} cannot be written through the root helper: its visible id or vendor names are not the derived ones")
+    return w
+
+
+def _bounded_list(text: str, what: str, highest: int) -> str:
+    try:
+        numbers = parse_cpulist(text)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if numbers[-1] > highest:
+        raise ValueError(f"{what} {text!r}: {numbers[-1]} is above the highest allowed, {highest}")
+    return text
+
+
+def limits_from_wire(w: HelperLimits) -> Limits:
+    """Limits from a helper request, within the helper's bounds; ValueError names what is out of bounds."""
+    if w.cpus is not None:
+        _bounded_list(w.cpus, "cpus", HELPER_MAX_CPU)
+    if w.mems is not None:
+        _bounded_list(w.mems, "mems", HELPER_MAX_NUMA_NODE)
+    if w.cpu_millis is not None and w.cpu_millis <= 0:
+        raise ValueError(f"cpu_millis {w.cpu_millis}: a CPU quota must be positive")
+    for h in w.hugepages:
+        if h.page_size_kib & (h.page_size_kib - 1):
+            raise ValueError(f"hugepages: page size {h.page_size_kib} KiB is not a power of two")
+    try:
+        return Limits(
+            cpus=w.cpus,
+            cpu_millis=w.cpu_millis,
+            memory_bytes=w.memory_bytes,
+            hugepages=[HugePages(page_size_kib=h.page_size_kib, count=h.count) for h in w.hugepages],
+            mems=w.mems,
+        )
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ValueError(f"limits: {exc}") from None
+
+
+def limits_to_wire(limits: Limits) -> HelperLimits:
+    return HelperLimits(
+        cpus=limits.cpus,
+        cpu_millis=limits.cpu_millis,
+        memory_bytes=limits.memory_bytes,
+        hugepages=[HelperHugePages(page_size_kib=h.page_size_kib, count=h.count) for h in limits.hugepages],
+        mems=limits.mems,
+    )
+
+
+def hold_from_wire(w: HelperHold, mps_pipe_dir: str) -> HoldContent:
+    """The HoldContent a helper request describes; `mps_pipe_dir` is the helper's own.
+
+    ValueError (the text says what) for anything HoldContent refuses: a bad id,
+    a reserved or malformed env line, an atom twice, a sliced Kubernetes hold.
+    """
+    checked_id(w.allocation_id)
+    if not ID_RE.match(w.reservation_id):
+        raise ValueError(f"reservation id {w.reservation_id!r} is not a valid id")
+    return HoldContent(
+        allocation_id=w.allocation_id,
+        reservation_id=w.reservation_id,
+        generation=w.generation,
+        binding=w.binding,
+        devices=tuple(device_from_wire(d) for d in w.devices),
+        cgroup_parent=slice_name(w.allocation_id) if w.sliced else "",
+        env=tuple(w.env),
+        mps_pipe_dir=mps_pipe_dir if w.mps else "",
+        limits=limits_from_wire(w.limits) if w.limits is not None else None,
+    )
+
+
+def hold_to_wire(c: HoldContent) -> HelperHold:
+    """The typed fields of a HoldContent; ValueError when the helper would not rebuild it exactly."""
+    w = HelperHold(
+        allocation_id=c.allocation_id,
+        reservation_id=c.reservation_id,
+        generation=c.generation,
+        binding=c.binding,  # type: ignore[arg-type]
+        devices=[device_to_wire(d) for d in c.devices],
+        sliced=bool(c.cgroup_parent),
+        env=list(c.env),
+        mps=bool(c.mps_pipe_dir),
+        limits=limits_to_wire(c.limits) if c.limits is not None else None,
+    )
+    if hold_from_wire(w, c.mps_pipe_dir) != c:
+        raise ValueError(f"{c.allocation_id}: the hold cannot be written through the root helper unchanged")
+    return w
+
 __all__ = [
     "KIND",
     "ANN_ALLOCATION",
@@ -669,4 +897,17 @@ __all__ = [
     "parse_hold",
     "check_cdi_rules",
     "validate_against_schema",
+    "FILE_KINDS",
+    "ENV_SUBDIR",
+    "checked_id",
+    "hold_file_path",
+    "VendorCache",
+    "hold_file_bytes",
+    "gpu_atom_of",
+    "device_from_wire",
+    "device_to_wire",
+    "limits_from_wire",
+    "limits_to_wire",
+    "hold_from_wire",
+    "hold_to_wire",
 ]

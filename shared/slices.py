@@ -1,4 +1,6 @@
-"""Hold slices: the converger's `Slices` port and its two backends.
+"""Hold slices: the `Slices` port and its two backends, shared by the converger
+(which observes slices and, as root or on a fake host, applies them) and the
+root helper (which applies them for an unprivileged converger).
 
 A hold whose assignment carries limits runs in its own cgroup-v2 slice,
 `bcd-alloc-<allocation>.slice` (DESIGN 5 "Slices", seed "Hold slices"). bcd

@@ -1,0 +1,3 @@
+from services.helper.service import main
+
+main()

@@ -1,0 +1,204 @@
+"""What the root helper does, without the bus: four operations and `info`.
+
+Every request has been decoded with unknown fields refused. Here each is
+checked again before anything touches the host, and every path, file name,
+slice name and file content is built from the checked fields:
+
+- `file_write`: the hold's typed fields become a HoldContent (ids, env lines,
+  devices and limits validated there) and its bytes come from
+  `shared.holdfiles.hold_file_bytes` with the vendor CDI spec read from this
+  helper's own CDI directory - the same function the in-process writer uses.
+- `file_remove`: a hold's file, or the temp file a write of a given pid left.
+- `slice_apply` / `slice_remove`: `bcd-alloc-<id>.slice` only, limits within
+  bounds (`shared.holdfiles.limits_from_wire`), through the same `Slices`
+  port the converger uses.
+
+A request that is not acceptable raises `HelperRefusal` (nothing written); an
+operation the host failed raises `HelperFailure`; `answer` turns both, and a
+body that does not decode, into a HelperReply. One operation runs at a time.
+
+The two hold files are written through `SafeDir` (no symlink followed, see
+safefs.py). Fake slices (a fakehw host) are JSON records FakeSlices writes
+with plain paths; systemd slices involve no path at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from shared.fsutil import TEMP_MARK
+from shared.holdfiles import (
+    ENV_SUBDIR,
+    VendorCache,
+    checked_id,
+    env_file_name,
+    hold_file_bytes,
+    hold_file_name,
+    hold_from_wire,
+    limits_from_wire,
+)
+from shared.runtime import VERSION
+from shared.schemas import (
+    HELPER_FILE_REMOVE_CODEC,
+    HELPER_FILE_WRITE_CODEC,
+    HELPER_SLICE_APPLY_CODEC,
+    HELPER_SLICE_REMOVE_CODEC,
+    BadMessage,
+    Codec,
+    HelperFileRemove,
+    HelperFileWrite,
+    HelperInfo,
+    HelperReply,
+    HelperSliceApply,
+    HelperSliceRemove,
+)
+from shared.slices import SliceError, Slices, slice_properties
+from shared.vendorcdi import VendorSpecError
+
+from .safefs import SafeDir
+
+#: the CDI spec of one hold is never near this; a bigger build is refused.
+MAX_FILE_BYTES = 4 * 1024 * 1024
+#: HelperReply.reason is bounded (Text): longer reasons are clipped.
+REASON_MAX = 4000
+
+#: operation -> (request codec, HelperOps method)
+OPERATIONS: dict[str, tuple[Codec[Any], str]] = {
+    "file.write": (HELPER_FILE_WRITE_CODEC, "file_write"),
+    "file.remove": (HELPER_FILE_REMOVE_CODEC, "file_remove"),
+    "slice.apply": (HELPER_SLICE_APPLY_CODEC, "slice_apply"),
+    "slice.remove": (HELPER_SLICE_REMOVE_CODEC, "slice_remove"),
+}
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= REASON_MAX else text[: REASON_MAX - 1] + "…"
+
+
+def _allocation(req: Any) -> str:
+    hold = getattr(req, "hold", None)
+    return str(getattr(hold, "allocation_id", None) or getattr(req, "allocation_id", ""))
+
+
+class HelperRefusal(Exception):
+    """The request is not acceptable; nothing was written."""
+
+
+class HelperFailure(Exception):
+    """The host failed the operation (disk, permissions, systemd); worth a retry."""
+
+
+class HelperOps:
+    def __init__(self, cdi_dir: Path, run_dir: Path, slices: Slices, *, slices_backend: str, mps_pipe_dir: str) -> None:
+        self.cdi = SafeDir(cdi_dir)
+        self.run_dir = Path(os.path.realpath(run_dir))
+        self.env = SafeDir(self.run_dir / ENV_SUBDIR)
+        self.slices = slices
+        self.slices_backend = slices_backend
+        self.mps_pipe_dir = mps_pipe_dir
+        self.vendor = VendorCache(self.cdi.path)
+        self._lock = threading.Lock()
+
+    def info(self) -> HelperInfo:
+        return HelperInfo(
+            cdi_dir=str(self.cdi.path),
+            run_dir=str(self.run_dir),
+            slices=self.slices_backend,
+            mps_pipe_dir=self.mps_pipe_dir,
+            euid=os.geteuid(),
+            version=VERSION,
+        )
+
+    def answer(self, op: str, data: bytes) -> tuple[HelperReply, str]:
+        """Decode one request body and run it: (the reply, the allocation id it names).
+
+        Never raises for a request it does not like: a body that does not
+        decode (an unknown field included) or fails a check is a "refused"
+        reply, a host failure a "failed" one.
+        """
+        codec, method = OPERATIONS[op]
+        try:
+            req = codec.decode(data)
+        except BadMessage as exc:
+            return HelperReply(ok=False, outcome="refused", reason=_clip(f"bad request: {exc}")), ""
+        alloc = _allocation(req)
+        try:
+            return getattr(self, method)(req), alloc
+        except HelperRefusal as exc:
+            return HelperReply(ok=False, outcome="refused", reason=_clip(str(exc))), alloc
+        except HelperFailure as exc:
+            return HelperReply(ok=False, outcome="failed", reason=_clip(str(exc))), alloc
+
+    def _where(self, kind: str, allocation_id: str) -> tuple[SafeDir, str]:
+        try:
+            alloc = checked_id(allocation_id)
+        except ValueError as exc:
+            raise HelperRefusal(str(exc)) from None
+        if kind == "cdi":
+            return self.cdi, hold_file_name(alloc)
+        return self.env, env_file_name(alloc)
+
+    def file_write(self, req: HelperFileWrite) -> HelperReply:
+        directory, name = self._where(req.kind, req.hold.allocation_id)
+        try:
+            hold = hold_from_wire(req.hold, self.mps_pipe_dir)
+        except ValueError as exc:
+            raise HelperRefusal(f"{req.kind} of {req.hold.allocation_id}: {exc}") from None
+        with self._lock:
+            vendor = None
+            if req.kind == "cdi":
+                try:
+                    vendor = self.vendor.get()
+                except VendorSpecError as exc:
+                    raise HelperFailure(f"vendor CDI spec unreadable: {exc}") from None
+            data = hold_file_bytes(req.kind, hold, vendor)
+            if len(data) > MAX_FILE_BYTES:
+                raise HelperRefusal(f"{req.kind} of {hold.allocation_id}: {len(data)} bytes is more than {MAX_FILE_BYTES}")
+            try:
+                changed = directory.write(name, data)
+            except OSError as exc:
+                raise HelperFailure(f"cannot write {directory.path / name}: {exc.strerror or exc}") from None
+        return HelperReply(ok=True, outcome="done", changed=changed, path=str(directory.path / name))
+
+    def file_remove(self, req: HelperFileRemove) -> HelperReply:
+        directory, name = self._where(req.kind, req.allocation_id)
+        if req.temp_pid is not None:
+            name = f".{name}{TEMP_MARK}{req.temp_pid}"
+        with self._lock:
+            try:
+                changed = directory.remove(name)
+            except OSError as exc:
+                raise HelperFailure(f"cannot remove {directory.path / name}: {exc.strerror or exc}") from None
+        return HelperReply(ok=True, outcome="done", changed=changed, path=str(directory.path / name))
+
+    def slice_apply(self, req: HelperSliceApply) -> HelperReply:
+        try:
+            alloc = checked_id(req.allocation_id)
+            limits = limits_from_wire(req.limits)
+            slice_properties(alloc, limits)  # every check the backends make, before any of them runs
+        except ValueError as exc:
+            raise HelperRefusal(f"slice of {req.allocation_id}: {exc}") from None
+        with self._lock:
+            try:
+                self.slices.apply(alloc, limits)
+            except (SliceError, OSError) as exc:
+                raise HelperFailure(f"slice of {alloc}: {exc}") from None
+        return HelperReply(ok=True, outcome="done", changed=True)
+
+    def slice_remove(self, req: HelperSliceRemove) -> HelperReply:
+        try:
+            alloc = checked_id(req.allocation_id)
+        except ValueError as exc:
+            raise HelperRefusal(f"slice of {req.allocation_id}: {exc}") from None
+        with self._lock:
+            try:
+                gone = self.slices.stop(alloc)
+            except (SliceError, OSError) as exc:
+                raise HelperFailure(f"slice of {alloc}: {exc}") from None
+        return HelperReply(ok=True, outcome="done", gone=gone)
+
+
+__all__ = ["HelperOps", "HelperRefusal", "HelperFailure", "MAX_FILE_BYTES", "OPERATIONS"]
