@@ -107,7 +107,9 @@ class ConvergerApp(ServiceApp):
             Option("--system-reserve-bytes", "host memory never promised to holds", default=0, type=int),
             Option("--outbox-max-msgs", "events the outbox keeps while upstream is away; full: new binds wait", default=100_000, type=int),
             Option("--outbox-max-bytes", "bytes the outbox keeps while upstream is away", default=256 * 1024 * 1024, type=int),
-            Option("--switch-timeout", "seconds to wait for vfio_switcher's answer to one switch", default=60.0, type=float),
+            # not --switch-timeout: that is the switcher's per-write timeout, and in `bcd up`
+            # one BCD_SWITCH_TIMEOUT would set both; the wait must outlast a switch's writes.
+            Option("--switch-reply-timeout", "seconds to wait for vfio_switcher's answer to one switch (over twice its --switch-timeout)", default=60.0, type=float),
             Option(
                 "--writer",
                 "who writes CDI specs, env files and slices: local (this process), helper (the root helper), "
@@ -181,7 +183,7 @@ class ConvergerApp(ServiceApp):
             crash=crash,
             releases=self.releases,
             reaper=self.reaper,
-            switcher=BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_timeout),
+            switcher=BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_reply_timeout),
             count_switch=lambda target, outcome: self.m_switches.labels(target=target, outcome=outcome).inc(),
         )
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)

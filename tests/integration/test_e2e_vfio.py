@@ -95,7 +95,18 @@ def test_a_vm_claim_switches_a_card_a_hold_on_it_is_refused_and_the_card_returns
     assert node.holds() == {"train", "grab"}
 
 
-def test_a_switch_that_cannot_roll_back_needs_a_reboot_and_clears_after_one(node):
+@pytest.fixture
+def quick_node(tmp_path):
+    """A node whose inventory re-evaluates twice a second while a GPU timer or disruption runs."""
+    n = Node(tmp_path, env={"BCD_GPU_TICK": "0.5"}).start()
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+def test_a_switch_that_cannot_roll_back_needs_a_reboot_and_clears_after_one(quick_node):
+    node = quick_node
     pci = PCI[2]
     # the kernel's unbind hangs and leaves the card with no driver: no way back
     edit_host(node, pci, faults={"unbind": "hang-unbound"})
