@@ -19,6 +19,7 @@ import nats.errors
 from shared.jsutil import StreamDepth, StreamMissing, stream_depth
 from shared.runtime import ServiceCallError, call
 from shared.schemas import CLAIMS_CODEC, CONVERGER_STATUS_CODEC, INVENTORY_CODEC, BadMessage, Claims, ConvergerStatus, Empty, Inventory
+from shared.schemas.inventory import REBOOT_WAIT_REASONS
 from shared.subjects import NodeSubjects
 
 from .client import NodeInfo, NodeUnreachable, connect, ping_all
@@ -170,7 +171,7 @@ def gpu_problems(inv: Inventory | None) -> list[str]:
     out: list[str] = []
     for g in inv.gpus if inv else []:
         for c in g.status.conditions:
-            if c.type == "Reconfiguring" and c.status == "True" and c.reason in ("DisruptionRequired", "DisruptionPending", "RebootRequested"):
+            if c.type == "Reconfiguring" and c.status == "True" and c.reason in REBOOT_WAIT_REASONS:
                 out.append(f"GPU {g.pci_address} {c.reason}: {c.message}")
             if c.type == "Reclaim" and c.status == "False" and c.reason == "Failed":
                 out.append(f"GPU {g.pci_address} reclaim failed: {c.message}")

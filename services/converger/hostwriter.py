@@ -37,7 +37,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from shared.fsutil import TEMP_MARK, atomic_write, is_temp_name, remove_durably
-from shared.holdfiles import ENV_SUBDIR, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
+from shared.holdfiles import ENV_SUBDIR, HoldContent, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     HELPER_INFO_CODEC,
@@ -54,11 +54,9 @@ from shared.schemas import (
     Limits,
     encode,
 )
+from shared.slices import SliceError, Slices
 from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix
 from shared.vendorcdi import VendorSpecError
-
-from shared.holdfiles import HoldContent
-from shared.slices import SliceError, Slices
 
 
 class HostWriteError(Exception):

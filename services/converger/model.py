@@ -17,11 +17,12 @@ from typing import Literal
 
 import msgspec
 
+from shared.holdfiles import HoldContent, HoldOnDisk
 from shared.schemas import (
     AllocationBound,
-    Condition,
     AllocationFailed,
     AllocationReleased,
+    Condition,
     FailureReason,
     Inventory,
     Limits,
@@ -30,7 +31,6 @@ from shared.schemas import (
 )
 from shared.vendorcdi import VendorCdi
 
-from shared.holdfiles import HoldContent, HoldOnDisk
 from .releases import PendingRelease
 
 SECTION = "devices"

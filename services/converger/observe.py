@@ -17,15 +17,15 @@ from pathlib import Path
 
 from shared import logs
 from shared.fsutil import is_temp_name
+from shared.holdfiles import HoldOnDisk, NotAHold, parse_hold
 from shared.schemas import Inventory, NodeSpec
+from shared.slices import SliceError, Slices
 from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi
 
 from .domains import Domains, DomainsError
-from shared.holdfiles import HoldOnDisk, NotAHold, parse_hold
 from .model import ConvergerState, Observed
 from .reaper import Reaper
 from .releases import PendingRelease, ReleasesStore
-from shared.slices import SliceError, Slices
 from .vfio import switched_targets
 
 log = logs.get_logger("bcd.converger.observe")

@@ -20,29 +20,26 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.eventids import bound_id, failed_id, released_id
+from shared.holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
 from shared.schemas import (
     AllocationBound,
-    Condition,
     AllocationFailed,
     AllocationReleased,
+    Condition,
     DeviceAssignment,
     HostResources,
     Limits,
     NodeSpec,
     SectionStatus,
 )
+from shared.slices import slice_name
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
-from shared.holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
-from .releases import PendingRelease
 from .model import (
     SECTION,
+    BindHold,
     ClearUnreadableMarker,
     DropPendingRelease,
-    ReportKubeRelease,
-    SetCondition,
-    WithdrawKubeHold,
-    BindHold,
     EnsureSlice,
     Failure,
     Observed,
@@ -52,11 +49,14 @@ from .model import (
     RemoveTemp,
     ReportBound,
     ReportFailed,
+    ReportKubeRelease,
+    SetCondition,
     Step,
     StopSlice,
+    WithdrawKubeHold,
     WriteEnv,
 )
-from shared.slices import slice_name
+from .releases import PendingRelease
 from .vfio import EXCLUDED_HOLDER, UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
 
 MIB = 1024 * 1024

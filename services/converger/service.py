@@ -26,6 +26,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.holdfiles import HoldOnDisk
 from shared.host import HostFactError, read_boot_id
 from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
 from shared.schemas import (
@@ -47,13 +48,12 @@ from shared.schemas import (
     NodeSpec,
     SpecAck,
 )
+from shared.slices import FakeSlices, Slices, SystemdSlices
+from shared.vendorcdi import VENDOR_CDI_FILE
 
 from .apply import Applier
 from .crash import CrashPoints
 from .domains import Domains, FakeDomains, NoDomains
-from shared.vendorcdi import VENDOR_CDI_FILE
-
-from shared.holdfiles import HoldOnDisk
 from .hostwriter import (
     BusHelperTransport,
     HelperHostWriter,
@@ -67,11 +67,10 @@ from .hostwriter import (
 from .loop import PassLoop
 from .model import ConvergerState, PlanConfig
 from .observe import observe, read_disk, release_facts
-from .reaper import BusReaper
-from .releases import PendingRelease, ReleasesStore
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import UNREADABLE, plan
-from shared.slices import FakeSlices, Slices, SystemdSlices
+from .reaper import BusReaper
+from .releases import PendingRelease, ReleasesStore
 from .state import StateStore
 from .switcher import BusSwitcher
 from .vfio import card_claims

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from shared.schemas import Condition, GpuClaim, Inventory, NodeSpec
-from shared.schemas.inventory import Gpu
+from shared.schemas.inventory import RECONFIGURING_REASONS, Gpu
 
 from .model import Observed, RecordVfio, Step, SwitchGpu
 
@@ -55,10 +55,6 @@ UNREADABLE_RELEASES_HOLDER = "(pending Kubernetes releases that could not be rea
 
 #: Managed condition reasons (and managementState) that keep a card from vfio-pci and from new holds.
 EXCLUDED_REASONS = frozenset({"Excluded", "ExcludedReleasePending"})
-#: Reconfiguring reasons after which a card is not switched to vfio-pci until the inventory clears them.
-RECONFIGURING_REASONS = frozenset(
-    {"Requested", "Draining", "InProgress", "DisruptionRequired", "DisruptionPending", "RebootRequested", "Completing"}
-)
 
 #: kind order of a card's claims: the holder endpoint answers the first.
 CLAIM_KINDS = ("allocation", "release", "instance", "domain")

@@ -377,7 +377,7 @@ class GpuTracker:
             gpus.append(msgspec.structs.replace(g, status=status))
             notice = switch_event if switch_event is not None and switch_event.pci == pci else None
             if notice is not None:
-                result.events.append(self._switch_event(pci, g.uuid, status, notice))
+                result.events.append(self._event(pci, g.uuid, status, now, notice))
             elif status_key(previous) != status_key(status):
                 result.events.append(self._event(pci, g.uuid, status, now))
 
@@ -389,7 +389,7 @@ class GpuTracker:
                 last, driver_binding=msgspec.structs.replace(last.driver_binding, driver="", mode="None")
             )
             result.events.append(
-                self._switch_event(switch_event.pci, rec.uuid if rec is not None else "", gone, switch_event)
+                self._event(switch_event.pci, rec.uuid if rec is not None else "", gone, switch_event.at, switch_event)
             )
 
         for pci in list(state.cards):
@@ -507,30 +507,19 @@ class GpuTracker:
 
     # ------------------------------------------------------------------ events
 
-    def _event(self, pci: str, uuid: str, status: PhysicalGPUStatus, at: datetime) -> PendingEvent:
+    def _event(self, pci: str, uuid: str, status: PhysicalGPUStatus, at: datetime, reply: SwitchReply | None = None) -> PendingEvent:
+        """A `gpu` event of a status change, or of the switch `reply` behind it (its instant and its event)."""
+        extra = f"{reply.event}|{reply.outcome}|{reply.target}|{reply.reason}" if reply is not None else ""
         return PendingEvent(
-            event_id=gpu_id(self.node_id, pci, at, _change_text(status)),
+            event_id=gpu_id(self.node_id, pci, reply.at if reply is not None else at, _change_text(status, extra)),
             event=GpuChanged(
                 pci_address=pci,
                 uuid=uuid,
                 phase=status.phase,
                 management_state=status.driver_binding.management_state,
                 status=status,
-            ),
-        )
-
-    def _switch_event(self, pci: str, uuid: str, status: PhysicalGPUStatus, reply: SwitchReply) -> PendingEvent:
-        extra = f"{reply.event}|{reply.outcome}|{reply.target}|{reply.reason}"
-        return PendingEvent(
-            event_id=gpu_id(self.node_id, pci, reply.at, _change_text(status, extra)),
-            event=GpuChanged(
-                pci_address=pci,
-                uuid=uuid,
-                phase=status.phase,
-                management_state=status.driver_binding.management_state,
-                status=status,
-                reason=reply.event,
-                message=_cut(reply.message),
+                reason=reply.event if reply is not None else "",
+                message=_cut(reply.message) if reply is not None else "",
             ),
         )
 

@@ -32,7 +32,7 @@ from typing import Literal
 
 from shared.schemas import Condition
 from shared.schemas.common import PCI_RE
-from shared.schemas.inventory import DriverMode, ManagementState, Phase
+from shared.schemas.inventory import DISRUPTION_REASONS, RECONFIGURING_REASONS, DriverMode, ManagementState, Phase
 
 VFIO_DRIVER = "vfio-pci"
 
@@ -49,16 +49,11 @@ RECLAIM_TIMEOUT = timedelta(minutes=2)
 #: AdapterReady=False reasons after which the card is unusable until someone acts (phase Failed).
 FAILED_REASONS = frozenset({"VFIORequiresBareMetal"})
 
-#: Reconfiguring reasons of the disruption flow, in order.
+#: Reconfiguring reasons of the disruption flow (DISRUPTION_REASONS, from shared.schemas.inventory).
 DISRUPTION_REQUIRED = "DisruptionRequired"
 DISRUPTION_PENDING = "DisruptionPending"
 REBOOT_REQUESTED = "RebootRequested"
 COMPLETING = "Completing"
-DISRUPTION_REASONS = (DISRUPTION_REQUIRED, DISRUPTION_PENDING, REBOOT_REQUESTED, COMPLETING)
-
-#: every Reconfiguring reason the seed names: the reconfiguration flow
-#: (Requested -> Draining -> InProgress -> Completing) and the disruption flow.
-RECONFIGURING_REASONS = frozenset({"Requested", "Draining", "InProgress", *DISRUPTION_REASONS})
 
 #: the reasons of the Managed condition. The seed names six (three for True,
 #: three for Unknown); Excluded and Orphaned read Managed=False and carry

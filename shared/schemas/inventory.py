@@ -21,6 +21,15 @@ Phase = Literal["Initializing", "Ready", "Passthrough", "Reconfiguring", "Failed
 DriverMode = Literal["Compute", "Passthrough", "None"]
 ManagementState = Literal["Managed", "Excluded", "Unclaimed", "Orphaned", "Unknown"]
 
+#: Reconfiguring reasons of the disruption flow (seed 003), in order: a driver
+#: switch that could not be rolled back, until the card is back after a reboot.
+DISRUPTION_REASONS: tuple[str, ...] = ("DisruptionRequired", "DisruptionPending", "RebootRequested", "Completing")
+#: the disruption stages that wait for a node reboot (an operator's to-do).
+REBOOT_WAIT_REASONS: tuple[str, ...] = DISRUPTION_REASONS[:3]
+#: every Reconfiguring reason: the reconfiguration flow (Requested -> Draining ->
+#: InProgress -> Completing) and the disruption flow.
+RECONFIGURING_REASONS = frozenset({"Requested", "Draining", "InProgress", *DISRUPTION_REASONS})
+
 
 class DriverBinding(Struct, kw_only=True):
     """What the kernel really has bound to the card, and who manages it."""
@@ -146,6 +155,9 @@ __all__ = [
     "Phase",
     "DriverMode",
     "ManagementState",
+    "DISRUPTION_REASONS",
+    "REBOOT_WAIT_REASONS",
+    "RECONFIGURING_REASONS",
     "DriverBinding",
     "PhysicalGPUStatus",
     "MigProfile",
