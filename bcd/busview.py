@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
@@ -29,6 +28,7 @@ from typing import Any
 
 import nats.errors
 
+from shared.schemas.codec import bounded_json_loads
 from shared.subjects import NodeSubjects
 
 from .client import NodeInfo, NodeUnreachable, connect
@@ -569,7 +569,7 @@ async def service_stats(nc: Any, expected: Iterable[str] = (), wait: float = 1.0
             if not msg.data:  # a status message (no responders), not a reply
                 continue
             with contextlib.suppress(ValueError):
-                reply = json.loads(msg.data)
+                reply = bounded_json_loads(msg.data, 1024 * 1024, "ping reply")
                 if isinstance(reply, dict):
                     replies.append(reply)
     finally:
@@ -580,7 +580,7 @@ async def service_stats(nc: Any, expected: Iterable[str] = (), wait: float = 1.0
 async def _stream_info(nc: Any, stream: str) -> StreamStats | None:
     with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, ValueError):
         msg = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=3)
-        info = json.loads(msg.data)
+        info = bounded_json_loads(msg.data, 4 * 1024 * 1024, "stream info")
         if isinstance(info, dict) and "error" not in info:
             return parse_stream(info, NODE_ACCOUNT)
     return None
@@ -593,7 +593,7 @@ def fetch_monitor(url: str, timeout: float = 3.0) -> MonitorStats:
     for key, path in MONITOR_PATHS.items():
         try:
             with urllib.request.urlopen(f"{url.rstrip('/')}/{path}", timeout=timeout) as resp:  # noqa: S310 - node.json's loopback URL
-                parts[key] = json.loads(resp.read())
+                parts[key] = bounded_json_loads(resp.read(64 * 1024 * 1024 + 1), 64 * 1024 * 1024, f"monitor {key}")
         except (OSError, ValueError, urllib.error.URLError) as exc:
             errors.append(f"{key}: {getattr(exc, 'reason', None) or exc}")
     return parse_monitor(url, parts.get("varz"), parts.get("connz"), parts.get("subsz"), parts.get("jsz"), "; ".join(errors))

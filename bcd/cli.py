@@ -27,6 +27,7 @@ from shared.schemas import (
     Inventory,
     SignerKey,
 )
+from shared.schemas.codec import BoundedDecoder
 from shared.subjects import NodeSubjects
 
 from .client import NodeUnreachable, connect, node_info, ping_all
@@ -261,7 +262,8 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_releases(args: argparse.Namespace) -> int:
     """Pending Kubernetes releases; `--clear-unreadable` removes the unreadable-releases marker."""
-    from services.converger.releases import RELEASES_FILE, UNREADABLE_MARKER, ReleasesFile
+    from services.converger.releases import RELEASES_FILE, RELEASES_MAX_BYTES, UNREADABLE_MARKER, ReleasesFile
+    from shared.fsutil import read_regular
 
     info = node_info(args.state_dir)
     data = Path(info.data_dir)
@@ -283,9 +285,12 @@ def cmd_releases(args: argparse.Namespace) -> int:
         _run(kick())
         return 0
     try:
-        pending = msgspec.json.decode((data / RELEASES_FILE).read_bytes(), type=ReleasesFile).releases
+        pending = BoundedDecoder(ReleasesFile, max_bytes=RELEASES_MAX_BYTES, what=RELEASES_FILE).decode(read_regular(data / RELEASES_FILE, max_bytes=RELEASES_MAX_BYTES)).releases
     except FileNotFoundError:
         pending = {}
+    except OSError as exc:
+        print(f"{data / RELEASES_FILE} is unreadable ({exc.strerror or exc}); the converger sets it aside at its next pass")
+        return 1
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         print(f"{data / RELEASES_FILE} is unreadable ({exc}); the converger sets it aside at its next pass")
         return 1

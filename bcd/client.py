@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from shared.schemas.codec import BoundedDecoder, bounded_json_loads
 from shared.subjects import OPERATOR_USER, inbox_prefix
 
 
@@ -40,7 +40,7 @@ class NodeUnreachable(Exception):
 def node_info(state: Path) -> NodeInfo:
     path = Path(state) / "node.json"
     try:
-        return msgspec.json.decode(path.read_bytes(), type=NodeInfo)
+        return BoundedDecoder(NodeInfo, max_bytes=1024 * 1024, what=str(path)).decode(path.read_bytes())
     except FileNotFoundError:
         raise SystemExit(f"bcd: no node at {state} ({path} missing): start one with `bcd up --state-dir {state}`") from None
 
@@ -82,7 +82,7 @@ async def ping_all(nc: Client, wait: float = 0.5) -> list[dict[str, Any]]:
             if not msg.data:  # a status message (503: nobody subscribed yet), not a reply
                 continue
             try:
-                replies.append(json.loads(msg.data))
+                replies.append(bounded_json_loads(msg.data, 1024 * 1024, "ping reply"))
             except ValueError:
                 continue
     finally:

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import re
 import signal
@@ -64,7 +63,7 @@ from nats.js.kv import KeyValue
 from shared import logs
 from shared.keyfile import KeyFileError as SharedKeyFileError
 from shared.keyfile import load_or_create_key
-from shared.fsutil import atomic_write
+from shared.fsutil import atomic_write, read_regular
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
     HELLO_CODEC,
@@ -87,6 +86,7 @@ from shared.schemas import (
     SectionStatus,
     encode,
 )
+from shared.schemas.codec import DEFAULT_MAX_BYTES, BoundedDecoder, bounded_json_loads
 from shared.schemas.events import EVENT_TYPES
 from shared.signing import VerificationError, key_id, sign_node_spec, verify_report
 from shared.subjects import (
@@ -117,6 +117,8 @@ BUCKET_HISTORY: dict[str, int] = {
 MAX_PROCESSED_IDS = 20_000
 
 STATE_FILE = "state.json"
+#: the largest state file read back (nodes, bookings, up to MAX_PROCESSED_IDS event ids).
+STATE_MAX_BYTES = 256 * 1024 * 1024
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "state.lock"
 KEY_FILE = "cp.key"
@@ -207,8 +209,8 @@ class EventRecord(msgspec.Struct, frozen=True, kw_only=True):
     event: dict[str, Any] | None = None
 
 
-_STATE_DECODER = msgspec.json.Decoder(ControlPlaneState)
-_RECORD_DECODER = msgspec.json.Decoder(EventRecord)
+_STATE_DECODER = BoundedDecoder(ControlPlaneState, max_bytes=256 * 1024 * 1024, what="control-plane state")
+_RECORD_DECODER = BoundedDecoder(EventRecord, max_bytes=4 * 1024 * 1024, what="event record")
 
 
 def now_utc() -> datetime:
@@ -354,9 +356,11 @@ class StateStore:
             self.state = ControlPlaneState()
         else:
             try:
-                self.state = _STATE_DECODER.decode(self.path.read_bytes())
+                self.state = _STATE_DECODER.decode(read_regular(self.path, max_bytes=STATE_MAX_BYTES))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise StateError(f"{self.path}: does not decode ({exc}); move it away to start afresh") from None
+            except OSError as exc:
+                raise StateError(f"{self.path}: cannot read ({exc}); move it away to start afresh") from None
         self._stamp = stamp
 
     def refresh(self) -> ControlPlaneState:
@@ -530,7 +534,7 @@ def _spec_fields(spec: NodeSpec | dict[str, Any] | str | bytes) -> dict[str, Any
         return msgspec.to_builtins(spec)
     if isinstance(spec, (str, bytes, bytearray)):
         try:
-            data = json.loads(spec)
+            data = bounded_json_loads(spec, 4 * DEFAULT_MAX_BYTES, "spec")
         except ValueError as exc:
             raise BadMessage(f"spec: not valid JSON ({exc})") from None
     else:

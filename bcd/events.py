@@ -8,9 +8,11 @@ from pathlib import Path
 
 import msgspec
 
+from shared.schemas.codec import BoundedDecoder
+
 from .controlplane import EventRecord, format_line
 
-_DECODER = msgspec.json.Decoder(EventRecord)
+_DECODER = BoundedDecoder(EventRecord, max_bytes=4 * 1024 * 1024, what="event record")
 
 
 def _render(line: bytes) -> str | None:

@@ -80,6 +80,11 @@ def problems(report: NodeReport) -> list[str]:
     conv = report.converger
     if conv is not None and conv.section is not None and conv.section.state == "PROGRESSING" and conv.next_retry_in_s is not None:
         out.append(f"devices section PROGRESSING (retrying): {conv.section.message.splitlines()[-1] if conv.section.message else ''}")
+    if conv is not None:
+        if conv.vendor_cdi_error:
+            out.append(f"vendor CDI spec unreadable, no new hold is bound: {conv.vendor_cdi_error}")
+        if conv.outbox_error:
+            out.append(conv.outbox_error)
     out.extend(gpu_problems(report.inventory))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
@@ -141,6 +146,8 @@ def render_status(report: NodeReport) -> str:
             extra = f"  slice {h.cgroup_parent}" if h.cgroup_parent else ""
             flag = "" if h.reported else "  (Bound not yet reported)"
             lines.append(f"  hold {h.allocation_id} ({h.reservation_id}) gen {h.generation}: {', '.join(h.devices)}{extra}{flag}")
+        # what the converger skipped or got less of (files that are not regular files, a reduced outbox)
+        lines.extend(f"  problem: {p}" for p in conv.problems)
     else:
         lines.append("section devices: converger unavailable")
     svc = ", ".join(f"{n}{'' if n in report.services else ' (DOWN)'}" for n in (report.expected or sorted(report.services)))
@@ -212,8 +219,24 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             )
         if not conv.vendor_cdi_spec:
             out.append(("warn", "vendor-cdi-spec", "no vendor CDI spec (nvidia.json) in the CDI dir: holds carry only env"))
+        elif conv.vendor_cdi_error:
+            why = conv.vendor_cdi_error.removeprefix(f"{conv.vendor_cdi_spec}: ")
+            out.append(
+                (
+                    "fail",
+                    "vendor-cdi-spec",
+                    f"{conv.vendor_cdi_spec} unreadable: {why}; no new hold is bound until it reads (retried)",
+                )
+            )
         else:
             out.append(("ok", "vendor-cdi-spec", conv.vendor_cdi_spec))
+        if conv.outbox_error:
+            out.append(("fail", "outbox-size", conv.outbox_error))
+        elif conv.outbox_warning:
+            out.append(("warn", "outbox-size", conv.outbox_warning))
+        for p in conv.problems:
+            if p not in (conv.outbox_error, conv.outbox_warning):
+                out.append(("warn", "hold-dirs", p))
         if conv.section is not None and conv.section.state == "FAILED":
             out.append(("warn", "section", "devices section FAILED: " + "; ".join(conv.section.message.splitlines())))
     out.extend(("fail", "gpu", p) for p in gpu_problems(inv))

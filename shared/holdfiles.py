@@ -68,6 +68,7 @@ from shared.schemas.bus import (
     HelperHugePages,
     HelperLimits,
 )
+from shared.schemas.codec import BoundedDecoder, bounded_json_loads
 from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, reserved_env_key
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi, VendorSpecError, read_vendor_cdi
 
@@ -120,6 +121,9 @@ _KIND_RE = re.compile(rf"^{_KIND_PART}/{_KIND_PART}\Z")
 _ANN_PREFIX_RE = re.compile(r"^[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*\Z")
 _ANN_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 _ANNOTATIONS_MAX_BYTES = 256 * 1024
+#: parse_hold's bounds: a CDI spec read back is decoded at most this large and 64 levels deep.
+HOLD_FILE_MAX_BYTES = 8 * 1024 * 1024
+_LIMITS_DECODER = BoundedDecoder(Limits, max_bytes=_ANNOTATIONS_MAX_BYTES, what="limits annotation")
 
 
 def hold_file_name(allocation_id: str) -> str:
@@ -227,6 +231,11 @@ class HoldContent:
         for line in self.env:
             if not _ENV_LINE_RE.search(line) or reserved_env_key(line.split("=", 1)[0]):
                 raise ValueError(f"{self.allocation_id}: env line {line!r} is not allowed")
+        # the lines bcd builds itself too (visible ids come from the inventory):
+        # no value may carry a line break of any kind into the env file
+        for line in env_lines(self):
+            if not _ENV_LINE_RE.search(line):
+                raise ValueError(f"{self.allocation_id}: env line {line!r} cannot be written to an env file")
 
     @property
     def visible_devices(self) -> str:
@@ -440,7 +449,7 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
         return NotAHold(name, reason)
 
     try:
-        spec = json.loads(data)
+        spec = bounded_json_loads(data, HOLD_FILE_MAX_BYTES, "CDI spec")
     except (ValueError, UnicodeDecodeError) as exc:
         raise refuse(f"not valid JSON ({exc})") from None
     if not isinstance(spec, dict):
@@ -476,7 +485,7 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
     if ANN_LIMITS in annotations:
         raw = annotations[ANN_LIMITS]
         try:
-            limits = msgspec.json.decode(raw if isinstance(raw, str) else b"", type=Limits)
+            limits = _LIMITS_DECODER.decode(raw if isinstance(raw, str) else b"")
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise refuse(f"{ANN_LIMITS} is not valid limits ({exc})") from None
     devices = spec.get("devices")
@@ -694,7 +703,8 @@ class VendorCache:
     def get(self) -> VendorCdi | None:
         path = self.cdi_dir / VENDOR_CDI_FILE
         try:
-            st = path.stat()
+            # lstat: a symlink there is read (and refused) by read_vendor_cdi, never followed
+            st = path.lstat()
             stamp: tuple[int, ...] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
         except FileNotFoundError:
             stamp = None

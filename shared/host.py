@@ -7,10 +7,16 @@ can "reboot" a node by editing one field.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from shared.fsutil import read_regular
+from shared.schemas.codec import bounded_json_loads
+
 BOOT_ID_PATH = "sys/kernel/random/boot_id"
+#: the largest fake host description file read (every reader of it uses this cap).
+HOST_FILE_MAX_BYTES = 16 * 1024 * 1024
+#: a boot id file is one UUID line.
+BOOT_ID_MAX_BYTES = 4096
 
 
 class HostFactError(Exception):
@@ -20,7 +26,7 @@ class HostFactError(Exception):
 def read_boot_id(proc_root: Path = Path("/proc"), fake_host: Path | None = None) -> str:
     if fake_host is not None:
         try:
-            value = json.loads(Path(fake_host).read_bytes()).get("boot_id", "")
+            value = bounded_json_loads(read_regular(fake_host, max_bytes=HOST_FILE_MAX_BYTES), HOST_FILE_MAX_BYTES, str(fake_host)).get("boot_id", "")
         except (OSError, ValueError, AttributeError) as exc:
             raise HostFactError(f"{fake_host}: cannot read boot_id ({exc})") from None
         if not isinstance(value, str) or not value:
@@ -28,9 +34,9 @@ def read_boot_id(proc_root: Path = Path("/proc"), fake_host: Path | None = None)
         return value
     path = Path(proc_root) / BOOT_ID_PATH
     try:
-        return path.read_text().strip()
+        return read_regular(path, max_bytes=BOOT_ID_MAX_BYTES).decode("utf-8", "replace").strip()
     except OSError as exc:
         raise HostFactError(f"{path}: {exc.strerror}") from None
 
 
-__all__ = ["HostFactError", "read_boot_id", "BOOT_ID_PATH"]
+__all__ = ["HostFactError", "read_boot_id", "BOOT_ID_PATH", "HOST_FILE_MAX_BYTES"]

@@ -28,7 +28,8 @@ def load_or_create_key(path: Path, owner: str = "this process") -> tuple[Ed25519
     """Return (key, created)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO at the key's path must not hang the signer (fstat refuses it below)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         return _create(path, owner), True
     except OSError as exc:
@@ -47,7 +48,7 @@ def load_or_create_key(path: Path, owner: str = "this process") -> tuple[Ed25519
             )
         if st.st_uid != os.geteuid():
             raise KeyFileError(f"{path}: owned by uid {st.st_uid}, not by {owner} (uid {os.geteuid()})")
-        data = f.read()
+        data = f.read(64 * 1024)  # a PEM Ed25519 key is ~120 bytes
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except ValueError as exc:

@@ -32,6 +32,7 @@ from prometheus_client.exposition import start_http_server
 
 from shared import logs
 from shared.schemas import BadMessage, Codec, encode
+from shared.schemas.codec import SchemaViolation
 from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix
 
 VERSION = "0.1.0"
@@ -190,15 +191,35 @@ class ServiceContext(Generic[T]):
         request: Codec[Any] | None,
         *,
         allow_empty: bool = False,
+        reply: Codec[Any] | None = None,
     ) -> None:
         """Add a micro endpoint whose body is decoded with `request` at the boundary.
 
-        A body that does not decode is answered 400 with the field named; a
-        `Refused` keeps its code; anything else is logged and answered 500.
-        The service itself never dies of a bad message.
+        A body that does not decode, whatever the reason, is answered 400 with
+        the field named; a `Refused` keeps its code; anything else is logged
+        and answered 500. With `reply`, the handler's result is encoded through
+        `reply.encode_valid`: a result its own schema refuses is logged and
+        answered 500 "reply violates <Type> schema", never sent as a message
+        the caller cannot decode. The service itself never dies of a bad message.
         """
         assert self._requests is not None and self._latency is not None
         requests, latency, log = self._requests, self._latency, self.log
+
+        def refuse_body(exc: Exception) -> ServiceError:
+            text = str(exc) if isinstance(exc, BadMessage) else f"message: not readable ({type(exc).__name__})"
+            log.warning("bad request", endpoint=name, error=text)
+            return ServiceError("400", text)
+
+        def encode_reply(result: object) -> bytes:
+            if reply is None:
+                return result if isinstance(result, bytes) else encode(result)
+            if isinstance(result, bytes):
+                try:
+                    reply.decode(result)
+                except BadMessage as exc:
+                    raise SchemaViolation(f"{reply.type_name} schema violated: {exc}") from None
+                return result
+            return reply.encode_valid(result)
 
         async def handle(req: Request) -> None:
             started = time.perf_counter()
@@ -206,15 +227,12 @@ class ServiceContext(Generic[T]):
             try:
                 if request is None:
                     arg: Any = req.data
-                elif allow_empty and not req.data.strip():
-                    arg = request.decode(b"{}")
                 else:
                     try:
-                        arg = request.decode(req.data)
-                    except BadMessage as exc:
+                        arg = request.decode(b"{}" if allow_empty and not req.data.strip() else req.data)
+                    except Exception as exc:  # noqa: BLE001 - any decode failure is the sender's: 400
                         outcome = "bad_request"
-                        log.warning("bad request", endpoint=name, error=str(exc))
-                        raise ServiceError("400", str(exc)) from None
+                        raise refuse_body(exc) from None
                 try:
                     result = await handler(arg)
                 except ServiceError as exc:
@@ -225,12 +243,108 @@ class ServiceContext(Generic[T]):
                     outcome = "error"
                     log.exception("request failed", endpoint=name)
                     raise ServiceError("500", f"internal error: {type(exc).__name__}") from None
-                await req.respond(result if isinstance(result, bytes) else encode(result))
+                try:
+                    data = encode_reply(result)
+                except SchemaViolation as exc:
+                    outcome = "error"
+                    log.error("reply violates its schema; answered 500", endpoint=name, error=str(exc))
+                    raise ServiceError("500", f"internal error: reply violates {reply.type_name if reply else 'its'} schema") from None
+                except Exception as exc:  # noqa: BLE001 - an unencodable reply is this service's bug
+                    outcome = "error"
+                    log.exception("reply not encodable; answered 500", endpoint=name)
+                    raise ServiceError("500", f"internal error: reply not encodable ({type(exc).__name__})") from None
+                try:
+                    await req.respond(data)
+                except Exception as exc:  # noqa: BLE001 - e.g. larger than max_payload: the caller gets a 500
+                    outcome = "error"
+                    log.error("reply not sent", endpoint=name, error=f"{type(exc).__name__}: {exc}", bytes=len(data))
+                    raise ServiceError("500", f"internal error: reply not sent ({type(exc).__name__})") from None
             finally:
                 requests.labels(endpoint=name, outcome=outcome).inc()
                 latency.labels(endpoint=name).observe(time.perf_counter() - started)
 
         await self.service.add_endpoint(name=name, subject=subject, handler=handle)
+
+
+# --------------------------------------------------------------------------- surviving one bad message
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: text` of an exception, for a log line (the type alone when it has no text)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def guarded(log: logs.StructLogger, what: str) -> Callable[[Callable[[Any], Awaitable[None]]], Callable[[Any], Awaitable[None]]]:
+    """Decorate a NATS subscription callback: an exception from one message is logged, never raised.
+
+        @guarded(ctx.log, "inventory notice")
+        async def on_inventory(msg): ...
+
+    A message that does not decode (BadMessage) is a WARNING; anything else
+    is an ERROR with its traceback. Either way the callback stays subscribed
+    and the next message is handled.
+    """
+
+    def wrap(cb: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        async def run(msg: Any) -> None:
+            try:
+                await cb(msg)
+            except BadMessage as exc:
+                log.warning(f"{what}: message ignored", subject=getattr(msg, "subject", ""), error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - one message never stops a subscription
+                log.exception(f"{what}: handling a message failed", subject=getattr(msg, "subject", ""), error=describe(exc))
+
+        run.__name__ = getattr(cb, "__name__", "callback")
+        run.__qualname__ = getattr(cb, "__qualname__", run.__name__)
+        return run
+
+    return wrap
+
+
+class LoopGuard:
+    """One iteration of a background loop: an exception is logged and backed off, never fatal.
+
+        guard = LoopGuard(ctx.log, "specs loop")
+        while not ctx.stopping.is_set():
+            async with guard:
+                ...one iteration...
+
+    An iteration that raises (anything but cancellation) is logged with the
+    error, then the guard sleeps `initial` seconds, doubling on each
+    consecutive failure up to `maximum`; a clean iteration resets it. The
+    loop goes on either way.
+    """
+
+    def __init__(self, log: logs.StructLogger, what: str, *, initial: float = 0.5, maximum: float = 10.0) -> None:
+        self.log = log
+        self.what = what
+        self.initial = initial
+        self.maximum = maximum
+        self.failures = 0
+
+    def delay(self) -> float:
+        return min(self.maximum, self.initial * (2 ** max(0, self.failures - 1)))
+
+    async def __aenter__(self) -> "LoopGuard":
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            self.failures = 0
+            return False
+        if not isinstance(exc, Exception):
+            return False  # CancelledError, KeyboardInterrupt, SystemExit: stop as asked
+        self.failures += 1
+        delay = self.delay()
+        fields: dict[str, Any] = {"error": describe(exc), "retry_in_s": delay, "failures": self.failures}
+        if isinstance(exc, BadMessage):
+            # a peer's (or a bucket's) message that does not decode: its text says why
+            self.log.warning(f"{self.what}: a message did not decode; retrying", **fields)
+        else:
+            self.log.exception(f"{self.what}: iteration failed; retrying", **fields)
+        await asyncio.sleep(delay)
+        return True
 
 
 def _metrics(service: str, node_id: str, registry: CollectorRegistry) -> tuple[Counter, Histogram, Gauge]:
@@ -401,6 +515,9 @@ __all__ = [
     "ServiceApp",
     "ServiceContext",
     "StartupError",
+    "describe",
+    "guarded",
+    "LoopGuard",
     "connect",
     "serve",
     "run_service",

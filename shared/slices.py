@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from shared.logs import get_logger
-from shared.fsutil import atomic_write, fsync_dir
+from shared.fsutil import atomic_write, fsync_dir, read_regular
+from shared.schemas.codec import bounded_json_loads
 from shared.schemas.common import CPULIST_PATTERN, ID_RE
 from shared.schemas.nodespec import HugePages, Limits
 
@@ -42,6 +43,8 @@ log = get_logger(__name__)
 
 SLICE_PREFIX = "bcd-alloc-"
 SLICE_SUFFIX = ".slice"
+#: a fake slice record read back (a few properties and pids).
+SLICE_RECORD_MAX_BYTES = 1024 * 1024
 _SLICE_RE = re.compile(r"^bcd-alloc-(.+)\.slice\Z")
 _DASH = "\\x2d"
 _CPULIST_RE = re.compile(CPULIST_PATTERN)
@@ -261,7 +264,7 @@ class FakeSlices:
     def _read(self, allocation_id: str) -> dict[str, Any] | None:
         path = self.path(allocation_id)
         try:
-            record = json.loads(path.read_bytes())
+            record = bounded_json_loads(read_regular(path, max_bytes=SLICE_RECORD_MAX_BYTES), SLICE_RECORD_MAX_BYTES, "slice record")
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:

@@ -15,8 +15,13 @@ from typing import Any
 
 import msgspec
 
+from shared.fsutil import read_regular
+from shared.schemas.codec import BoundedDecoder
+
 #: the file name of the vendor's own CDI spec inside cdi_dir.
 VENDOR_CDI_FILE = "nvidia.json"
+#: the largest vendor spec read (NVIDIA's, with every library mount, is tens of KiB).
+VENDOR_CDI_MAX_BYTES = 16 * 1024 * 1024
 
 
 class VendorSpecError(Exception):
@@ -61,7 +66,7 @@ class _CdiSpecFile(msgspec.Struct):
     containerEdits: dict[str, Any] = {}
 
 
-_CDI_DECODER = msgspec.json.Decoder(_CdiSpecFile)
+_CDI_DECODER = BoundedDecoder(_CdiSpecFile, max_bytes=16 * 1024 * 1024, what="vendor CDI spec")
 
 
 def vendor_cdi_from_json(data: bytes, path: str) -> VendorCdi:
@@ -91,7 +96,8 @@ def read_vendor_cdi(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> Ven
     """The vendor spec `<cdi_dir>/<filename>`; None when there is none."""
     path = Path(cdi_dir) / filename
     try:
-        data = path.read_bytes()
+        # never a FIFO, a device or a symlink, never more than the cap (read_regular)
+        data = read_regular(path, max_bytes=VENDOR_CDI_MAX_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -99,4 +105,4 @@ def read_vendor_cdi(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> Ven
     return vendor_cdi_from_json(data, str(path))
 
 
-__all__ = ["VENDOR_CDI_FILE", "VendorSpecError", "VendorCdi", "vendor_cdi_from_json", "read_vendor_cdi"]
+__all__ = ["VENDOR_CDI_FILE", "VENDOR_CDI_MAX_BYTES", "VendorSpecError", "VendorCdi", "vendor_cdi_from_json", "read_vendor_cdi"]

@@ -29,7 +29,7 @@ import msgspec
 
 from shared import logs
 from shared.eventids import condition_id, section_id
-from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, SwitchRequest, encode
+from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, SwitchRequest, encode, summarise
 
 from .hostwriter import HostWriteError, HostWriter
 from .model import (
@@ -42,6 +42,7 @@ from .model import (
     ConvergerState,
     EnsureSlice,
     Intent,
+    Refusal,
     Plan,
     ReleaseHold,
     RemoveTemp,
@@ -118,6 +119,9 @@ class Applier:
         result = ApplyResult()
         release_failed = False
         unreported: set[str] = set()
+        #: kept holds whose slice or env file could not be put back in this pass:
+        #: no Bound for them until every file is in place (seed: "What a bind writes").
+        incomplete: set[str] = set()
         # A full outbox holds back new binds (their Bound could not be journaled);
         # releases and failure reports still go, into the headroom.
         room = True
@@ -128,7 +132,12 @@ class Applier:
                 result.errors.append(f"{step.allocation_id}: not bound in this pass: a release before it failed")
                 continue
             if not room and isinstance(step, BindHold):
-                result.errors.append(f"{step.allocation_id}: not bound in this pass: the outbox is full (upstream not draining)")
+                why = getattr(self.outbox, "error", "") or "the outbox is full (upstream not draining)"
+                result.errors.append(f"{step.allocation_id}: not bound in this pass: {why}")
+                continue
+            if isinstance(step, ReportBound) and step.allocation_id in incomplete:
+                result.errors.append(f"{step.allocation_id}: Bound not reported in this pass: its files are not all in place")
+                unreported.add(step.allocation_id)
                 continue
             if isinstance(step, SwitchGpu):
                 if release_failed and step.target == VFIO_DRIVER:
@@ -153,12 +162,13 @@ class Applier:
                     release_failed = True
                 elif isinstance(step, ReportBound):
                     unreported.add(step.allocation_id)
+                elif isinstance(step, (WriteEnv, EnsureSlice)):
+                    incomplete.add(step.allocation_id)
         section = plan.section
         if section is not None and result.errors:
-            lines = [section.message] if section.message else []
-            section = msgspec.structs.replace(
-                section, state="PROGRESSING", message="\n".join([*lines, *(f"{e}" for e in result.errors)])
-            )
+            # the failures first (as the plan bounded them), then the errors, within the message's bound
+            lines = section.message.splitlines() if section.message else []
+            section = msgspec.structs.replace(section, state="PROGRESSING", message=summarise([*lines, *map(str, result.errors)]))
         result.section = section
         if section is not None and section != state.last_section:
             try:
@@ -196,6 +206,9 @@ class Applier:
         elif isinstance(step, ReportFailed):
             await self.outbox.publish("failed", step.event_id, encode(step.event))
             state.reported_failures[step.allocation_id] = step.event.generation
+            state.refusals[step.allocation_id] = Refusal(
+                generation=step.event.generation, reason=step.event.reason, message=step.event.message
+            )
             self.save_state(state)
             log.warning(
                 "hold refused",
@@ -362,7 +375,17 @@ class Applier:
             self.crash("bind.slice-applied")
         self.writer.write_cdi(content)
         self.crash("bind.cdi-written")
-        self.writer.write_env(content)
+        try:
+            self.writer.write_env(content)
+        except HostWriteError:
+            if step.report:
+                # no CDI spec of a hold never reported without its env file: the next
+                # pass binds it afresh (or undoes the journaled bind unreported)
+                try:
+                    self.writer.remove_cdi(step.allocation_id)
+                except HostWriteError as exc:
+                    log.warning("CDI spec of a bind whose env file failed not removed", allocation_id=step.allocation_id, error=str(exc))
+            raise
         self.crash("bind.env-written")
         if not step.report:
             state.intents.pop(step.allocation_id, None)

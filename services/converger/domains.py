@@ -8,12 +8,14 @@ libvirt backend (the VFIO issue) reads them from the hypervisor.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from shared.fsutil import read_regular
+from shared.host import HOST_FILE_MAX_BYTES
 from shared.schemas import PCI_RE
+from shared.schemas.codec import bounded_json_loads
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class FakeDomains:
 
     def running(self) -> list[RunningDomain]:
         try:
-            raw = json.loads(self.host_file.read_bytes()).get("domains", [])
+            raw = bounded_json_loads(read_regular(self.host_file, max_bytes=HOST_FILE_MAX_BYTES), HOST_FILE_MAX_BYTES, "host file").get("domains", [])
         except (OSError, ValueError, AttributeError) as exc:
             raise DomainsError(f"{self.host_file}: cannot read domains ({exc})") from None
         out = []

@@ -36,7 +36,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
-from shared.fsutil import TEMP_MARK, atomic_write, is_temp_name, remove_durably
+from shared.fsutil import TEMP_MARK, atomic_write, in_the_way, is_temp_name, occupant, remove_durably
 from shared.holdfiles import ENV_SUBDIR, HoldContent, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
@@ -98,6 +98,14 @@ class LocalHostWriter:
     def _write(self, path: Path, data: bytes, point: str) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                mode = None
+            if mode is not None and in_the_way(mode):
+                # not ours to replace (a directory fails the rename, a FIFO or a
+                # device is someone else's): retried until someone removes it
+                raise HostWriteError(f"cannot write {path}: {occupant(path)} is in the way (bcd does not remove it; remove it to bind)")
             atomic_write(path, data, 0o644, before_rename=lambda: self.crash(point))
         except OSError as exc:
             raise HostWriteError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -53,6 +53,14 @@ class Intent(msgspec.Struct, frozen=True, kw_only=True):
     sliced: bool = False
 
 
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    """An AllocationFailed in the outbox: final at its generation (DESIGN 12)."""
+
+    generation: int
+    reason: str
+    message: str
+
+
 class ConvergerState(msgspec.Struct, kw_only=True):
     """`<data_dir>/converger/state.json` (0600, written atomically)."""
 
@@ -65,6 +73,11 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     bound: dict[str, Intent] = {}
     #: allocation id -> generation whose AllocationFailed is in the outbox.
     reported_failures: dict[str, int] = {}
+    #: allocation id -> the failure reported for it (its generation, reason and
+    #: message): the assignment stays refused with it for that whole generation,
+    #: whatever changes on the node, so a control plane that re-placed the
+    #: booking never sees it bound here too.
+    refusals: dict[str, Refusal] = {}
     last_section: SectionStatus | None = None
     #: node conditions as last published (type -> condition).
     conditions: dict[str, Condition] = {}
@@ -305,6 +318,7 @@ class Plan:
 __all__ = [
     "SECTION",
     "Intent",
+    "Refusal",
     "ConvergerState",
     "Observed",
     "PlanConfig",

@@ -5,18 +5,25 @@ atom ids from each device's `bcd.dev/device-id`). A file there that is not
 one of our holds - foreign, unparsable, another kind - is logged and left
 alone, never deleted. Env files and slices are listed, and the leftovers of
 interrupted atomic writes found, so the planner can repair drift.
+
+Every file is read with `read_regular`: an entry named like a hold file or an
+env file that is not a regular file (a FIFO, a symlink - never followed -, a
+directory, a device) or is larger than its cap is not read; it is reported
+once in the log and in `DiskView.problems` (the converger's status), and
+skipped. Nothing here can block a pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from shared import logs
-from shared.fsutil import is_temp_name
+from shared.fsutil import RefusedFile, is_temp_name, occupant, read_regular
 from shared.holdfiles import HoldOnDisk, NotAHold, parse_hold
 from shared.schemas import Inventory, NodeSpec
 from shared.slices import SliceError, Slices
@@ -30,6 +37,11 @@ from .vfio import switched_targets
 
 log = logs.get_logger("bcd.converger.observe")
 
+#: a hold's CDI spec read back (the helper writes at most 4 MiB; vendor edits are copied per device).
+CDI_SPEC_MAX_BYTES = 8 * 1024 * 1024
+#: an env file read back (bcd's lines plus the assignment's env).
+ENV_FILE_MAX_BYTES = 1024 * 1024
+
 
 @dataclass
 class DiskView:
@@ -37,38 +49,82 @@ class DiskView:
     env_files: dict[str, bytes] = field(default_factory=dict)
     temp_files: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
+    #: entries not read: not regular files (FIFO, symlink, directory, device) or too large.
+    problems: list[str] = field(default_factory=list)
+
+
+def _names(directory: Path) -> list[str]:
+    """The entries of `directory`, sorted; [] when it is missing or not a directory."""
+    try:
+        with os.scandir(directory) as it:
+            return sorted(e.name for e in it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _once(warned: set[str] | None, key: str, message: str, **fields: object) -> None:
+    if warned is None or key not in warned:
+        log.warning(message, **fields)
+        if warned is not None:
+            warned.add(key)
+
+
+def _read(path: Path, max_bytes: int, what: str, view: DiskView, warned: set[str] | None) -> bytes | None:
+    """The file's bytes; None when it is gone, or refused (reported once, and in view.problems)."""
+    try:
+        return read_regular(path, max_bytes=max_bytes)
+    except FileNotFoundError:
+        return None
+    except RefusedFile as exc:
+        view.problems.append(f"{exc}: skipped, not read as {what}")
+        _once(warned, f"refused:{path}", f"not read as {what}: skipped", file=str(path), what=exc.strerror)
+        return None
+
+
+def _temp_file(path: Path, view: DiskView, warned: set[str] | None) -> None:
+    """A leftover of an interrupted atomic write is removed by the pass; only a regular file is ours."""
+    what = occupant(path)
+    if what is None:
+        if os.path.lexists(path):
+            view.temp_files.append(str(path))
+        return
+    view.problems.append(f"{path}: {what}, named like a bcd temp file: left alone")
+    _once(warned, f"refused:{path}", "named like a bcd temp file but not a regular file: left alone", file=str(path), what=what)
 
 
 def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None) -> DiskView:
     view = DiskView()
     cdi_dir, env_dir = Path(cdi_dir), Path(run_dir) / "allocations"
-    if cdi_dir.is_dir():
-        for path in sorted(cdi_dir.iterdir()):
-            name = path.name
-            if is_temp_name(name) and name.startswith(".bcd-"):
-                view.temp_files.append(str(path))
-                continue
-            if not (name.startswith("bcd-") and name.endswith(".json")):
-                continue
-            try:
-                hold = parse_hold(name, path.read_bytes())
-            except (NotAHold, OSError) as exc:
+    for name in _names(cdi_dir):
+        path = cdi_dir / name
+        if is_temp_name(name) and name.startswith(".bcd-"):
+            _temp_file(path, view, warned)
+            continue
+        if not (name.startswith("bcd-") and name.endswith(".json")):
+            continue
+        try:
+            data = _read(path, CDI_SPEC_MAX_BYTES, "a hold", view, warned)
+            if data is None:
                 view.foreign.append(name)
-                if warned is None or name not in warned:
-                    log.warning("not a bcd hold; leaving it alone", file=str(path), reason=str(exc))
-                    if warned is not None:
-                        warned.add(name)
                 continue
-            view.holds[hold.allocation_id] = hold
-    if env_dir.is_dir():
-        for path in sorted(env_dir.iterdir()):
-            if is_temp_name(path.name):
-                view.temp_files.append(str(path))
-            elif path.name.endswith(".env"):
-                try:
-                    view.env_files[path.name[: -len(".env")]] = path.read_bytes()
-                except OSError as exc:
-                    log.warning("env file unreadable", file=str(path), error=str(exc))
+            hold = parse_hold(name, data)
+        except (NotAHold, OSError) as exc:
+            view.foreign.append(name)
+            _once(warned, name, "not a bcd hold; leaving it alone", file=str(path), reason=str(exc))
+            continue
+        view.holds[hold.allocation_id] = hold
+    for name in _names(env_dir):
+        path = env_dir / name
+        if is_temp_name(name):
+            _temp_file(path, view, warned)
+        elif name.endswith(".env"):
+            try:
+                data = _read(path, ENV_FILE_MAX_BYTES, "an env file", view, warned)
+            except OSError as exc:
+                log.warning("env file unreadable", file=str(path), error=str(exc))
+                continue
+            if data is not None:
+                view.env_files[name[: -len(".env")]] = data
     return view
 
 
@@ -116,7 +172,8 @@ def observe(
     try:
         vendor = read_vendor_cdi(cdi_dir)
     except VendorSpecError as exc:
-        log.warning("vendor CDI spec unreadable; holds carry only env", error=str(exc))
+        # the CDI write refuses it too (retryable): no new hold is bound until it reads
+        _once(warned, f"vendor:{exc}", "vendor CDI spec unreadable; new holds are not bound until it reads (retried)", error=str(exc))
         vendor = None
     try:
         present = frozenset(slices.list())

@@ -6,29 +6,73 @@ to its deterministic event id, so a replay after a crash is dropped by the
 stream's duplicate window. An event counts as sent once JetStream acked it
 (the bus syncs every write: `sync_interval: always`); the bridge drains the
 stream upstream.
+
+A node-bus JetStream with too little room for the stream's reservation
+(`--outbox-max-bytes`, 256 MiB by default; JetStream's own limit is 75% of
+the free space of its store unless `max_file_store` says otherwise) refuses
+it with err_code 10047. The outbox then steps down to the largest size the
+server accepts, less a quarter of it left for the node's other streams, never
+below `MIN_OUTBOX_BYTES`, and says so (`warning`); below that floor it has no
+stream (`error`), every event waits (retryable) and `ensure()` is tried
+again before each pass.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 import nats.errors
 from nats.aio.client import Client
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
+from shared import logs
 from shared.runtime import ServiceCallError, call
-from shared.schemas import ATTESTED_REPORT_CODEC, AttestedEvent, AttestedReport, SignRequest
+from shared.schemas import ATTESTED_REPORT_CODEC, NODE_EVENT_CODEC, REPORT_BODY_CODEC, AttestedEvent, AttestedReport, BadMessage, SignRequest
 from shared.subjects import MSG_ID_HEADER, NodeSubjects
 
 EVENT_TYPE_HEADER = "Bcd-Event-Type"
+#: the event types that travel as a signed AttestedReport; the others are plain NodeEvents.
+ATTESTED_TYPES = ("bound", "released")
 #: long enough to cover any restart: a replayed event id inside it is dropped.
 DUPLICATE_WINDOW = timedelta(hours=24)
+#: JetStream's "insufficient storage resources available".
+INSUFFICIENT_STORAGE = 10047
+MIB = 1024 * 1024
+#: the smallest outbox worth having (thousands of events); below it the stream is not created.
+MIN_OUTBOX_BYTES = 16 * MIB
+#: how close the step-down gets to the largest size the server accepts.
+_STEP = MIB
+#: a reduced outbox leaves at least this (and a quarter of what the server would take) unreserved.
+MIN_HEADROOM_BYTES = 8 * MIB
+
+log = logs.get_logger("bcd.converger.outbox")
 
 
 class OutboxError(Exception):
     """The event did not reach the outbox (or the signer); retryable."""
+
+
+def check_event(event_type: str, payload: bytes) -> None:
+    """Journal only what upstream can decode: an attested report (bound, released) or a NodeEvent of that type.
+
+    The same bounded decode a control plane runs (one extra decode per event);
+    a payload its own schema refuses is an OutboxError naming the field, so
+    the pass says why and nothing undecodable reaches the outbox.
+    """
+    try:
+        if event_type in ATTESTED_TYPES:
+            REPORT_BODY_CODEC.decode(ATTESTED_REPORT_CODEC.decode(payload).body)
+            return
+        event = NODE_EVENT_CODEC.decode(payload)
+    except BadMessage as exc:
+        raise OutboxError(f"outbox: the {event_type} event violates its schema and is not journaled: {exc}") from None
+    tag = type(event).__struct_config__.tag
+    if tag != event_type:
+        raise OutboxError(f"outbox: a {tag} event journaled as {event_type}")
 
 
 class Signer(Protocol):
@@ -78,14 +122,28 @@ class JetStreamOutbox:
         max_bytes: int = 256 * 1024 * 1024,
         headroom: int = 64,
         timeout: float = 5.0,
+        min_bytes: int = MIN_OUTBOX_BYTES,
+        state_dir: Path | str | None = None,
     ) -> None:
         self.js = nc.jetstream(timeout=timeout)
         self.subjects = subjects
         self.max_msgs = max_msgs
+        #: what --outbox-max-bytes asked for.
+        self.wanted_bytes = max_bytes
+        #: what the stream has (smaller when the server refused the wanted size).
         self.max_bytes = max_bytes
+        self.min_bytes = min(min_bytes, max_bytes)
+        #: where the free space is read for the messages (the state filesystem).
+        self.state_dir = Path(state_dir) if state_dir is not None else None
         self.headroom = min(headroom, max(1, max_msgs // 4))
+        #: the stream exists (ensure() succeeded).
+        self.ready = False
+        #: the outbox is smaller than asked (the operator should know), or "".
+        self.warning = ""
+        #: the outbox has no stream: the server refused even the floor, or "".
+        self.error = ""
 
-    def config(self) -> StreamConfig:
+    def config(self, max_bytes: int | None = None) -> StreamConfig:
         return StreamConfig(
             name=self.subjects.outbox_stream,
             description="bcd events waiting for upstream acknowledgement",
@@ -95,7 +153,7 @@ class JetStreamOutbox:
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW.total_seconds(),
             max_msgs=self.max_msgs,
-            max_bytes=self.max_bytes,
+            max_bytes=self.max_bytes if max_bytes is None else max_bytes,
         )
 
     async def has_room(self) -> bool:
@@ -106,14 +164,112 @@ class JetStreamOutbox:
         return info.state.messages + self.headroom < self.max_msgs and info.state.bytes < self.max_bytes * 0.9
 
     async def ensure(self) -> None:
+        """Create or update the stream at the wanted size, or smaller when the server refuses it.
+
+        A refusal for storage (10047) is not raised: see the module docstring;
+        `warning` / `error` say what happened. Other errors are raised.
+        """
         try:
-            await self.js.stream_info(self.subjects.outbox_stream)
+            info = await self.js.stream_info(self.subjects.outbox_stream)
         except NotFoundError:
-            await self.js.add_stream(self.config())
+            info = None
+        if await self._try(self.wanted_bytes, exists=info is not None):
+            self._granted(self.wanted_bytes)
+            return
+        # the largest size the server takes, to within _STEP, only ever growing the
+        # stream: an existing one starts from the size it has (never shrunk, which
+        # would delete its oldest events), a new one from the floor
+        have = max(0, info.config.max_bytes or 0) if info is not None else 0
+        # what an existing stream holds is never cut (that would delete events)
+        floor = self.min_bytes if info is None else max(self.min_bytes, -(-(info.state.bytes or 0) // _STEP) * _STEP)
+        if 0 < have < self.wanted_bytes:
+            ok = have
+        elif floor < self.wanted_bytes and await self._try(floor, exists=info is not None):
+            ok = floor
         else:
-            await self.js.update_stream(self.config())
+            self._refused(exists=info is not None)
+            return
+        bad = self.wanted_bytes
+        while bad - ok > _STEP:
+            mid = (ok + bad) // 2 // _STEP * _STEP
+            if mid <= ok:
+                break
+            if await self._try(mid, exists=True):
+                ok = mid
+            else:
+                bad = mid
+        # a refused update leaves the stream as it was: at `ok`, the largest size taken.
+        # Leave the rest of the node room: its other streams (the inventory's KV bucket,
+        # an embedded upstream's) reserve nothing and are refused once the store is
+        # fully reserved. Never below what the stream had, nor the floor.
+        target = max((ok - max(ok // 4, MIN_HEADROOM_BYTES)) // _STEP * _STEP, have, floor)
+        if target < ok and await self._try(target, exists=True):
+            ok = target
+        self._granted(ok)
+
+    def _refused(self, *, exists: bool) -> None:
+        self.ready = exists
+        self.warning = ""
+        self.error = (
+            f"outbox refused: the node-bus JetStream has no room for even a {self.min_bytes // MIB} MiB outbox "
+            f"(asked {self.wanted_bytes // MIB} MiB; {self._free()}); events wait until it has: "
+            f"free space on the node bus's store or lower --outbox-max-bytes (BCD_OUTBOX_MAX_BYTES)"
+        )
+        log.error("outbox stream refused for storage; no event can be journaled until it is created", problem=self.error)
+
+    async def _try(self, max_bytes: int, *, exists: bool) -> bool:
+        """One create/update at `max_bytes`: False when refused for storage."""
+        cfg = self.config(max_bytes)
+        try:
+            if exists:
+                await self.js.update_stream(cfg)
+            else:
+                await self.js.add_stream(cfg)
+        except APIError as exc:
+            if exc.err_code == INSUFFICIENT_STORAGE:
+                return False
+            raise
+        return True
+
+    def _granted(self, max_bytes: int) -> None:
+        self.ready = True
+        self.error = ""
+        self.max_bytes = max_bytes
+        if max_bytes >= self.wanted_bytes:
+            self.warning = ""
+            return
+        self.warning = (
+            f"outbox reduced to {max_bytes // MIB} MiB of the {self.wanted_bytes // MIB} MiB asked: the node-bus "
+            f"JetStream refused the reservation (insufficient storage; {self._free()}; a quarter of what it "
+            f"would take is left to the node's other streams); "
+            f"free space on the node bus's store or set --outbox-max-bytes (BCD_OUTBOX_MAX_BYTES)"
+        )
+        log.warning(
+            "outbox stream smaller than asked: JetStream refused the full reservation",
+            granted_bytes=max_bytes,
+            wanted_bytes=self.wanted_bytes,
+            free=self._free(),
+        )
+
+    def _free(self) -> str:
+        if self.state_dir is None:
+            return "free space unknown"
+        try:
+            st = os.statvfs(self.state_dir)
+        except OSError:
+            return f"free space of {self.state_dir} unknown"
+        return f"{st.f_bavail * st.f_frsize // MIB} MiB free on the state filesystem ({self.state_dir})"
+
+    async def recheck(self) -> None:
+        """Before a pass: try again to create a stream the server refused."""
+        if not self.ready:
+            try:
+                await self.ensure()
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("outbox stream still missing", error=str(exc) or type(exc).__name__)
 
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None:
+        check_event(event_type, payload)
         try:
             await self.js.publish(
                 self.subjects.outbox_subject(event_type),
@@ -121,7 +277,9 @@ class JetStreamOutbox:
                 headers={MSG_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type},
             )
         except (nats.errors.Error, TimeoutError) as exc:
+            if self.error:
+                raise OutboxError(self.error) from None
             raise OutboxError(f"outbox: {exc or type(exc).__name__}") from None
 
 
-__all__ = ["EVENT_TYPE_HEADER", "OutboxError", "Signer", "Outbox", "BusSigner", "JetStreamOutbox"]
+__all__ = ["EVENT_TYPE_HEADER", "ATTESTED_TYPES", "OutboxError", "check_event", "Signer", "Outbox", "BusSigner", "JetStreamOutbox", "MIN_OUTBOX_BYTES", "INSUFFICIENT_STORAGE"]

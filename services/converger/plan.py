@@ -1,14 +1,22 @@
 """The pure planner: `plan(spec, observed, config)` -> ordered steps, failures, section.
 
-It follows the seed's pass to the letter ("One pass"): releases first (so a
-GPU can move between allocations in one generation), then leftover slices,
-then the holds still wanted (missing slice or env file recreated), then new
-holds in spec order through the checks - binding, privilege, atoms,
-conflicts, host admission; the first failure decides - counting every atom
-bound earlier in the same pass; last, the VFIO side's driver switches
-(vfio.plan_vfio), after every release of the pass. It reads nothing and
-writes nothing: the same inputs always give the same plan, and a plan made
-right after a successful apply is empty.
+It follows the seed's pass to the letter ("One pass"), one function per step:
+1. `plan_kubernetes_releases`: pending Kubernetes releases reported or dropped;
+2. `plan_releases`: holds no longer wanted released (so a GPU can move
+   between allocations in one generation);
+3. `plan_leftover_slices`: leftover empty slices stopped;
+4. `plan_kept_holds`: holds still wanted kept (missing slice or env file
+   recreated);
+5. `plan_new_holds`: new holds in spec order through the checks - binding,
+   privilege, atoms, conflicts (`check_new_hold`), host admission
+   (admission.py); the first failure decides - counting every atom bound
+   earlier in the same pass;
+6. `plan_failures`: one AllocationFailed per failure, once per generation;
+a refusal is final at its generation (ConvergerState.refusals).
+Last come the VFIO side's driver switches (vfio.plan_vfio), after every
+release of the pass. It reads nothing and writes nothing: the same inputs
+always give the same plan, and a plan made right after a successful apply is
+empty.
 """
 
 from __future__ import annotations
@@ -27,16 +35,21 @@ from shared.schemas import (
     AllocationReleased,
     Condition,
     DeviceAssignment,
-    HostResources,
     Limits,
     NodeSpec,
     SectionStatus,
+    TEXT_MAX,
+    clip,
+    summarise,
 )
 from shared.slices import slice_name
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
+from .admission import HostLedger, needs_admission, topology_problem
 from .model import (
     SECTION,
+    ConvergerState,
+    Intent,
     BindHold,
     ClearUnreadableMarker,
     DropPendingRelease,
@@ -59,7 +72,6 @@ from .model import (
 from .releases import PendingRelease
 from .vfio import EXCLUDED_HOLDER, UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
 
-MIB = 1024 * 1024
 HOLD_BINDINGS = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
 
 
@@ -127,85 +139,6 @@ class Claims:
         return None
 
 
-# ------------------------------------------------------------------------------ host admission
-
-
-@dataclass
-class HostLedger:
-    """Host memory and huge pages left for holds, read once per pass (lazily)."""
-
-    host: HostResources | None
-    reserve: int
-    promised_memory: int = 0
-    #: (page_size_kib, frozenset of nodes or None for host-wide) -> pages promised.
-    #: (Perf fix: a dict summed per key, not a list of every promise: pages_left
-    #: walked all earlier promises for each new hold, O(holds^2) per pass.)
-    promised_pages: dict[tuple[int, frozenset[int] | None], int] = field(default_factory=dict)
-
-    def promise(self, limits: Limits | None) -> None:
-        if limits is None:
-            return
-        self.promised_memory += limits.memory_bytes or 0
-        nodes = frozenset(expand_list(limits.mems)) if limits.mems else None
-        for hp in limits.hugepages:
-            key = (hp.page_size_kib, nodes)
-            self.promised_pages[key] = self.promised_pages.get(key, 0) + hp.count
-
-    def readable(self) -> bool:
-        return self.host is not None and self.host.memory_bytes is not None
-
-    def admit(self, limits: Limits) -> str | None:
-        """None when the hold fits; else the seed's ResourcesExhausted message."""
-        assert self.host is not None and self.host.memory_bytes is not None
-        if limits.memory_bytes:
-            left = max(0, self.host.memory_bytes - self.promised_memory - self.reserve)
-            if limits.memory_bytes > left:
-                need = -(-limits.memory_bytes // MIB)
-                return f"ResourcesExhausted: {need} MiB of memory needed, {left // MIB} MiB left on this host"
-        nodes = frozenset(expand_list(limits.mems)) if limits.mems else None
-        for hp in limits.hugepages:
-            if hp.count == 0:
-                continue
-            free = self.pages_left(hp.page_size_kib, nodes)
-            if hp.count > free:
-                return f"ResourcesExhausted: {hp.count} hugepages of {hp.page_size_kib} KiB needed, {free} free"
-        return None
-
-    def pages_left(self, size: int, nodes: frozenset[int] | None) -> int:
-        assert self.host is not None
-        if self.host.numa_nodes:
-            pools = [
-                p
-                for n in self.host.numa_nodes
-                if nodes is None or n.node in nodes
-                for p in n.hugepages
-                if p.page_size_kib == size
-            ]
-        else:
-            pools = [p for p in self.host.hugepages if p.page_size_kib == size]
-        total = sum(p.total for p in pools)
-        free = sum(p.free for p in pools)
-        promised = sum(
-            count
-            for (s, held_nodes), count in self.promised_pages.items()
-            if s == size and (nodes is None or held_nodes is None or held_nodes & nodes)
-        )
-        # free already excludes pages workloads use; total - promised excludes pages
-        # promised to holds whose workload has not started: take the smaller.
-        return max(0, min(free, total - promised))
-
-
-def expand_list(text: str | None) -> list[int]:
-    """cpulist / nodelist syntax to numbers ("0-2,5" -> [0, 1, 2, 5])."""
-    out: list[int] = []
-    for part in (text or "").split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 # ------------------------------------------------------------------------------ the plan
 
 
@@ -246,7 +179,8 @@ def hold_content(
     (Perf fix: this used to build a uuid -> GPU map of the whole inventory for
     every assignment with a slot, O(assignments x GPUs) per pass.)
     """
-    sliced = assignment.sliced and assignment.binding != "BINDING_KUBERNETES"
+    kubernetes = assignment.binding == "BINDING_KUBERNETES"
+    sliced = assignment.sliced and not kubernetes
     inv = observed.inventory
     mps = ""
     if inv is not None and any(d.kind == "slot" for d in devices):
@@ -262,67 +196,140 @@ def hold_content(
         cgroup_parent=slice_name(assignment.allocation_id) if sliced else "",
         env=tuple(assignment.env),
         mps_pipe_dir=mps,
-        limits=assignment.limits if sliced else None,
+        # a Kubernetes hold gets no slice, but what it booked stays on record
+        # (bcd.dev/limits): host admission counts it while the hold lives
+        limits=assignment.limits if (sliced or (kubernetes and assignment.sliced)) else None,
     )
 
 
+@dataclass
+class _Pass:
+    """One pass's working set: the inputs, and what the steps so far decided."""
+
+    spec: NodeSpec
+    observed: Observed
+    config: PlanConfig
+    #: allocation -> assignment, for the assignments that make holds.
+    wanted: dict[str, DeviceAssignment]
+    steps: list[Step] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: allocations released (or being released) in this pass.
+    released: set[str] = field(default_factory=set)
+    #: Kubernetes releases still pending after this pass, by allocation.
+    pending: dict[str, PendingRelease] = field(default_factory=dict)
+
+    @property
+    def gen(self) -> int:
+        return self.spec.generation
+
+    @property
+    def node(self) -> str:
+        return self.config.node_id
+
+    @property
+    def state(self) -> ConvergerState:
+        return self.observed.state
+
+
 def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
-    state = observed.state
-    gen = spec.generation
-    node = config.node_id
-    wanted: dict[str, DeviceAssignment] = {
-        a.allocation_id: a for a in spec.devices if a.binding in HOLD_BINDINGS
-    }
-    steps: list[Step] = [RemoveTemp(p) for p in observed.temp_files]
-    notes: list[str] = []
+    """The seed's "One pass", one function per step, in its order."""
+    p = _Pass(
+        spec=spec,
+        observed=observed,
+        config=config,
+        wanted={a.allocation_id: a for a in spec.devices if a.binding in HOLD_BINDINGS},
+    )
+    p.steps.extend(RemoveTemp(path) for path in observed.temp_files)
+    plan_kubernetes_releases(p)  # 1
+    plan_releases(p)  # 2
+    plan_leftover_slices(p)  # 3
+    index = AtomIndex(observed.inventory)
+    mps = mps_gpus(observed)
+    claims, unreadable = claims_after_releases(p, index)
+    ledger = HostLedger(observed.inventory.host if observed.inventory else None, config.system_reserve_bytes)
+    kept = plan_kept_holds(p, index, claims, ledger, mps)  # 4
+    failures = plan_new_holds(p, index, claims, ledger, mps, kept)  # 5
+    plan_failures(p, failures)  # 6
+    p.steps.extend(_conditions(observed, config, p.pending, unreadable))
+    # the VFIO side's driver switches, after every release of this pass (a card
+    # moves from a hold to an instance in one generation)
+    vfio = plan_vfio(spec, observed, _held_cards(claims, index))
+    p.steps.extend(vfio.steps)
+    return Plan(
+        generation=spec.generation,
+        steps=tuple(p.steps),
+        failures=tuple(failures),
+        section=section_status(spec.generation, failures),
+        notes=tuple(p.notes),
+        pending=tuple(sorted(p.pending)),
+        vfio_waiting=vfio.waiting,
+        vfio_notes=vfio.notes,
+    )
 
-    # 1. Kubernetes releases pending from earlier passes: reported once no pod
-    #    holds them, dropped unreported when the spec wants the allocation again.
-    released: set[str] = set()
-    pending: dict[str, PendingRelease] = {}
-    for alloc, rel in sorted(observed.pending_releases.items()):
-        if alloc in wanted:
-            steps.append(DropPendingRelease(alloc))
+
+def section_status(generation: int, failures: Iterable[Failure]) -> SectionStatus:
+    """CONVERGED, or FAILED listing `<allocation>: <reason>` as far as the message's bound allows."""
+    lines = [f"{f.allocation_id}: {f.reason}" for f in failures]
+    return SectionStatus(
+        section=SECTION,
+        state="FAILED" if lines else "CONVERGED",
+        observed_generation=generation,
+        message=summarise(lines),
+    )
+
+
+# ------------------------------------------------------------------------------ 1. Kubernetes releases
+
+
+def plan_kubernetes_releases(p: _Pass) -> None:
+    """Pending releases: reported once no pod holds them, dropped unreported when wanted again."""
+    for alloc, rel in sorted(p.observed.pending_releases.items()):
+        if alloc in p.wanted:
+            p.steps.append(DropPendingRelease(alloc))
             continue
-        released.add(alloc)
-        if alloc in observed.holds:
+        p.released.add(alloc)
+        if alloc in p.observed.holds:
             # recorded, then a crash before the withdraw: finish withdrawing first
-            steps.append(WithdrawKubeHold(alloc, rel))
-        if observed.release_held.get(alloc) is False:
-            steps.append(ReportKubeRelease(alloc, rel))
+            p.steps.append(WithdrawKubeHold(alloc, rel))
+        if p.observed.release_held.get(alloc) is False:
+            p.steps.append(ReportKubeRelease(alloc, rel))
         else:
-            pending[alloc] = rel
+            p.pending[alloc] = rel
 
-    # 2. Release holds no longer wanted (and finish releases a crash interrupted).
+
+# ------------------------------------------------------------------------------ 2. releases
+
+
+def _release(alloc: str, event_id: str, reservation_id: str, generation: int, devices: Iterable[str], *, sliced: bool, report: bool = True) -> ReleaseHold:
+    return ReleaseHold(
+        alloc,
+        event_id,
+        AllocationReleased(allocation_id=alloc, reservation_id=reservation_id, generation=generation, devices=list(devices)),
+        sliced=sliced,
+        report=report,
+    )
+
+
+def plan_releases(p: _Pass) -> None:
+    """Holds no longer wanted are released (and releases a crash interrupted are finished)."""
+    state, observed, gen, node = p.state, p.observed, p.gen, p.node
     for alloc, intent in sorted(state.intents.items()):
         if intent.op == "release":
-            steps.append(
-                ReleaseHold(
-                    alloc,
-                    intent.event_id,
-                    AllocationReleased(
-                        allocation_id=alloc,
-                        reservation_id=intent.reservation_id,
-                        generation=intent.generation,
-                        devices=list(intent.devices),
-                    ),
-                    sliced=intent.sliced,
-                )
-            )
-            released.add(alloc)
+            p.steps.append(_release(alloc, intent.event_id, intent.reservation_id, intent.generation, intent.devices, sliced=intent.sliced))
+            p.released.add(alloc)
     for alloc, hold in sorted(observed.holds.items()):
-        if alloc in released or alloc in wanted:
+        if alloc in p.released or alloc in p.wanted:
             continue
         intent = state.intents.get(alloc)
         if alloc not in state.reported and intent is not None and intent.op == "bind":
-            # Fix: a bind interrupted after its CDI spec landed may already have its
+            # A bind interrupted after its CDI spec landed may already have its
             # Bound in the outbox (a crash between the publish and the journal's
-            # "completed"): releasing it unreported left upstream a Bound with no
-            # Released. Report the Bound first (same event id: a duplicate is
-            # dropped), then release it reported; apply skips the release when this
-            # report fails. A bind whose CDI spec never landed (below) cannot have
-            # published and is still undone silently.
-            steps.append(ReportBound(alloc, intent.event_id, _bound_event(hold)))
+            # "completed"): report the Bound first (same event id: a duplicate is
+            # dropped), then release it reported; apply skips the release when
+            # this report fails. A bind whose CDI spec never landed (below)
+            # cannot have published and is undone silently.
+            p.steps.append(ReportBound(alloc, intent.event_id, _bound_event(hold)))
+        p.released.add(alloc)
         if hold.binding == "BINDING_KUBERNETES":
             # split release: recorded, withdrawn, reported only once no pod holds it
             rel = PendingRelease(
@@ -332,61 +339,47 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                 generation=gen,
                 since=observed.now,
                 event_id=released_id(node, alloc, gen),
+                limits=hold.limits,
             )
-            steps.append(WithdrawKubeHold(alloc, rel))
-            pending[alloc] = rel
-            released.add(alloc)
+            p.steps.append(WithdrawKubeHold(alloc, rel))
+            p.pending[alloc] = rel
             continue
-        steps.append(
-            ReleaseHold(
-                alloc,
-                released_id(node, alloc, gen),
-                AllocationReleased(
-                    allocation_id=alloc, reservation_id=hold.reservation_id, generation=gen, devices=list(hold.devices)
-                ),
-                sliced=bool(hold.cgroup_parent),
-            )
-        )
-        released.add(alloc)
+        p.steps.append(_release(alloc, released_id(node, alloc, gen), hold.reservation_id, gen, hold.devices, sliced=bool(hold.cgroup_parent)))
     for alloc, facts in sorted(state.bound.items()):
         # a reported hold whose CDI spec vanished from outside, now unwanted: it
         # still gets its Released (and its env file and slice go)
-        if alloc not in wanted and alloc not in observed.holds and alloc not in released and alloc in state.reported:
-            steps.append(
-                ReleaseHold(
-                    alloc,
-                    released_id(node, alloc, gen),
-                    AllocationReleased(
-                        allocation_id=alloc, reservation_id=facts.reservation_id, generation=gen, devices=list(facts.devices)
-                    ),
-                    sliced=facts.sliced,
-                )
-            )
-            released.add(alloc)
+        if alloc not in p.wanted and alloc not in observed.holds and alloc not in p.released and alloc in state.reported:
+            p.steps.append(_release(alloc, released_id(node, alloc, gen), facts.reservation_id, gen, facts.devices, sliced=facts.sliced))
+            p.released.add(alloc)
     for alloc, intent in sorted(state.intents.items()):
         # an interrupted bind whose CDI spec never landed and that is no longer wanted
-        if intent.op == "bind" and alloc not in wanted and alloc not in observed.holds and alloc not in released:
-            steps.append(
-                ReleaseHold(
-                    alloc,
-                    intent.event_id,
-                    AllocationReleased(
-                        allocation_id=alloc, reservation_id=intent.reservation_id, generation=gen, devices=list(intent.devices)
-                    ),
-                    sliced=intent.sliced,
-                    report=False,
-                )
-            )
-            released.add(alloc)
+        if intent.op == "bind" and alloc not in p.wanted and alloc not in observed.holds and alloc not in p.released:
+            p.steps.append(_undo_bind(alloc, intent, gen))
+            p.released.add(alloc)
 
-    # 3. Leftover slices whose hold is neither wanted nor released in this pass.
-    for alloc in sorted(observed.slices):
-        if alloc not in wanted and alloc not in released and alloc in observed.empty_slices:
-            steps.append(StopSlice(alloc))
 
-    # Who holds what after the releases: kept holds, pending releases, VFIO side.
-    index = AtomIndex(observed.inventory)
-    mps = mps_gpus(observed)
+def _undo_bind(alloc: str, intent: Intent, generation: int) -> ReleaseHold:
+    """Undo an interrupted bind that never reached its CDI spec: its files and slice go, nothing is sent."""
+    return _release(alloc, intent.event_id, intent.reservation_id, generation, intent.devices, sliced=intent.sliced, report=False)
+
+
+# ------------------------------------------------------------------------------ 3. leftover slices
+
+
+def plan_leftover_slices(p: _Pass) -> None:
+    """Slices whose hold is neither wanted nor released in this pass are stopped once empty."""
+    for alloc in sorted(p.observed.slices):
+        if alloc not in p.wanted and alloc not in p.released and alloc in p.observed.empty_slices:
+            p.steps.append(StopSlice(alloc))
+
+
+# ------------------------------------------------------------------------------ who holds what
+
+
+def claims_after_releases(p: _Pass, index: AtomIndex) -> tuple[Claims, bool]:
+    """The claims new holds are checked against (before the kept holds add theirs), and
+    whether the releases file is unreadable (every GPU held)."""
+    observed = p.observed
     claims = Claims()
     for pci, holder in observed.vfio_claims.items():
         gpu = index.by_pci.get(pci)
@@ -395,94 +388,103 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     claims.excluded = {g.atom_id for g in index.by_pci.values() if g.atom_id and excluded(g)}
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")
-    for alloc, rel in pending.items():
+    for alloc, rel in p.pending.items():
         for atom in rel.devices:
             claims.add(atom, f"{alloc} (pending Kubernetes release)")
     unreadable = observed.releases_unreadable and not observed.no_orphans
     if observed.releases_unreadable and observed.no_orphans:
-        steps.append(ClearUnreadableMarker())
+        p.steps.append(ClearUnreadableMarker())
     if unreadable:
         claims.all_gpus_held_by = UNREADABLE_RELEASES_HOLDER
-    ledger = HostLedger(observed.inventory.host if observed.inventory else None, config.system_reserve_bytes)
+    return claims, unreadable
 
-    # 4. Holds still wanted are kept; a missing slice or env file is recreated.
-    kept: dict[str, HoldOnDisk] = {a: h for a, h in observed.holds.items() if a in wanted and a not in released}
+
+# ------------------------------------------------------------------------------ 4. kept holds
+
+
+def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedger, mps: frozenset[str]) -> dict[str, HoldOnDisk]:
+    """Holds still wanted are kept: a missing slice or env file is recreated, an unreported Bound sent."""
+    state, observed = p.state, p.observed
+    kept = {a: h for a, h in observed.holds.items() if a in p.wanted and a not in p.released}
+    # what is promised before any new hold: kept holds, and pending releases (their pods still run)
     for alloc, hold in sorted(kept.items()):
         for atom in hold.devices:
             claims.add(atom, alloc)
         ledger.promise(hold.limits)
+    for rel in p.pending.values():
+        ledger.promise(rel.limits)
     for alloc, hold in sorted(kept.items()):
-        assignment = wanted[alloc]
+        assignment = p.wanted[alloc]
         if hold.cgroup_parent and alloc not in observed.slices:
             limits = hold.limits or assignment.limits
             if limits is not None:
-                steps.append(EnsureSlice(alloc, limits))
+                p.steps.append(EnsureSlice(alloc, limits))
+        files_in_place = True
         if alloc not in observed.env_files:
             try:
                 devices = hold_devices(index.resolve(a) for a in hold.devices)
             except AtomError as exc:
-                notes.append(f"{alloc}: env file missing and cannot be rebuilt: {exc.message}")
+                p.notes.append(f"{alloc}: env file missing and cannot be rebuilt: {exc.message}")
+                files_in_place = False
             else:
-                steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed, mps), hold)))
-        if alloc not in state.reported:
+                p.steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed, mps), hold)))
+        # seed: no event is sent until every file is in place
+        if alloc not in state.reported and files_in_place:
             intent = state.intents.get(alloc)
-            event_id = intent.event_id if intent is not None and intent.op == "bind" else bound_id(node, alloc, hold.generation)
-            steps.append(ReportBound(alloc, event_id, _bound_event(hold)))
+            event_id = intent.event_id if intent is not None and intent.op == "bind" else bound_id(p.node, alloc, hold.generation)
+            p.steps.append(ReportBound(alloc, event_id, _bound_event(hold)))
+    return kept
 
-    # 5. New holds, in spec order: check, then bind or collect the failure.
+
+# ------------------------------------------------------------------------------ 5. new holds
+
+
+def plan_new_holds(
+    p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedger, mps: frozenset[str], kept: Mapping[str, HoldOnDisk]
+) -> list[Failure]:
+    """New holds in spec order through their checks; each that passes is bound, each that fails collected.
+
+    Every atom (and every page of memory) a new hold takes counts against the holds after it.
+    """
+    state, observed, gen = p.state, p.observed, p.gen
     failures: list[Failure] = []
     undo: list[Step] = []
-    host_checked = False
-    for assignment in spec.devices:
+    admission = _Admission(ledger)
+    for assignment in p.spec.devices:
         alloc = assignment.allocation_id
         if alloc in kept:
             continue
         try:
-            resolved = _check(assignment, index, claims, config)
-            limits = assignment.limits if assignment.binding != "BINDING_KUBERNETES" else None
-            if limits is not None and (limits.memory_bytes or any(h.count for h in limits.hugepages)):
-                if not ledger.readable():
-                    if not host_checked:
-                        notes.append("host memory unreadable; binding without host-side admission")
-                    host_checked = True
-                else:
-                    problem = ledger.admit(limits)
-                    if problem:
-                        raise _Refused("resources-exhausted", problem)
+            refused = state.refusals.get(alloc)
+            if refused is not None and refused.generation == gen and state.reported_failures.get(alloc) == gen:
+                # FAILED is terminal at its generation: what was refused stays
+                # refused until a later generation asks again, even if the
+                # cause (an excluded card, a full host) has gone since.
+                raise _Refused(refused.reason, refused.message)
+            resolved = check_new_hold(assignment, index, claims, p.config)
+            admission.check(assignment.limits, p.notes)
         except _Refused as exc:
-            failures.append(Failure(alloc, assignment.reservation_id, exc.reason, exc.message))  # type: ignore[arg-type]
+            failures.append(Failure(alloc, assignment.reservation_id, exc.reason, clip(exc.message)))  # type: ignore[arg-type]
             intent = state.intents.get(alloc)
-            if intent is not None and intent.op == "bind" and alloc not in observed.holds and alloc not in released:
-                # Fix: an interrupted bind (intent journaled, maybe its slice, no CDI
-                # spec) whose assignment now fails its checks was left journaled
-                # forever: its slice stayed and the holder query named it as holding
-                # the GPU. Undo it unreported, like one that is no longer wanted
-                # (after the binds: its atoms are on no disk, nothing waits for it).
-                undo.append(
-                    ReleaseHold(
-                        alloc,
-                        intent.event_id,
-                        AllocationReleased(
-                            allocation_id=alloc, reservation_id=intent.reservation_id, generation=gen, devices=list(intent.devices)
-                        ),
-                        sliced=intent.sliced,
-                        report=False,
-                    )
-                )
+            if intent is not None and intent.op == "bind" and alloc not in observed.holds and alloc not in p.released:
+                # an interrupted bind (intent journaled, maybe its slice, no CDI
+                # spec) whose assignment now fails: undone unreported after the
+                # binds (its atoms are on no disk, nothing waits for it)
+                undo.append(_undo_bind(alloc, intent, gen))
             continue
         devices = hold_devices(resolved)
         # a hold already reported Bound whose files vanished is re-created as it
         # was bound (same generation, same event id) and not reported again
-        again = state.bound.get(alloc) if alloc in state.reported and alloc not in released else None
+        again = state.bound.get(alloc) if alloc in state.reported and alloc not in p.released else None
         hold_gen = again.generation if again is not None else gen
         content = dataclasses.replace(hold_content(assignment, devices, observed, mps), generation=hold_gen)
         for r in resolved:
             claims.add(r.ref.id, alloc)
-        ledger.promise(content.limits)
-        steps.append(
+        ledger.promise(assignment.limits)
+        p.steps.append(
             BindHold(
                 alloc,
-                again.event_id if again is not None else bound_id(node, alloc, gen),
+                again.event_id if again is not None else bound_id(p.node, alloc, gen),
                 AllocationBound(
                     allocation_id=alloc,
                     reservation_id=assignment.reservation_id,
@@ -495,47 +497,53 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
                 report=again is None,
             )
         )
+    p.steps.extend(undo)
+    return failures
 
-    steps.extend(undo)
 
-    # 6. One AllocationFailed per failing allocation, once per generation.
+@dataclass
+class _Admission:
+    """Host admission for the new holds of one pass: the host is read once, when first needed."""
+
+    ledger: HostLedger
+    noted: bool = False
+
+    def check(self, limits: Limits | None, notes: list[str]) -> None:
+        problem = topology_problem(limits, self.ledger.host)
+        if problem:
+            raise _Refused("resources-exhausted", problem)
+        if limits is None or not needs_admission(limits):
+            return
+        if not self.ledger.readable():
+            if not self.noted:
+                notes.append("host memory unreadable; binding without host-side admission")
+            self.noted = True
+            return
+        problem = self.ledger.admit(limits)
+        if problem:
+            raise _Refused("resources-exhausted", problem)
+
+
+# ------------------------------------------------------------------------------ 6. failures
+
+
+def plan_failures(p: _Pass, failures: Iterable[Failure]) -> None:
+    """One AllocationFailed per failing allocation, once per generation."""
     for f in failures:
-        if state.reported_failures.get(f.allocation_id) != gen:
-            steps.append(
+        if p.state.reported_failures.get(f.allocation_id) != p.gen:
+            p.steps.append(
                 ReportFailed(
                     f.allocation_id,
-                    failed_id(node, f.allocation_id, gen),
+                    failed_id(p.node, f.allocation_id, p.gen),
                     AllocationFailed(
                         allocation_id=f.allocation_id,
                         reservation_id=f.reservation_id,
-                        generation=gen,
+                        generation=p.gen,
                         reason=f.reason,
                         message=f.message,
                     ),
                 )
             )
-    steps.extend(_conditions(observed, config, pending, unreadable))
-
-    # 7. The VFIO side: driver switches, after every release of this pass (a
-    #    card moves from a hold to an instance in one generation).
-    vfio = plan_vfio(spec, observed, _held_cards(claims, index))
-    steps.extend(vfio.steps)
-    section = SectionStatus(
-        section=SECTION,
-        state="FAILED" if failures else "CONVERGED",
-        observed_generation=gen,
-        message="\n".join(f"{f.allocation_id}: {f.reason}" for f in failures),
-    )
-    return Plan(
-        generation=gen,
-        steps=tuple(steps),
-        failures=tuple(failures),
-        section=section,
-        notes=tuple(notes),
-        pending=tuple(sorted(pending)),
-        vfio_waiting=vfio.waiting,
-        vfio_notes=vfio.notes,
-    )
 
 
 def _held_cards(claims: Claims, index: AtomIndex) -> dict[str, str]:
@@ -570,7 +578,7 @@ def _conditions(observed: Observed, config: PlanConfig, pending: Mapping[str, Pe
                 type=STUCK,
                 status="True",
                 reason="PodsHoldDevices",
-                message=f"pods still hold the devices of {', '.join(stuck)} (pending longer than {mins} min)",
+                message=f"pods still hold the devices of {summarise(stuck, TEXT_MAX - 64, sep=', ')} (pending longer than {mins} min)",
                 since=now,
             )
         )
@@ -638,7 +646,7 @@ def _qualified(content: HoldContent) -> list[str]:
     return [f"{KIND}={device_name(d.atom_id)}" for d in content.devices]
 
 
-def _check(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, config: PlanConfig) -> list[ResolvedAtom]:
+def check_new_hold(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, config: PlanConfig) -> list[ResolvedAtom]:
     """binding, privilege, atoms, conflicts: the first failure decides."""
     if assignment.binding not in config.supported_bindings:
         if assignment.binding == "BINDING_INSTANCE":
@@ -678,4 +686,19 @@ def _check(assignment: DeviceAssignment, index: AtomIndex, claims: Claims, confi
     return resolved
 
 
-__all__ = ["plan", "Claims", "HostLedger", "expand_list", "hold_devices", "hold_content", "UNREADABLE_RELEASES_HOLDER"]
+__all__ = [
+    "plan",
+    "plan_kubernetes_releases",
+    "plan_releases",
+    "plan_leftover_slices",
+    "claims_after_releases",
+    "plan_kept_holds",
+    "plan_new_holds",
+    "plan_failures",
+    "check_new_hold",
+    "section_status",
+    "Claims",
+    "hold_devices",
+    "hold_content",
+    "UNREADABLE_RELEASES_HOLDER",
+]

@@ -21,13 +21,16 @@ from pathlib import Path
 import msgspec
 
 from shared import logs
-from shared.fsutil import atomic_write, remove_durably
-from shared.schemas import AtomId, Id
+from shared.fsutil import atomic_write, read_regular, remove_durably
+from shared.schemas import AtomId, Id, Limits
+from shared.schemas.codec import BoundedDecoder
 
 log = logs.get_logger("bcd.converger.releases")
 
 RELEASES_FILE = "releasing.json"
 UNREADABLE_MARKER = "releasing.unreadable"
+#: the largest releases file read back (a FIFO, a symlink or more is unreadable).
+RELEASES_MAX_BYTES = 64 * 1024 * 1024
 
 
 class PendingRelease(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +42,9 @@ class PendingRelease(msgspec.Struct, frozen=True, kw_only=True):
     #: when the release was recorded (the stuck timer starts here).
     since: datetime
     event_id: str
+    #: what the hold booked of the host: its pods may still use it, so it stays
+    #: promised (host admission) until the release is reported.
+    limits: Limits | None = None
 
 
 class ReleasesFile(msgspec.Struct, kw_only=True):
@@ -46,7 +52,7 @@ class ReleasesFile(msgspec.Struct, kw_only=True):
     releases: dict[str, PendingRelease] = {}
 
 
-_DECODER = msgspec.json.Decoder(ReleasesFile)
+_DECODER = BoundedDecoder(ReleasesFile, max_bytes=64 * 1024 * 1024, what=RELEASES_FILE)
 
 
 class ReleasesStore:
@@ -59,7 +65,7 @@ class ReleasesStore:
         """(pending releases, unreadable). An unreadable file is set aside and the marker written."""
         unreadable = self.marker.exists()
         try:
-            data = self.path.read_bytes()
+            data = read_regular(self.path, max_bytes=RELEASES_MAX_BYTES)
         except FileNotFoundError:
             return {}, unreadable
         except OSError as exc:
@@ -76,7 +82,7 @@ class ReleasesStore:
         """
         unreadable = self.marker.exists()
         try:
-            data = self.path.read_bytes()
+            data = read_regular(self.path, max_bytes=RELEASES_MAX_BYTES)
         except FileNotFoundError:
             return {}, unreadable
         except OSError:

@@ -26,16 +26,19 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.holdfiles import HoldOnDisk
+from shared.holdfiles import HoldOnDisk, VendorCache
 from shared.host import HostFactError, read_boot_id
-from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
+from shared.runtime import LoopGuard, Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
 from shared.schemas import (
     CLAIMS_CODEC,
+    CONVERGER_STATUS_CODEC,
     EMPTY_CODEC,
     FREED_CODEC,
     HOLDER_QUERY_CODEC,
+    HOLDER_REPLY_CODEC,
     INVENTORY_CODEC,
     NODE_SPEC_CODEC,
+    SPEC_ACK_CODEC,
     BadMessage,
     Claims,
     ConvergerStatus,
@@ -48,8 +51,10 @@ from shared.schemas import (
     NodeSpec,
     SpecAck,
 )
+from shared.schemas.bus import PROBLEMS_MAX
+from shared.schemas.common import clip
 from shared.slices import FakeSlices, Slices, SystemdSlices
-from shared.vendorcdi import VENDOR_CDI_FILE
+from shared.vendorcdi import VENDOR_CDI_FILE, VendorSpecError
 
 from .apply import Applier
 from .crash import CrashPoints
@@ -66,7 +71,7 @@ from .hostwriter import (
 )
 from .loop import PassLoop
 from .model import ConvergerState, PlanConfig
-from .observe import observe, read_disk, release_facts
+from .observe import DiskView, observe, read_disk, release_facts
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import UNREADABLE, plan
 from .reaper import BusReaper
@@ -170,8 +175,14 @@ class ConvergerApp(ServiceApp):
         self.releases = ReleasesStore(Path(o.data_dir))
         self.reaper = BusReaper(ctx.nc, ctx.subjects)
         self.pending: dict[str, PendingRelease] = {}
-        self.outbox = JetStreamOutbox(ctx.nc, ctx.subjects, max_msgs=o.outbox_max_msgs, max_bytes=o.outbox_max_bytes)
+        self.outbox = JetStreamOutbox(
+            ctx.nc, ctx.subjects, max_msgs=o.outbox_max_msgs, max_bytes=o.outbox_max_bytes, state_dir=o.data_dir
+        )
+        # a server that refuses the reservation for storage gives a smaller outbox (or,
+        # below the floor, none yet: tried again before each pass), never a crash loop
         await self.outbox.ensure()
+        #: the vendor CDI spec as the status reads it (decoded again only when it changes).
+        self.vendor = VendorCache(o.cdi_dir)
         self.applier = Applier(
             node_id=o.node_id,
             writer=writer,
@@ -188,6 +199,7 @@ class ConvergerApp(ServiceApp):
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
         self._metrics(ctx)
 
+        @guarded(ctx.log, "inventory notice")
         async def on_inventory(msg: Any) -> None:
             try:
                 inv = INVENTORY_CODEC.decode(msg.data)
@@ -198,6 +210,7 @@ class ConvergerApp(ServiceApp):
                 self.inventory = inv
                 self.loop.trigger("inventory changed")
 
+        @guarded(ctx.log, "freed notice")
         async def on_freed(msg: Any) -> None:
             try:
                 freed = FREED_CODEC.decode(msg.data)
@@ -207,11 +220,11 @@ class ConvergerApp(ServiceApp):
 
         await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=on_inventory)
         await ctx.nc.subscribe(ctx.subjects.reaper_freed, cb=on_freed)
-        await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC)
-        await ctx.endpoint("status", ctx.subjects.converger_status, self.status, EMPTY_CODEC, allow_empty=True)
-        await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC)
-        await ctx.endpoint("claims", ctx.subjects.converger_claims, self.claims, EMPTY_CODEC, allow_empty=True)
-        await ctx.endpoint("pass", ctx.subjects.converger_pass, self.request_pass, EMPTY_CODEC, allow_empty=True)
+        await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC, reply=SPEC_ACK_CODEC)
+        await ctx.endpoint("status", ctx.subjects.converger_status, self.status, EMPTY_CODEC, allow_empty=True, reply=CONVERGER_STATUS_CODEC)
+        await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC, reply=HOLDER_REPLY_CODEC)
+        await ctx.endpoint("claims", ctx.subjects.converger_claims, self.claims, EMPTY_CODEC, allow_empty=True, reply=CLAIMS_CODEC)
+        await ctx.endpoint("pass", ctx.subjects.converger_pass, self.request_pass, EMPTY_CODEC, allow_empty=True, reply=SPEC_ACK_CODEC)
 
     def _metrics(self, ctx: ServiceContext) -> None:
         reg = ctx.registry
@@ -258,8 +271,20 @@ class ConvergerApp(ServiceApp):
     def _holds(self) -> dict[str, HoldOnDisk]:
         return read_disk(self.opts.cdi_dir, self.opts.run_dir, warned=self.warned).holds
 
+    def _disk_now(self) -> tuple[DiskView, str]:
+        """The hold directories as read now, and why the vendor CDI spec does not read ("" when it does)."""
+        disk = read_disk(self.opts.cdi_dir, self.opts.run_dir, warned=self.warned)
+        try:
+            self.vendor.get()
+        except VendorSpecError as exc:
+            return disk, str(exc)
+        return disk, ""
+
     async def status(self, _: Empty) -> ConvergerStatus:
-        holds = await asyncio.to_thread(self._holds)
+        disk, vendor_error = await asyncio.to_thread(self._disk_now)
+        holds = disk.holds
+        vendor = Path(self.opts.cdi_dir) / VENDOR_CDI_FILE
+        problems = [*disk.problems, *(p for p in (self.outbox.warning, self.outbox.error) if p)]
         return ConvergerStatus(
             generation=self.spec.generation if self.spec else None,
             section=self.state.last_section,
@@ -280,7 +305,12 @@ class ConvergerApp(ServiceApp):
             next_retry_in_s=self.loop.next_retry_in(),
             privileged=self.privileged,
             bindings=sorted(self.config.supported_bindings),
-            vendor_cdi_spec=str(vendor) if (vendor := Path(self.opts.cdi_dir) / VENDOR_CDI_FILE).exists() else "",
+            # lexists: a symlink or FIFO there is a vendor spec that does not read, not a missing one
+            vendor_cdi_spec=str(vendor) if os.path.lexists(vendor) else "",
+            vendor_cdi_error=clip(vendor_error),
+            problems=bounded_problems(problems),
+            outbox_warning=clip(self.outbox.warning),
+            outbox_error=clip(self.outbox.error),
         )
 
     def _card_claims(self, inv: Inventory) -> list[GpuClaim]:
@@ -340,7 +370,7 @@ class ConvergerApp(ServiceApp):
         if key == self.claims_sent:
             return
         try:
-            await self.ctx.nc.publish(self.ctx.subjects.converger_claims_changed, CLAIMS_CODEC.encode(c))
+            await self.ctx.nc.publish(self.ctx.subjects.converger_claims_changed, CLAIMS_CODEC.encode_valid(c))
         except Exception as exc:  # noqa: BLE001 - published again after the next pass
             self.ctx.log.warning("claims not published; next pass tries again", error=str(exc) or type(exc).__name__)
             return
@@ -376,6 +406,7 @@ class ConvergerApp(ServiceApp):
                     return True
             spec, log = self.spec, self.ctx.log
             with self.m_pass.time():
+                await self.outbox.recheck()
                 facts = await release_facts(self.releases, self.reaper, self.opts.cdi_dir, self.opts.run_dir)
                 observed = await asyncio.to_thread(
                     observe,
@@ -481,16 +512,22 @@ class ConvergerApp(ServiceApp):
         """While unprivileged (--writer auto), look for the root helper every --helper-recheck-interval
         (every second in the first half minute: a helper started at the same time connects late)."""
         started = asyncio.get_running_loop().time()
+        guard = LoopGuard(self.ctx.log, "helper watch")
         while not self.privileged and not stopping.is_set():
             interval = self.opts.helper_recheck_interval
             if asyncio.get_running_loop().time() - started < 30:
                 interval = min(interval, 1.0)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stopping.wait(), interval)
-            if not stopping.is_set() and not self.privileged and await self._look_for_helper():
-                await self._become_privileged()
+            async with guard:
+                if not stopping.is_set() and not self.privileged and await self._look_for_helper():
+                    await self._become_privileged()
 
     async def run(self, ctx: ServiceContext) -> None:
+        # the endpoints answer now: a bridge holding a spec for us hands it over at once
+        # instead of at its next retry
+        with contextlib.suppress(Exception):
+            await ctx.nc.publish(ctx.subjects.converger_status_changed, b"")
         async with asyncio.TaskGroup() as tasks:
             if self.helper_writer is not None and not self.privileged:
                 tasks.create_task(self._watch_helper(ctx.stopping), name="converger.helper-watch")
@@ -499,6 +536,14 @@ class ConvergerApp(ServiceApp):
     async def close(self, ctx: ServiceContext) -> None:
         if self.helper_writer is not None:
             await asyncio.to_thread(self.helper_writer.close)
+
+
+def bounded_problems(problems: list[str]) -> list[str]:
+    """At most PROBLEMS_MAX, each clipped to its bound; the last says how many more there are."""
+    out = [clip(p) for p in dict.fromkeys(problems)]
+    if len(out) > PROBLEMS_MAX:
+        out = [*out[: PROBLEMS_MAX - 1], f"... and {len(out) - PROBLEMS_MAX + 1} more"]
+    return out
 
 
 main = main_for(ConvergerApp)

@@ -16,13 +16,17 @@ from pathlib import Path
 import msgspec
 
 from shared import logs
-from shared.fsutil import atomic_write
+from shared.fsutil import RefusedFile, atomic_write, read_regular
 from shared.schemas import NODE_SPEC_CODEC, BadMessage, NodeSpec, encode
+from shared.schemas.codec import BoundedDecoder
 
 from .model import ConvergerState
 
 log = logs.get_logger("bcd.converger.state")
-_STATE_DECODER = msgspec.json.Decoder(ConvergerState)
+_STATE_DECODER = BoundedDecoder(ConvergerState, max_bytes=64 * 1024 * 1024, what="converger state")
+#: caps on reading the journal back (far above what bcd writes: a NodeSpec is at most 1 MiB).
+STATE_MAX_BYTES = 64 * 1024 * 1024
+SPEC_MAX_BYTES = 4 * 1024 * 1024
 
 
 class StateStore:
@@ -34,12 +38,12 @@ class StateStore:
 
     def load(self) -> ConvergerState:
         try:
-            data = self.path.read_bytes()
+            data = read_regular(self.path, max_bytes=STATE_MAX_BYTES)
+            return _STATE_DECODER.decode(data)
         except FileNotFoundError:
             return ConvergerState()
-        try:
-            return _STATE_DECODER.decode(data)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        # not a regular file, or larger than any state bcd writes: set aside like garbage
+        except (RefusedFile, msgspec.ValidationError, msgspec.DecodeError) as exc:
             # Kept for an operator; holds on disk are re-reported with their
             # deterministic ids, which upstream dedupes.
             aside = self.path.with_name(f"state.json.unreadable-{int(time.time())}")
@@ -52,8 +56,11 @@ class StateStore:
 
     def load_spec(self) -> NodeSpec | None:
         try:
-            return NODE_SPEC_CODEC.decode(self.spec_path.read_bytes())
+            return NODE_SPEC_CODEC.decode(read_regular(self.spec_path, max_bytes=SPEC_MAX_BYTES))
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.error("stored spec unreadable; waiting for the next one", file=str(self.spec_path), error=str(exc))
             return None
         except BadMessage as exc:
             log.error("stored spec unreadable; waiting for the next one", file=str(self.spec_path), error=str(exc))

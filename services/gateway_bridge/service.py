@@ -6,12 +6,18 @@ Three loops, each surviving an unreachable upstream on its own:
   configured control-plane keys (none: accept unsigned, and say so), refuse a
   bad signature, another node's spec or an older generation (the last good
   spec stays; condition NodeSpecRejected is raised), hand the rest to the
-  converger;
+  converger. Never backwards: the newest verified spec waits as `pending`
+  until the converger acknowledges it and is handed over again every
+  HANDOVER_RETRY_S while the converger does not answer; an older one is
+  refused, never handed over after a newer;
 - records: put Hello and the Inventory into `bcd_nodes` / `bcd_inventory`;
 - outbox: forward the node-bus outbox to `BCD_EVENTS` in sequence order with
   `Nats-Msg-Id`, deleting a local message only after upstream's PubAck. While
   upstream is away the outbox grows on disk; nothing is dropped.
 It waits for buckets and streams that do not exist yet and never creates them.
+No message and no peer's reply stops a loop: each iteration runs under a
+`LoopGuard` (logged, backed off, carried on), and what the bridge puts
+upstream or journals is encoded through its codec's `encode_valid`.
 """
 
 from __future__ import annotations
@@ -30,10 +36,24 @@ from prometheus_client import Counter, Gauge
 
 from shared.eventids import condition_id
 from shared.jsutil import StreamMissing, stream_depth
-from shared.runtime import VERSION, Option, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
+from shared.runtime import (
+    VERSION,
+    LoopGuard,
+    Option,
+    ServiceApp,
+    ServiceCallError,
+    ServiceContext,
+    StartupError,
+    call,
+    describe,
+    guarded,
+    main_for,
+)
 from shared.schemas import (
     CONVERGER_STATUS_CODEC,
+    HELLO_CODEC,
     INVENTORY_CODEC,
+    NODE_EVENT_CODEC,
     SIGNED_NODE_SPEC_CODEC,
     SIGNER_KEY_CODEC,
     SPEC_ACK_CODEC,
@@ -43,8 +63,10 @@ from shared.schemas import (
     Hello,
     Inventory,
     NodeCondition,
+    NodeSpec,
+    SchemaViolation,
     SignerKey,
-    encode,
+    clip,
 )
 from shared.signing import VerificationError, load_public_key_file, verify_node_spec
 from shared.subjects import (
@@ -59,6 +81,10 @@ from shared.subjects import (
 )
 
 NODE_SPEC_REJECTED = "NodeSpecRejected"
+#: one hand-over to the converger waits this long for its answer; then it is tried again.
+HANDOVER_TIMEOUT_S = 2.0
+#: while the converger does not take the newest spec, it is handed over again this often.
+HANDOVER_RETRY_S = 0.5
 
 
 def capabilities(privileged: bool, bindings: list[str], adapter: str) -> list[str]:
@@ -89,7 +115,13 @@ class BridgeApp(ServiceApp):
         self.hello_published = asyncio.Event()
         self.outbox_wake = asyncio.Event()
         self.spec_wake = asyncio.Event()
+        #: the newest raw spec put on the key (a KV put is a publish), not yet read.
         self.latest_spec: bytes | None = None
+        #: the newest verified spec the converger has not acknowledged yet: handed
+        #: over again every HANDOVER_RETRY_S until it is; a newer one replaces it.
+        self.pending: NodeSpec | None = None
+        #: the converger answered the last hand-over (False: the next success is logged).
+        self.converger_reachable = True
         self.applied_generation = -1
         self.rejected: Condition | None = None
         self.rejection_unknown = True
@@ -138,20 +170,20 @@ class BridgeApp(ServiceApp):
         for outcome in ("accepted", "rejected"):
             self.m_specs.labels(outcome=outcome)
 
+        @guarded(ctx.log, "inventory notice")
         async def on_inventory(msg: Any) -> None:
-            try:
-                inv = INVENTORY_CODEC.decode(msg.data)
-            except BadMessage:
-                return
-            self.inventory = inv
+            self.inventory = INVENTORY_CODEC.decode(msg.data)
             self.mark_records()
 
         async def on_outbox(_: Any) -> None:
             self.outbox_wake.set()
 
         async def on_converger_changed(_: Any) -> None:
-            # the converger found (or lost) the root helper: the Hello's capabilities change now
+            # the converger found (or lost) the root helper: the Hello's capabilities change now;
+            # a converger that speaks again takes the spec that waits for it now, too
             self.mark_records()
+            if self.pending is not None:
+                self.spec_wake.set()
 
         await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=on_inventory)
         await ctx.nc.subscribe(ctx.subjects.outbox_filter, cb=on_outbox)
@@ -254,24 +286,36 @@ class BridgeApp(ServiceApp):
         return msg.data
 
     async def specs_loop(self) -> None:
+        guard = LoopGuard(self.log, "specs loop")
         while not self.ctx.stopping.is_set():
-            await self.up_connected.wait()
+            if self.pending is None:
+                # a spec already taken goes to the converger (on the node bus) while upstream is away
+                await self.up_connected.wait()
             # cleared before the work, so a wake set during it (a retry, a new put) is kept
             self.spec_wake.clear()
-            try:
-                data = self.latest_spec
-                self.latest_spec = None
-                if data is None:
-                    data = await self._get_spec()
-                if data is not None:
-                    await self.take(data)
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                self.log.warning("reading the node spec failed; retrying", error=str(exc) or type(exc).__name__)
+            async with guard:
+                try:
+                    data = self.latest_spec
+                    self.latest_spec = None
+                    if data is None and self.pending is None:
+                        data = await self._get_spec()
+                    if data is not None:
+                        await self.take(data)
+                    if self.pending is not None:
+                        await self.hand_over()
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    self.log.warning("reading the node spec failed; retrying", error=describe(exc))
+            # a spec the converger has not taken yet is handed over again soon; a new put wakes at once
+            wait = HANDOVER_RETRY_S if self.pending is not None else self.opts.resync_interval
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.spec_wake.wait(), self.opts.resync_interval)
+                await asyncio.wait_for(self.spec_wake.wait(), wait)
 
     async def take(self, data: bytes) -> None:
-        """Verify one SignedNodeSpec and hand it to the converger, or reject it."""
+        """Verify one SignedNodeSpec; the newest good one waits in `pending` for the hand-over.
+
+        Never goes backwards: a spec older than the applied generation, or
+        than the one already waiting for the converger, is refused.
+        """
         node = self.opts.node_id
         try:
             signed = SIGNED_NODE_SPEC_CODEC.decode(data)
@@ -285,28 +329,60 @@ class BridgeApp(ServiceApp):
         if spec.generation < self.applied_generation:
             await self.reject(f"refused: generation {spec.generation} is lower than the applied {self.applied_generation}")
             return
+        if self.pending is not None and spec.generation < self.pending.generation:
+            await self.reject(
+                f"refused: generation {spec.generation} is lower than generation {self.pending.generation}, "
+                "which waits for the converger"
+            )
+            return
+        self.pending = spec
+
+    async def hand_over(self) -> None:
+        """Hand the pending spec to the converger; kept pending (retried soon) when it does not answer."""
+        spec = self.pending
+        assert spec is not None
         try:
-            ack = await call(self.ctx.nc, self.ctx.subjects.converger_spec, spec, SPEC_ACK_CODEC, timeout=10)
+            ack = await call(self.ctx.nc, self.ctx.subjects.converger_spec, spec, SPEC_ACK_CODEC, timeout=HANDOVER_TIMEOUT_S)
         except ServiceCallError as exc:
             if exc.code in ("400", "409"):
+                self._handed(spec)
+                self.converger_reachable = True
                 await self.reject(f"refused by the converger: {exc.description}")
                 return
-            raise
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            self.log.warning("converger not reachable; will hand the spec over again", error=str(exc) or type(exc).__name__)
-            self.latest_spec = data
-            self.spec_wake.set()
-            await asyncio.sleep(1)
+            self._unreachable(spec, f"{exc.code}: {exc.description}")
             return
-        self.applied_generation = ack.generation
+        except (nats.errors.Error, asyncio.TimeoutError, BadMessage) as exc:
+            self._unreachable(spec, describe(exc))
+            return
+        self._handed(spec)
+        self.applied_generation = max(self.applied_generation, ack.generation)
+        if not self.converger_reachable:
+            self.converger_reachable = True
+            self.log.info("converger reachable again; spec handed over", generation=ack.generation, changed=ack.changed)
         if ack.changed:
             self.m_specs.labels(outcome="accepted").inc()
             self.log.info("node spec handed to the converger", generation=ack.generation, signed=bool(self.keys))
         await self.clear_rejection()
 
+    def _handed(self, spec: NodeSpec) -> None:
+        # only what was handed over leaves `pending`; a newer spec taken meanwhile stays
+        if self.pending is spec:
+            self.pending = None
+
+    def _unreachable(self, spec: NodeSpec, error: str) -> None:
+        # the first miss of an outage is a WARNING; the retries every HANDOVER_RETRY_S are DEBUG
+        (self.log.warning if self.converger_reachable else self.log.debug)(
+            "converger not reachable; the newest spec is handed over again as soon as it answers",
+            generation=spec.generation,
+            error=error,
+            retry_in_s=HANDOVER_RETRY_S,
+        )
+        self.converger_reachable = False
+
     async def reject(self, message: str) -> None:
         self.m_specs.labels(outcome="rejected").inc()
         self.log.error("node spec rejected; keeping the last good spec", reason=message, applied_generation=self.applied_generation)
+        message = clip(message)  # a condition's message is a bounded Text
         if self.rejected is not None and self.rejected.message == message:
             return
         self.rejected = Condition(
@@ -337,9 +413,10 @@ class BridgeApp(ServiceApp):
         event_id = condition_id(self.opts.node_id, condition)
         js = self.ctx.nc.jetstream()
         try:
-            await js.publish(self.ctx.subjects.outbox_subject("condition"), encode(event), headers={MSG_ID_HEADER: event_id})
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            self.log.error("could not journal a condition", condition=condition.type, error=str(exc))
+            payload = NODE_EVENT_CODEC.encode_valid(event)
+            await js.publish(self.ctx.subjects.outbox_subject("condition"), payload, headers={MSG_ID_HEADER: event_id})
+        except (nats.errors.Error, asyncio.TimeoutError, SchemaViolation) as exc:
+            self.log.error("could not journal a condition", condition=condition.type, error=describe(exc))
 
     # ------------------------------------------------------------------ Hello and inventory
 
@@ -361,25 +438,31 @@ class BridgeApp(ServiceApp):
 
     async def records_loop(self) -> None:
         self.mark_records()
+        guard = LoopGuard(self.log, "records loop")
         while not self.ctx.stopping.is_set():
             await self.up_connected.wait()
             self.records_wake.clear()
-            try:
-                if self.hello_dirty.is_set():
-                    hello = await self.hello()
-                    if hello is not None and await self._put(f"$KV.{UPSTREAM_NODES_BUCKET}.{self.opts.node_id}", encode(hello), "KV bucket bcd_nodes"):
-                        self.hello_dirty.clear()
-                        self.hello_published.set()
-                        self.log.info("hello published", capabilities=hello.capabilities, boot_id=hello.boot_id, key_id=hello.key_id)
-                if self.inventory_dirty.is_set():
-                    if self.inventory is None:
-                        await self._fetch_inventory()
-                    if self.inventory is not None and await self._put(
-                        f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{self.opts.node_id}", encode(self.inventory), "KV bucket bcd_inventory"
-                    ):
-                        self.inventory_dirty.clear()
-            except (nats.errors.Error, asyncio.TimeoutError, ServiceCallError) as exc:
-                self.log.warning("publishing node records failed; retrying", error=str(exc) or type(exc).__name__)
+            async with guard:
+                try:
+                    if self.hello_dirty.is_set():
+                        hello = await self.hello()
+                        if hello is not None and await self._put(
+                            f"$KV.{UPSTREAM_NODES_BUCKET}.{self.opts.node_id}", HELLO_CODEC.encode_valid(hello), "KV bucket bcd_nodes"
+                        ):
+                            self.hello_dirty.clear()
+                            self.hello_published.set()
+                            self.log.info("hello published", capabilities=hello.capabilities, boot_id=hello.boot_id, key_id=hello.key_id)
+                    if self.inventory_dirty.is_set():
+                        if self.inventory is None:
+                            await self._fetch_inventory()
+                        if self.inventory is not None and await self._put(
+                            f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{self.opts.node_id}",
+                            INVENTORY_CODEC.encode_valid(self.inventory),
+                            "KV bucket bcd_inventory",
+                        ):
+                            self.inventory_dirty.clear()
+                except (nats.errors.Error, asyncio.TimeoutError, ServiceCallError) as exc:
+                    self.log.warning("publishing node records failed; retrying", error=describe(exc))
             # something left to put: retry in a second; else wait for a change or the periodic re-put
             unfinished = self.hello_dirty.is_set() or self.inventory_dirty.is_set()
             try:
@@ -398,7 +481,11 @@ class BridgeApp(ServiceApp):
             key = await call(self.ctx.nc, self.ctx.subjects.signer_key, Empty(), SIGNER_KEY_CODEC, timeout=3)
             status = await call(self.ctx.nc, self.ctx.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
         except (ServiceCallError, nats.errors.Error, asyncio.TimeoutError) as exc:
-            self.log.info("hello waits for the signer and converger", error=str(exc) or type(exc).__name__)
+            self.log.info("hello waits for the signer and converger", error=describe(exc))
+            return None
+        except BadMessage as exc:
+            # a peer's reply its own schema refuses: said, and asked again (records_loop retries)
+            self.log.error("hello waits: the signer's or converger's reply does not decode", error=str(exc))
             return None
         if self.inventory is None:
             await self._fetch_inventory()
@@ -424,51 +511,53 @@ class BridgeApp(ServiceApp):
         # a control plane verifies a report against the node's Hello: none goes
         # upstream before the Hello (with this boot's key and boot id) is there
         await self.hello_published.wait()
+        guard = LoopGuard(self.log, "outbox loop")
         while not self.ctx.stopping.is_set():
             await self.up_connected.wait()
-            try:
-                # the first message at or after the cursor (earlier ones are deleted)
-                msg = await js.get_msg(stream, seq=max(cursor, 1), subject=self.ctx.subjects.outbox_filter, next=True)
-            except NotFoundError:
-                # empty (or the converger has not created it yet)
-                await self._update_depth(js, stream)
-                self.outbox_wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.outbox_wake.wait(), self.opts.outbox_poll)
-                continue
-            except (nats.errors.Error, asyncio.TimeoutError, APIError) as exc:
-                self.log.warning("outbox unreadable; retrying", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(1)
-                continue
-            event_type = msg.subject.rsplit(".", 1)[-1]
-            headers = dict(msg.headers or {})
-            event_id = headers.get(MSG_ID_HEADER, f"{self.opts.node_id}.seq{msg.seq}")
-            try:
-                assert self.up is not None
-                await self.up.jetstream(timeout=5).publish(
-                    upstream_event(self.opts.node_id, event_type), msg.data or b"", headers={MSG_ID_HEADER: event_id}
-                )
-            except nats.errors.NoRespondersError:
-                self._waiting_for("stream BCD_EVENTS")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            except (nats.errors.Error, asyncio.TimeoutError, APIError, ValueError) as exc:
-                self.m_forward_errors.inc()
-                self.log.warning("forwarding an event failed; it stays in the outbox", event_id=event_id, error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                await self._update_depth(js, stream)
-                continue
-            self._found("stream BCD_EVENTS")
-            backoff = 0.5
-            self.m_forwarded.labels(type=event_type).inc()
-            try:
-                await js.delete_msg(stream, msg.seq)
-            except NotFoundError:
-                pass
-            cursor = msg.seq + 1
-            self.log.debug("event forwarded", event_id=event_id, type=event_type)
+            async with guard:
+                try:
+                    # the first message at or after the cursor (earlier ones are deleted)
+                    msg = await js.get_msg(stream, seq=max(cursor, 1), subject=self.ctx.subjects.outbox_filter, next=True)
+                except NotFoundError:
+                    # empty (or the converger has not created it yet)
+                    await self._update_depth(js, stream)
+                    self.outbox_wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.outbox_wake.wait(), self.opts.outbox_poll)
+                    continue
+                except (nats.errors.Error, asyncio.TimeoutError, APIError) as exc:
+                    self.log.warning("outbox unreadable; retrying", error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(1)
+                    continue
+                event_type = msg.subject.rsplit(".", 1)[-1]
+                headers = dict(msg.headers or {})
+                event_id = headers.get(MSG_ID_HEADER, f"{self.opts.node_id}.seq{msg.seq}")
+                try:
+                    assert self.up is not None
+                    await self.up.jetstream(timeout=5).publish(
+                        upstream_event(self.opts.node_id, event_type), msg.data or b"", headers={MSG_ID_HEADER: event_id}
+                    )
+                except nats.errors.NoRespondersError:
+                    self._waiting_for("stream BCD_EVENTS")
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                except (nats.errors.Error, asyncio.TimeoutError, APIError, ValueError) as exc:
+                    self.m_forward_errors.inc()
+                    self.log.warning("forwarding an event failed; it stays in the outbox", event_id=event_id, error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    await self._update_depth(js, stream)
+                    continue
+                self._found("stream BCD_EVENTS")
+                backoff = 0.5
+                self.m_forwarded.labels(type=event_type).inc()
+                try:
+                    await js.delete_msg(stream, msg.seq)
+                except NotFoundError:
+                    pass
+                cursor = msg.seq + 1
+                self.log.debug("event forwarded", event_id=event_id, type=event_type)
 
     async def _update_depth(self, js: Any, stream: str) -> None:
         try:
@@ -481,8 +570,10 @@ class BridgeApp(ServiceApp):
     async def depth_loop(self) -> None:
         """The outbox depth and age, also (especially) while upstream is away."""
         js = self.ctx.nc.jetstream(timeout=5)
+        guard = LoopGuard(self.log, "outbox depth")
         while not self.ctx.stopping.is_set():
-            await self._update_depth(js, self.ctx.subjects.outbox_stream)
+            async with guard:
+                await self._update_depth(js, self.ctx.subjects.outbox_stream)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.ctx.stopping.wait(), 2.0)
 

@@ -20,7 +20,7 @@ import os
 import stat
 from pathlib import Path
 
-from shared.fsutil import TEMP_MARK
+from shared.fsutil import TEMP_MARK, NotRegularFile, file_kind, in_the_way
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -106,6 +106,17 @@ class SafeDir:
         fd = self.open(create=True)
         assert fd is not None
         try:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:
+                if in_the_way(st.st_mode):
+                    # not ours to replace (a directory fails the rename, a FIFO or a
+                    # device is someone else's): the write fails, retried by the converger
+                    raise NotRegularFile(
+                        self.path / name, f"{file_kind(st.st_mode)} is in the way (not removed; remove it to bind)"
+                    )
             tmp = f".{name}{TEMP_MARK}{os.getpid()}"
             try:
                 os.unlink(tmp, dir_fd=fd)
@@ -129,7 +140,15 @@ class SafeDir:
             finally:
                 if tfd >= 0:
                     os.close(tfd)
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except BaseException:
+                # never a temp file left behind by a rename that failed
+                try:
+                    os.unlink(tmp, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+                raise
             os.fsync(fd)
             return True
         finally:

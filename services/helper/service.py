@@ -25,7 +25,6 @@ as the inventory reports it).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,8 +32,11 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from shared.fsutil import read_regular
+from shared.host import HOST_FILE_MAX_BYTES
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, main_for
-from shared.schemas import EMPTY_CODEC, Empty, HelperInfo, HelperReply
+from shared.schemas import EMPTY_CODEC, HELPER_INFO_CODEC, HELPER_REPLY_CODEC, Empty, HelperInfo, HelperReply
+from shared.schemas.codec import bounded_json_loads
 from shared.slices import FakeSlices, Slices, SystemdSlices
 
 from .ops import OPERATIONS, HelperOps
@@ -46,7 +48,7 @@ DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
 def fake_host_mps_dir(fake_host: Path) -> str:
     """The MPS pipe directory a fakehw host file names (the inventory reports the same)."""
     try:
-        host = json.loads(Path(fake_host).read_bytes())
+        host = bounded_json_loads(read_regular(fake_host, max_bytes=HOST_FILE_MAX_BYTES), HOST_FILE_MAX_BYTES, "host file")
     except (OSError, ValueError) as exc:
         raise StartupError(f"fake host file {fake_host} unreadable: {exc}") from None
     value = host.get("mps_pipe_dir", DEFAULT_MPS_PIPE_DIR) if isinstance(host, dict) else DEFAULT_MPS_PIPE_DIR
@@ -91,8 +93,8 @@ class HelperApp(ServiceApp):
             ("slice.apply", s.helper_slice_apply),
             ("slice.remove", s.helper_slice_remove),
         ):
-            await ctx.endpoint(op.replace(".", "-"), subject, self._handler(op), None)
-        await ctx.endpoint("info", s.helper_info, self.info, EMPTY_CODEC, allow_empty=True)
+            await ctx.endpoint(op.replace(".", "-"), subject, self._handler(op), None, reply=HELPER_REPLY_CODEC)
+        await ctx.endpoint("info", s.helper_info, self.info, EMPTY_CODEC, allow_empty=True, reply=HELPER_INFO_CODEC)
 
     async def info(self, _: Empty) -> HelperInfo:
         return self.ops.info()

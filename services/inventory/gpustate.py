@@ -38,8 +38,9 @@ import msgspec
 
 from shared import logs
 from shared.eventids import gpu_id
-from shared.fsutil import atomic_write, fsync_dir
+from shared.fsutil import atomic_write, fsync_dir, read_regular
 from shared.schemas import Claims, Condition, DriverBinding, Gpu, GpuChanged, GpuClaim, Inventory, PhysicalGPUStatus, SwitchReply
+from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import PCI_RE
 
 from .physicalgpu import (
@@ -68,6 +69,8 @@ from .physicalgpu import (
 
 STATE_FILE = "gpus.json"
 STATE_VERSION = 1
+#: the largest state file read back (per-card records of a few KiB).
+STATE_MAX_BYTES = 16 * 1024 * 1024
 
 #: the order in which claims of one card are read: the first one names the card's claim.
 CLAIM_ORDER: tuple[str, ...] = ("allocation", "release", "instance", "domain")
@@ -136,7 +139,7 @@ class GpuState(msgspec.Struct, kw_only=True):
 
 
 _ENCODER = msgspec.json.Encoder()
-_DECODER = msgspec.json.Decoder(GpuState)
+_DECODER = BoundedDecoder(GpuState, max_bytes=16 * 1024 * 1024, what="gpus.json")
 
 
 def encode_state(state: GpuState) -> bytes:
@@ -578,7 +581,7 @@ class GpuStateStore:
     def load(self) -> GpuState:
         """The saved state; a fresh one when there is none or it cannot be decoded (renamed aside)."""
         try:
-            data = self.path.read_bytes()
+            data = read_regular(self.path, max_bytes=STATE_MAX_BYTES)
         except FileNotFoundError:
             return GpuState()
         except OSError as exc:

@@ -37,12 +37,14 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, main_for
+from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
 from shared.schemas import (
     CLAIMS_CODEC,
     EMPTY_CODEC,
+    GPU_REPLY_CODEC,
     GPU_REQUEST_CODEC,
     INVENTORY_CODEC,
+    NODE_EVENT_CODEC,
     SWITCH_REPLY_CODEC,
     BadMessage,
     Claims,
@@ -51,8 +53,8 @@ from shared.schemas import (
     GpuReply,
     GpuRequest,
     Inventory,
+    SchemaViolation,
     SwitchReply,
-    encode,
 )
 from shared.schemas.common import PCI_RE
 from shared.subjects import MSG_ID_HEADER
@@ -193,10 +195,11 @@ class InventoryApp(ServiceApp):
             self.kv = await js.create_key_value(bucket=bucket, history=1, description="bcd node inventory")
         await self._load_last(ctx)
         await self.scan_and_publish(ctx, reason="start")
-        await ctx.endpoint("get", ctx.subjects.inventory_get, lambda _: self.get(), EMPTY_CODEC, allow_empty=True)
-        await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True)
-        await ctx.endpoint("gpu", ctx.subjects.inventory_gpu, lambda req: self.gpu_request(ctx, req), GPU_REQUEST_CODEC)
+        await ctx.endpoint("get", ctx.subjects.inventory_get, lambda _: self.get(), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
+        await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
+        await ctx.endpoint("gpu", ctx.subjects.inventory_gpu, lambda req: self.gpu_request(ctx, req), GPU_REQUEST_CODEC, reply=GPU_REPLY_CODEC)
 
+        @guarded(ctx.log, "claims notice")
         async def on_claims(msg: Msg) -> None:
             try:
                 claims = CLAIMS_CODEC.decode(msg.data)
@@ -205,6 +208,7 @@ class InventoryApp(ServiceApp):
                 return
             await self._refresh_logged(ctx, "claims changed", claims=claims)
 
+        @guarded(ctx.log, "switch result")
         async def on_switch(msg: Msg) -> None:
             try:
                 reply = SWITCH_REPLY_CODEC.decode(msg.data)
@@ -350,7 +354,15 @@ class InventoryApp(ServiceApp):
         else:
             inv = _with_revision(inv, revision + 1)
             assert self.kv is not None
-            payload = encode(inv)
+            try:
+                payload = INVENTORY_CODEC.encode_valid(inv)
+            except SchemaViolation as exc:
+                # what the host reported does not fit the schema: the peers keep the last
+                # good inventory rather than get one they cannot decode
+                self.m_scans.labels(outcome="invalid").inc()
+                ctx.log.error("inventory not published: it breaks its own schema", reason=reason, error=str(exc))
+                await self._flush_events(ctx)
+                return self.current if self.current is not None else inv
             await self.kv.put(ctx.opts.node_id, payload)
             await ctx.nc.publish(ctx.subjects.inventory_changed, payload)
             self.current, self.content_key = inv, key
@@ -401,7 +413,15 @@ class InventoryApp(ServiceApp):
         sent = 0
         for pe in list(tracker.outbox):
             try:
-                await js.publish(subject, encode(pe.event), headers={MSG_ID_HEADER: pe.event_id})
+                payload = NODE_EVENT_CODEC.encode_valid(pe.event)
+            except SchemaViolation as exc:
+                # never sendable (upstream would refuse it), and it would block every
+                # event after it: dropped, loudly
+                ctx.log.error("GPU event dropped: it breaks its own schema", event_id=pe.event_id, error=str(exc))
+                tracker.outbox.remove(pe)
+                continue
+            try:
+                await js.publish(subject, payload, headers={MSG_ID_HEADER: pe.event_id})
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 if not self.outbox_waiting:
                     ctx.log.warning(

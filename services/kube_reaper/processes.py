@@ -16,10 +16,13 @@ every GPU through NVIDIA_VISIBLE_DEVICES, say). Backends:
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from pathlib import Path
 from typing import Any
+
+from shared.fsutil import read_regular
+from shared.host import HOST_FILE_MAX_BYTES
+from shared.schemas.codec import bounded_json_loads
 
 from .devices import cgroup_paths, is_kubepods_path
 from .ports import GpuProcess, SourceUnreachable
@@ -50,7 +53,7 @@ class FakeHostProcesses:
 
     async def list_processes(self) -> list[GpuProcess]:
         try:
-            host = json.loads(self.path.read_bytes())
+            host = bounded_json_loads(read_regular(self.path, max_bytes=HOST_FILE_MAX_BYTES), HOST_FILE_MAX_BYTES, "host file")
         except (OSError, ValueError) as exc:
             raise SourceUnreachable(f"fake host {self.path}: {exc}") from None
         entries = host.get("processes", []) if isinstance(host, dict) else None

@@ -24,13 +24,16 @@ from prometheus_client import Counter, Gauge
 
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, call, main_for
 from shared.schemas import (
+    FREED_CODEC,
     DEVICES_QUERY_CODEC,
+    EVICT_REPLY_CODEC,
+    HELD_REPLY_CODEC,
     INVENTORY_CODEC,
     ORPHAN_QUERY_CODEC,
+    ORPHAN_REPLY_CODEC,
     Empty,
     Freed,
     Inventory,
-    encode,
 )
 
 from .evictor import EvictorUnavailable, KubernetesEvictor, NoEvictor
@@ -112,7 +115,7 @@ class KubeReaperApp(ServiceApp):
             return await call(ctx.nc, ctx.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=INVENTORY_TIMEOUT_S)
 
         async def publish_freed(msg: Freed) -> None:
-            await ctx.nc.publish(ctx.subjects.reaper_freed, encode(msg))
+            await ctx.nc.publish(ctx.subjects.reaper_freed, FREED_CODEC.encode_valid(msg))
             await ctx.nc.flush(timeout=INVENTORY_TIMEOUT_S)
 
         self.reaper = Reaper(
@@ -133,9 +136,9 @@ class KubeReaperApp(ServiceApp):
             }
         )
         reaper = self.reaper
-        await ctx.endpoint("held", ctx.subjects.reaper_held, reaper.held, DEVICES_QUERY_CODEC)
-        await ctx.endpoint("evict", ctx.subjects.reaper_evict, reaper.evict, DEVICES_QUERY_CODEC)
-        await ctx.endpoint("orphans", ctx.subjects.reaper_orphans, reaper.orphans, ORPHAN_QUERY_CODEC, allow_empty=True)
+        await ctx.endpoint("held", ctx.subjects.reaper_held, reaper.held, DEVICES_QUERY_CODEC, reply=HELD_REPLY_CODEC)
+        await ctx.endpoint("evict", ctx.subjects.reaper_evict, reaper.evict, DEVICES_QUERY_CODEC, reply=EVICT_REPLY_CODEC)
+        await ctx.endpoint("orphans", ctx.subjects.reaper_orphans, reaper.orphans, ORPHAN_QUERY_CODEC, allow_empty=True, reply=ORPHAN_REPLY_CODEC)
 
     async def run(self, ctx: ServiceContext) -> None:
         assert self.reaper is not None

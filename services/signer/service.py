@@ -11,7 +11,7 @@ from prometheus_client import Counter
 
 from shared.host import HostFactError, read_boot_id
 from shared.runtime import Option, Refused, ServiceApp, ServiceContext, StartupError, main_for
-from shared.schemas import EMPTY_CODEC, REPORT_PURPOSE, SIGN_REQUEST_CODEC, AttestedReport, Empty, ReportBody, SignerKey, SignRequest
+from shared.schemas import ATTESTED_REPORT_CODEC, EMPTY_CODEC, REPORT_PURPOSE, SIGN_REQUEST_CODEC, SIGNER_KEY_CODEC, AttestedReport, Empty, ReportBody, SignerKey, SignRequest
 from shared.signing import key_id, raw_public_key, sign_report
 
 from .keys import KeyFileError, load_or_create_key
@@ -54,8 +54,8 @@ class SignerApp(ServiceApp):
         # every series from the start, so rate() and increase() see the first request
         for purpose, outcome in ((REPORT_PURPOSE, "signed"), (REPORT_PURPOSE, "error"), ("other", "refused")):
             self.signatures.labels(purpose=purpose, outcome=outcome)
-        await ctx.endpoint("sign", ctx.subjects.signer_sign, lambda req: self.sign(ctx, req), SIGN_REQUEST_CODEC)
-        await ctx.endpoint("key", ctx.subjects.signer_key, lambda req: self.public(ctx, req), EMPTY_CODEC, allow_empty=True)
+        await ctx.endpoint("sign", ctx.subjects.signer_sign, lambda req: self.sign(ctx, req), SIGN_REQUEST_CODEC, reply=ATTESTED_REPORT_CODEC)
+        await ctx.endpoint("key", ctx.subjects.signer_key, lambda req: self.public(ctx, req), EMPTY_CODEC, allow_empty=True, reply=SIGNER_KEY_CODEC)
 
     async def sign(self, ctx: ServiceContext, req: SignRequest) -> AttestedReport:
         assert self.key is not None and self.signatures is not None

@@ -53,7 +53,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared.fsutil import atomic_write
+from shared.fsutil import atomic_write, read_regular
+from shared.host import HOST_FILE_MAX_BYTES
+from shared.schemas.codec import bounded_json_loads
 
 from .driver import (
     GPU_PCI_CLASS_PREFIXES,
@@ -111,7 +113,7 @@ class _Host(msgspec.Struct, kw_only=True):
 
 def _decode(path: Path, data: bytes) -> tuple[dict[str, Any], _Host]:
     try:
-        doc = json.loads(data)
+        doc = bounded_json_loads(data, HOST_FILE_MAX_BYTES, "host file")
     except ValueError as exc:
         raise FakeHostError(f"fake host file {path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
@@ -186,7 +188,7 @@ class FakeHostDriver:
 
     def _read(self) -> tuple[dict[str, Any], _Host]:
         try:
-            data = self.host_file.read_bytes()
+            data = read_regular(self.host_file, max_bytes=HOST_FILE_MAX_BYTES)
         except OSError as exc:
             raise FakeHostError(f"fake host file {self.host_file}: cannot read ({exc.strerror})") from None
         return _decode(self.host_file, data)

@@ -38,13 +38,13 @@ from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, cal
 from shared.schemas import (
     HOLDER_REPLY_CODEC,
     INVENTORY_CODEC,
+    SWITCH_REPLY_CODEC,
     SWITCH_REQUEST_CODEC,
     BadMessage,
     Empty,
     HolderQuery,
     SwitchReply,
     SwitchRequest,
-    encode,
 )
 
 from .driver import DEFAULT_SYSFS_ROOT, DriverPort, SysfsDriver, is_canonical_pci
@@ -143,7 +143,7 @@ class VfioSwitcherApp(ServiceApp):
             }
         )
         # raw bytes in: even a body that does not decode gets a SwitchReply
-        await ctx.endpoint("switch", ctx.subjects.vfio_switch, self.handle, None)
+        await ctx.endpoint("switch", ctx.subjects.vfio_switch, self.handle, None, reply=SWITCH_REPLY_CODEC)
 
     # ------------------------------------------------------------------ the endpoint
 
@@ -245,7 +245,7 @@ class VfioSwitcherApp(ServiceApp):
         else:
             ctx.log.info("switched" if reply.outcome == Outcome.SUCCEEDED else "already on the target", **fields)
         try:
-            await ctx.nc.publish(ctx.subjects.vfio_result, encode(reply))
+            await ctx.nc.publish(ctx.subjects.vfio_result, SWITCH_REPLY_CODEC.encode_valid(reply))
         except Exception as exc:  # noqa: BLE001 - the reply still goes out
             ctx.log.warning("result notice not published", pci=reply.pci, error=_why(exc))
 

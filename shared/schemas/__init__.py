@@ -41,7 +41,7 @@ from .bus import (
     HelperSliceApply,
     HelperSliceRemove,
 )
-from .codec import DEFAULT_MAX_BYTES, BadMessage, Codec, encode
+from .codec import DEFAULT_MAX_BYTES, BadMessage, Codec, SchemaViolation, encode
 from .common import *  # noqa: F403
 from .common import __all__ as _common_all
 from .events import *  # noqa: F403
@@ -148,6 +148,7 @@ __all__ = [  # noqa: PLE0604
     "GPU_REPLY_CODEC",
     "GPU_CHANGED_CODEC",
     "BadMessage",
+    "SchemaViolation",
     "Codec",
     "DEFAULT_MAX_BYTES",
     "encode",

@@ -55,6 +55,10 @@ class HoldSummary(msgspec.Struct, frozen=True, kw_only=True):
     reported: bool = True
 
 
+#: the most problems a ConvergerStatus lists (the last says how many more there are).
+PROBLEMS_MAX = 32
+
+
 class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     generation: int | None = None
     section: SectionStatus | None = None
@@ -69,6 +73,16 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     bindings: list[str] = []
     #: the vendor's CDI spec the holds copy edits from ("" when there is none).
     vendor_cdi_spec: str = ""
+    #: why that vendor spec cannot be read ("" when it reads or there is none):
+    #: no new hold is bound while it is unreadable (retried).
+    vendor_cdi_error: Text = ""
+    #: what an operator should look at (entries of the hold directories that are
+    #: not regular files and were skipped, a reduced outbox), at most PROBLEMS_MAX.
+    problems: Annotated[list[Text], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
+    #: the outbox is smaller than --outbox-max-bytes asked (the server refused the reservation), or "".
+    outbox_warning: Text = ""
+    #: the outbox stream could not be created (no room even for its floor): no event is journaled, or "".
+    outbox_error: Text = ""
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -372,6 +386,7 @@ __all__ = [
     "SpecAck",
     "HoldSummary",
     "ConvergerStatus",
+    "PROBLEMS_MAX",
     "HolderQuery",
     "HolderReply",
     "DevicesQuery",

@@ -58,8 +58,12 @@ CpuListOrEmpty = Annotated[
 
 ENV_KEY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*" + END
 ENV_KEY_RE = re.compile(ENV_KEY_PATTERN)
-#: KEY=VALUE; the value holds no newline, carriage return or NUL.
-ENV_LINE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}=[^\n\r\x00]{0,4096}" + END
+#: KEY=VALUE; the value holds no control character (C0, DEL, C1: newline, CR,
+#: VT, FF, NEL, tab, NUL, ...) and no Unicode line or paragraph separator, so
+#: no reader of the env file (a shell, systemd's EnvironmentFile, Python's
+#: splitlines) can see a line of its own inside a value.
+ENV_VALUE_FORBIDDEN = r"\x00-\x1f\x7f-\x9f\u2028\u2029"
+ENV_LINE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}=[^" + ENV_VALUE_FORBIDDEN + r"]{0,4096}" + END
 EnvLine = Annotated[str, msgspec.Meta(pattern=ENV_LINE_PATTERN, description="KEY=VALUE env line")]
 
 #: env keys bcd writes itself; a spec may not set them.
@@ -85,8 +89,39 @@ KeyId = Annotated[str, msgspec.Meta(pattern=KEY_ID_PATTERN, description="first 1
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 #: a short free-text field (reasons, messages) with a hard cap.
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
-Name = Annotated[str, msgspec.Meta(max_length=256)]
+TEXT_MAX = 4096
+Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
+NAME_MAX = 256
+Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX)]
+
+
+def clip(text: str, limit: int = TEXT_MAX) -> str:
+    """`text` cut to `limit` characters, saying so ("..." at the end) when cut."""
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
+
+def summarise(items: list[str], limit: int = TEXT_MAX, *, sep: str = "\n") -> str:
+    """`items` joined by `sep`, as many as fit in `limit` characters, then "... and N more".
+
+    Every producer of a bounded text field that lists things (a section's
+    failures, a condition's allocations) goes through here, so what it emits
+    always fits its own schema, whatever the spec made the list.
+    """
+    out: list[str] = []
+    used = 0
+    for i, item in enumerate(items):
+        item = clip(item, limit)
+        more = len(items) - i - 1
+        # room for this item, and for the "... and N more" a later item may need
+        tail = len(f"{sep}... and {more} more") if more else 0
+        cost = len(item) + (len(sep) if out else 0)
+        if used + cost + tail > limit:
+            rest = len(items) - i
+            note = f"... and {rest} more"
+            return sep.join([*out, note]) if out else clip(note, limit)
+        out.append(item)
+        used += cost
+    return sep.join(out)
 
 
 class Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -128,8 +163,12 @@ __all__ = [
     "EventId",
     "KeyId",
     "ConditionStatus",
+    "TEXT_MAX",
     "Text",
+    "NAME_MAX",
     "Name",
+    "clip",
+    "summarise",
     "Struct",
     "Condition",
 ]

@@ -59,6 +59,7 @@ from shared.subjects import (
 
 from .wholenode import SERVICES as E2E_SERVICES
 from .wholenode import Node, wait_for
+from tests.blocking import subject_matches
 
 pytestmark = pytest.mark.integration
 
@@ -74,25 +75,8 @@ SENTINEL = "bcd-probe.sentinel"
 # ------------------------------------------------------------------ NATS' matching rules
 
 
-def matches(pattern: str, subject: str) -> bool:
-    """Does an allow pattern admit `subject`, the way nats-server's sublist decides?
-
-    Tokens of `subject` are taken literally: a `*` in the pattern admits any one
-    token (even a `*` or `>` of a wildcard subscription), a trailing `>` admits
-    one or more tokens. This is tests/unit/test_subjects.py's rule; the server
-    agrees with it here for every probe, wildcard subscriptions included.
-    """
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
-
-
 def allowed(patterns: tuple[str, ...], subject: str) -> bool:
-    return any(matches(p, subject) for p in patterns)
+    return any(subject_matches(p, subject) for p in patterns)
 
 
 def literal(pattern: str) -> str:
@@ -268,10 +252,10 @@ async def test_the_server_refuses_exactly_what_the_tables_do_not_allow(embedded_
             continue
         # a service's notices are what it publishes in its own namespace; everything else there is an endpoint
         own = S.service_wildcard(other)
-        notices = {s for s in PUBLISH_PROBES if matches(own, s) and allowed(PERMS[other].publish, s)}
+        notices = {s for s in PUBLISH_PROBES if subject_matches(own, s) and allowed(PERMS[other].publish, s)}
         assert own in seen.subscribe_denied and own in seen.queue_denied, f"{user} may listen to all of {other}"
         for s in SUBSCRIBE_PROBES:
-            if matches(own, s) and s not in notices:
+            if subject_matches(own, s) and s not in notices:
                 assert s in seen.subscribe_denied and s in seen.queue_denied, f"{user} may take {other}'s requests on {s}"
         assert S.subject(other, "probe") in seen.publish_denied, f"{user} may publish to an undeclared {other} verb"
     if user != "converger":  # a compromised inventory (or operator session) cannot sign or switch (DESIGN 2)

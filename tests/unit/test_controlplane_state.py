@@ -237,6 +237,27 @@ def test_cp_key_symlink_is_refused(tmp_path):
         load_or_create_cp_key(tmp_path / "other")
 
 
+def test_a_fifo_at_the_key_path_is_refused_at_once(tmp_path):
+    """A FIFO named like the key used to block the process on open() for good."""
+    import os
+    import threading
+
+    os.mkfifo(tmp_path / "cp.key", 0o600)
+    outcome: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(outcome, lambda: load_or_create_cp_key(tmp_path)), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "loading the key blocked on a FIFO"
+    assert len(outcome) == 1 and isinstance(outcome[0], KeyFileError) and "not a regular file" in str(outcome[0])
+
+
+def _catch(out: list[BaseException], fn) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - the test looks at it
+        out.append(exc)
+
+
 # ----------------------------------------------------------------------------- the log line
 
 

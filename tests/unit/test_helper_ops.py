@@ -330,3 +330,28 @@ def test_a_slice_backend_failure_is_a_failure_not_a_refusal(tmp_path: Path) -> N
     (tmp_path / "run" / "slices" / "bcd-alloc-x.slice.json").write_text("garbage")
     r = ask(ops, "slice.apply", HelperSliceApply(allocation_id="x", limits=limits_to_wire(Limits(cpus="0"))))
     assert (r.ok, r.outcome) == (False, "failed") and "unreadable" in r.reason
+
+
+@pytest.mark.parametrize("what", ["directory", "fifo"])
+def test_a_hold_path_occupied_by_a_non_file_fails_the_write_and_leaves_nothing_behind(tmp_path: Path, what: str) -> None:
+    """Issue 11 (12): a rename onto a directory left `.<name>.tmp-<pid>` behind; a FIFO was swallowed."""
+    ops = make_ops(tmp_path / "node")
+    env_dir = tmp_path / "node" / "run" / "allocations"
+    env_dir.mkdir(parents=True, exist_ok=True)
+    env = env_dir / "two.env"
+    if what == "directory":
+        env.mkdir()
+    else:
+        os.mkfifo(env)
+    r = ask(ops, "file.write", HelperFileWrite(kind="allocation-env", hold=hold_to_wire(CONTENTS["two-gpus"])))
+    kind = "a directory" if what == "directory" else "a FIFO"
+    assert (r.ok, r.outcome) == (False, "failed") and f"cannot write {env}: {kind} is in the way" in r.reason, r
+    assert [p.name for p in env_dir.iterdir()] == ["two.env"]  # no temp file, the occupant kept
+    if what == "directory":
+        assert env.is_dir()
+        env.rmdir()
+    else:
+        assert env.is_fifo()
+        env.unlink()
+    assert ask(ops, "file.write", HelperFileWrite(kind="allocation-env", hold=hold_to_wire(CONTENTS["two-gpus"]))).ok
+    assert env.read_text().startswith("BCD_ALLOCATION_ID=two\n")

@@ -365,6 +365,18 @@ ENV_BAD = [
     pytest.param(["A=\x00"], "$.devices[0].env[0]", id="nul-in-value"),
     pytest.param(["A=x\ry"], "$.devices[0].env[0]", id="cr-in-value"),
     pytest.param(["OK=1", "A=x\r"], "$.devices[0].env[1]", id="cr-second-line"),
+    # issue 11: every separator Python's splitlines() (or a shell) splits on, and every control character
+    pytest.param(["A=x\u2028CUDA_MPS_PIPE_DIRECTORY=/tmp/evil"], "$.devices[0].env[0]", id="line-separator-u2028"),
+    pytest.param(["A=x\u2029y"], "$.devices[0].env[0]", id="paragraph-separator-u2029"),
+    pytest.param(["A=x\x0bNVIDIA_VISIBLE_DEVICES=all"], "$.devices[0].env[0]", id="vertical-tab"),
+    pytest.param(["A=x\x0cy"], "$.devices[0].env[0]", id="form-feed"),
+    pytest.param(["A=x\x85BCD_ALLOCATION_ID=evil"], "$.devices[0].env[0]", id="nel-x85"),
+    pytest.param(["A=x\x1cy"], "$.devices[0].env[0]", id="file-separator-x1c"),
+    pytest.param(["A=x\x1ey"], "$.devices[0].env[0]", id="record-separator-x1e"),
+    pytest.param(["A=x\ty"], "$.devices[0].env[0]", id="tab"),
+    pytest.param(["A=x\x7fy"], "$.devices[0].env[0]", id="del"),
+    pytest.param(["A=x\x9by"], "$.devices[0].env[0]", id="c1-csi"),
+    pytest.param(["A=x\x1b[2Jy"], "$.devices[0].env[0]", id="escape"),
     pytest.param(["K" * 129 + "=x"], "$.devices[0].env[0]", id="key-too-long"),
     pytest.param(["A=" + "x" * 4097], "$.devices[0].env[0]", id="value-too-long"),
     pytest.param(["BCD_ALLOCATION_ID=x"], "BCD_ALLOCATION_ID is set by bcd", id="reserved-bcd-allocation-id"),
@@ -390,8 +402,21 @@ def test_bad_env(env: Any, text: str) -> None:
 
 
 def test_env_that_looks_reserved_but_is_not() -> None:
-    env = ["bcd_lower=1", "XBCD_=1", "NVIDIA_VISIBLE_DEVICES_X=1", "CUDA_VISIBLE_DEVICES=0", "A=tab\tand spaces"]
+    env = ["bcd_lower=1", "XBCD_=1", "NVIDIA_VISIBLE_DEVICES_X=1", "CUDA_VISIBLE_DEVICES=0", "A=spaces, ünïcode and = signs"]
     assert NODE_SPEC_CODEC.decode(json.dumps(spec_with(_a0("env", env)))).devices[0].env == env
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40))
+def test_an_accepted_env_value_is_one_line_for_every_reader(value: str) -> None:
+    """Whatever value decodes, the env line stays one line for splitlines() and for a line reader."""
+    try:
+        decoded = NODE_SPEC_CODEC.decode(json.dumps(spec_with(_a0("env", [f"A={value}"]))))
+    except BadMessage:
+        return
+    line = decoded.devices[0].env[0]
+    assert line.splitlines() == [line]
+    assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in line)
 
 
 LIMITS_BAD = [
@@ -727,7 +752,10 @@ def _cpulists(draw: st.DrawFn) -> str:
 _env_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True).filter(
     lambda k: not k.startswith("BCD_") and k not in {"NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY"}
 )
-_env_values = st.text(st.characters(codec="utf-8", exclude_characters="\n\r\x00"), max_size=40)
+_env_values = st.text(
+    st.characters(codec="utf-8", exclude_categories=("Cc", "Zl", "Zp")),  # no control character, no line/paragraph separator
+    max_size=40,
+)
 _envs = st.lists(st.tuples(_env_keys, _env_values), max_size=6, unique_by=lambda kv: kv[0]).map(
     lambda kvs: [f"{k}={v}" for k, v in kvs]
 )

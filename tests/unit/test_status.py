@@ -173,3 +173,39 @@ def test_status_shows_vm_claims_beside_holds():
     out = render_status(report(claims=claims))
     line = next(l for l in out.splitlines() if pci in l)
     assert line.rstrip().endswith("instance vm-7")
+
+
+# ---------------------------------------------------------------------------- issue 11: vendor spec, outbox, hold dirs
+
+
+def test_doctor_fails_on_an_unreadable_vendor_spec():
+    """`ok vendor-cdi-spec` was printed for a garbage nvidia.json while no new hold could bind."""
+    bad = conv(vendor_cdi_error="/etc/cdi/nvidia.json: not valid JSON (malformed data at 0)")
+    rows = [(level, msg) for level, name, msg in doctor_checks(report(converger=bad)) if name == "vendor-cdi-spec"]
+    assert rows == [("fail", "/etc/cdi/nvidia.json unreadable: not valid JSON (malformed data at 0); no new hold is bound until it reads (retried)")]
+    assert any("vendor CDI spec unreadable" in p and "not valid JSON" in p for p in problems(report(converger=bad)))
+    assert "health: UNHEALTHY" in render_status(report(converger=bad))
+    # a readable one is still ok, a missing one still a warning
+    assert levels(report())["vendor-cdi-spec"] == "ok"
+    assert levels(report(converger=conv(vendor_cdi_spec="")))["vendor-cdi-spec"] == "warn"
+
+
+def test_doctor_and_status_show_a_reduced_or_refused_outbox():
+    reduced = "outbox reduced to 200 MiB of the 256 MiB asked: ... set --outbox-max-bytes (BCD_OUTBOX_MAX_BYTES)"
+    r = report(converger=conv(outbox_warning=reduced, problems=[reduced]))
+    assert [(lv, m) for lv, n, m in doctor_checks(r) if n == "outbox-size"] == [("warn", reduced)]
+    assert not any(n == "hold-dirs" for _, n, _ in doctor_checks(r))  # not listed twice
+    assert f"  problem: {reduced}" in render_status(r).splitlines()
+    assert problems(r) == []  # smaller, but working
+
+    refused = "outbox refused: the node-bus JetStream has no room for even a 16 MiB outbox ..."
+    r = report(converger=conv(outbox_error=refused, problems=[refused]))
+    assert [(lv, m) for lv, n, m in doctor_checks(r) if n == "outbox-size"] == [("fail", refused)]
+    assert refused in problems(r)
+
+
+def test_doctor_and_status_list_skipped_entries_of_the_hold_dirs():
+    skipped = "/etc/cdi/bcd-x.json: a FIFO, not a regular file: skipped, not a hold"
+    r = report(converger=conv(problems=[skipped]))
+    assert ("warn", "hold-dirs", skipped) in doctor_checks(r)
+    assert f"  problem: {skipped}" in render_status(r).splitlines()

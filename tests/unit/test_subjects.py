@@ -30,19 +30,10 @@ from shared.subjects import (
     upstream_events_filter,
 )
 
+from tests.blocking import subject_matches
+
 NODE = "n1"
 S = NodeSubjects(NODE)
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """Does a NATS subscription/permission pattern cover a literal subject?"""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def overlaps(a: str, b: str) -> bool:
@@ -68,7 +59,7 @@ def overlaps(a: str, b: str) -> bool:
     ],
 )
 def test_matcher(pattern: str, subject: str, expected: bool) -> None:
-    assert matches(pattern, subject) is expected
+    assert subject_matches(pattern, subject) is expected
     assert overlaps(pattern, subject) is expected
 
 
@@ -103,7 +94,7 @@ def test_subject_shape_for_every_service(service: str) -> None:
     assert subject == f"bcd.{NODE}.{service}.verb"
     assert subject.split(".") == ["bcd", NODE, service, "verb"]
     assert S.service_wildcard(service) == f"bcd.{NODE}.{service}.>"
-    assert matches(S.service_wildcard(service), subject)
+    assert subject_matches(S.service_wildcard(service), subject)
 
 
 @pytest.mark.parametrize("service", ["nope", "", "Signer", "signer.x", "*", ">"])
@@ -166,11 +157,11 @@ def test_unknown_user_refused(user: str) -> None:
 
 
 def publishers(subject: str) -> set[str]:
-    return {u for u, p in PERMS.items() if any(matches(pat, subject) for pat in p.publish)}
+    return {u for u, p in PERMS.items() if any(subject_matches(pat, subject) for pat in p.publish)}
 
 
 def subscribers(subject: str) -> set[str]:
-    return {u for u, p in PERMS.items() if any(matches(pat, subject) for pat in p.subscribe)}
+    return {u for u, p in PERMS.items() if any(subject_matches(pat, subject) for pat in p.subscribe)}
 
 
 READERS = {"converger", "gateway_bridge", "cli"}
@@ -233,8 +224,8 @@ def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
         assert not any(overlaps(p, S.service_wildcard(target)) for p in inv), target
     # of the converger, it may only read the claims
     assert [p for p in inv if overlaps(p, S.service_wildcard("converger"))] == [S.converger_claims]
-    assert not any(matches(p, S.signer_sign) for p in inv)
-    assert not any(matches(p, S.vfio_switch) for p in inv)
+    assert not any(subject_matches(p, S.signer_sign) for p in inv)
+    assert not any(subject_matches(p, S.vfio_switch) for p in inv)
 
 
 #: what a service publishes inside its own namespace: notifications nobody answers.
@@ -306,9 +297,9 @@ def test_each_user_has_its_own_inbox(user: str) -> None:
         if other == user:
             continue
         reply = f"{inbox_prefix(other)}.abc123.1"
-        assert not any(matches(p, reply) for p in PERMS[user].subscribe), f"{user} can read {other}'s replies"
-        assert not any(matches(p, reply) for p in PERMS[user].publish), f"{user} can forge {other}'s replies"
-    assert not any(matches(p, "_INBOX.abc.1") for p in PERMS[user].subscribe), "the shared default inbox"
+        assert not any(subject_matches(p, reply) for p in PERMS[user].subscribe), f"{user} can read {other}'s replies"
+        assert not any(subject_matches(p, reply) for p in PERMS[user].publish), f"{user} can forge {other}'s replies"
+    assert not any(subject_matches(p, "_INBOX.abc.1") for p in PERMS[user].subscribe), "the shared default inbox"
 
 
 def test_inbox_prefixes_are_distinct() -> None:
@@ -326,7 +317,7 @@ def test_services_answer_srv_discovery(service: str) -> None:
     for verb in ("PING", "INFO", "STATS"):
         for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{service}", f"$SRV.{verb}.{service}.*"):
             assert subject in sub
-        assert any(matches(p, f"$SRV.{verb}.{service}.abcdef") for p in sub)
+        assert any(subject_matches(p, f"$SRV.{verb}.{service}.abcdef") for p in sub)
         for other in SERVICES:
             if other != service:
                 assert not any(overlaps(p, f"$SRV.{verb}.{other}.>") for p in sub), other
@@ -356,7 +347,7 @@ def test_kv_read_subjects_are_a_subset_without_writes() -> None:
 def test_upstream_event_subject(event_type: str) -> None:
     subject = upstream_event("gpu-node-01", event_type)
     assert subject == f"bcd.events.gpu-node-01.{event_type}"
-    assert matches(upstream_events_filter(), subject)
+    assert subject_matches(upstream_events_filter(), subject)
 
 
 def test_event_types_are_the_design_list() -> None:

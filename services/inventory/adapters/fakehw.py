@@ -20,7 +20,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from shared.fsutil import atomic_write as shared_atomic_write
+from shared.fsutil import read_regular
+from shared.host import HOST_FILE_MAX_BYTES
 from shared.schemas import HostResources, HugePagePool, MigProfile, NumaNode, RunningProcess
+from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import END, CpuList, Name, NonNegInt, PciAddress, PositiveInt
 
 from .. import hostfs
@@ -166,7 +169,7 @@ class FakeHost(_HostStruct, frozen=True, kw_only=True):
     pci_devices: list[HostPciDevice] = []
 
 
-_HOST_DECODER = msgspec.json.Decoder(FakeHost)
+_HOST_DECODER = BoundedDecoder(FakeHost, max_bytes=HOST_FILE_MAX_BYTES, what="host file")
 
 
 def _dup(values: Sequence[object], at: str) -> str | None:
@@ -239,7 +242,7 @@ def _check(host: FakeHost) -> str | None:
 def load_host_file(path: Path | str) -> FakeHost:
     """Read and check a host description; HostFileError names the file and the field."""
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path, max_bytes=HOST_FILE_MAX_BYTES)
     except OSError as exc:
         raise HostFileError(f"fake host file {path}: cannot read ({exc.strerror})") from None
     try:
@@ -349,7 +352,7 @@ class FakeHwAdapter:
         data = msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
         path = self.cdi_dir / VENDOR_CDI_FILE
         try:
-            if path.read_bytes() == data:
+            if read_regular(path, max_bytes=len(data)) == data:
                 # runtimes watch cdi_dir; an unchanged spec is not rewritten.
                 return True
         except OSError:
