@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv schema proto bench bench-e2e clean
+.PHONY: run test venv schema man proto bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,13 +19,17 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/bcd up --log-format text --apply examples/specs/demo.json $(ARGS)
+	$(BIN)/bcd up --any-ports-if-taken --log-format text --apply examples/specs/demo.json $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 schema: $(STAMP)
 	$(BIN)/python -m shared.schemas.jsonschema --write docs/schema
+
+# bcd(1), generated from the CLI's parser (`man -l build/man/bcd.1`)
+man: $(STAMP)
+	$(BIN)/bcd man -o build/man/bcd.1
 
 # the kubelet pod-resources client (services/kube_reaper/proto/*_pb2*.py, checked in)
 proto: $(STAMP)

@@ -1,7 +1,10 @@
 """The `bcd` command: `up` starts a whole node; the rest look at or act on a running one.
 
 Every command takes `--state-dir` (env BCD_STATE_DIR, default ./state) and
-finds the node through `<state>/node.json`; none needs other flags.
+finds the node through `<state>/node.json`; none needs other flags. Every one
+ends through `bcd.exits.run_command`: a node that is down is one line on stderr
+and exit 3 within `--timeout` seconds, never a traceback (unless `--debug`);
+the exit codes are `bcd.exits.EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.runtime import METRICS_PORTS, ServiceCallError, call
+from shared.runtime import METRICS_PORTS, VERSION
 from shared.schemas import (
     GPU_REPLY_CODEC,
     INVENTORY_CODEC,
@@ -30,7 +33,8 @@ from shared.schemas import (
 from shared.schemas.codec import BoundedDecoder
 from shared.subjects import NodeSubjects
 
-from .client import NodeUnreachable, connect, node_info, ping_all
+from .client import DEFAULT_CONNECT_TIMEOUT, NodeUnreachable, connect, node_info, ping_all, request, set_connect_timeout
+from .exits import UsageError, exit_codes_text, run_command
 from .up import NODE_SERVICES, cmd_up
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,12 +54,8 @@ def _default_fake_host() -> Path | None:
 
 
 def _run(coro):  # noqa: ANN001, ANN202
-    try:
-        return asyncio.run(coro)
-    except NodeUnreachable as exc:
-        raise SystemExit(f"bcd: {exc}") from None
-    except ServiceCallError as exc:
-        raise SystemExit(f"bcd: the node refused: {exc}") from None
+    """Run one command's coroutine; what it raises (node down, a refusal) is `run_command`'s to report."""
+    return asyncio.run(coro)
 
 
 # ----------------------------------------------------------------------- commands
@@ -112,7 +112,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     async def run() -> Inventory:
         nc = await connect(info)
         try:
-            return await call(nc, NodeSubjects(info.node_id).inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
+            return await request(nc, NodeSubjects(info.node_id).inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
         finally:
             await nc.close()
 
@@ -128,7 +128,7 @@ def cmd_key(args: argparse.Namespace) -> int:
     async def run() -> SignerKey:
         nc = await connect(info)
         try:
-            return await call(nc, NodeSubjects(info.node_id).signer_key, Empty(), SIGNER_KEY_CODEC)
+            return await request(nc, NodeSubjects(info.node_id).signer_key, Empty(), SIGNER_KEY_CODEC)
         finally:
             await nc.close()
 
@@ -139,6 +139,12 @@ def cmd_key(args: argparse.Namespace) -> int:
         print(f"node {key.node_id}  key_id {key.key_id}  boot {key.boot_id}")
         print(f"public key (base64 raw Ed25519): {base64.b64encode(key.public_key).decode()}")
     return 0
+
+
+def _canonical_pci(address: str) -> str:
+    """`3B:00.0` -> `0000:3b:00.0`: the spelling the inventory lists (sysfs', lowercase, with the domain)."""
+    a = address.strip().lower()
+    return f"0000:{a}" if a.count(":") == 1 else a
 
 
 def cmd_gpu(args: argparse.Namespace) -> int:
@@ -153,11 +159,18 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         async def listing() -> Inventory:
             nc = await connect(info)
             try:
-                return await call(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
+                return await request(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
             finally:
                 await nc.close()
 
         inv = _run(listing())
+        if args.pci:
+            pci = _canonical_pci(args.pci)
+            cards = [g for g in inv.gpus if g.pci_address == pci]
+            if not cards:
+                listed = ", ".join(g.pci_address for g in inv.gpus) or "none"
+                raise UsageError(f"gpu list: no card {args.pci} on node {inv.node_id} (its cards: {listed})")
+            inv = msgspec.structs.replace(inv, gpus=cards)
         if args.json:
             print(msgspec.json.format(msgspec.json.encode([{"pci_address": g.pci_address, **msgspec.to_builtins(g.status)} for g in inv.gpus])).decode())
         else:
@@ -165,12 +178,12 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         return 0
 
     if not args.pci:
-        raise SystemExit(f"bcd gpu {args.action}: a PCI address is needed (like 0000:3b:00.0)")
+        raise UsageError(f"gpu {args.action}: a PCI address is needed (like 0000:3b:00.0)")
 
     async def act() -> GpuReply:
         nc = await connect(info)
         try:
-            return await call(nc, subjects.inventory_gpu, GpuRequest(action=args.action, pci=args.pci), GPU_REPLY_CODEC, timeout=10)
+            return await request(nc, subjects.inventory_gpu, GpuRequest(action=args.action, pci=args.pci), GPU_REPLY_CODEC, timeout=10)
         finally:
             await nc.close()
 
@@ -193,6 +206,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     info = node_info(args.state_dir)
     report = _run(gather(info))
+    if not report.reachable:
+        raise NodeUnreachable(report.error or f"node bus at {info.nats_url} not reachable")
     if args.json:
         print(
             json.dumps(
@@ -219,6 +234,8 @@ def cmd_bus(args: argparse.Namespace) -> int:
 
     info = node_info(args.state_dir)
     report = _run(gather_bus(info, args.wait))
+    if not report.reachable:
+        raise NodeUnreachable(report.error or f"node bus at {info.nats_url} not reachable")
     print(json.dumps(bus_json(report), indent=2) if args.json else render_bus(report))
     return 1 if bus_problems(report) else 0
 
@@ -228,23 +245,33 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     info = node_info(args.state_dir)
     report = _run(gather(info))
-    worst = 0
-    for level, name, message in doctor_checks(report):
+    if not report.reachable:
+        raise NodeUnreachable(report.error or f"node bus at {info.nats_url} not reachable")
+    checks = doctor_checks(report)
+    worst = max((1 if level == "fail" else 0 for level, _, _ in checks), default=0)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "node_id": report.node_id,
+                    "healthy": worst == 0,
+                    "checks": [{"level": level, "check": name, "message": message} for level, name, message in checks],
+                },
+                indent=2,
+            )
+        )
+        return worst
+    for level, name, message in checks:
         mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[level]
         print(f"{mark}  {name:<16} {message}")
-        worst = max(worst, {"ok": 0, "warn": 0, "fail": 1}[level])
     return worst
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from .controlplane import apply_spec_file
+    """Check the spec strictly, then put it (`--wait`: follow it to its outcome) or plan it (`--dry-run`); see bcd/applycmd.py."""
+    from .applycmd import apply_command
 
-    try:
-        generation = _run(apply_spec_file(args.state_dir.resolve(), args.spec))
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"bcd apply: {exc}") from None
-    print(f"applied {args.spec} as generation {generation}")
-    return 0
+    return apply_command(args)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -252,16 +279,19 @@ def cmd_events(args: argparse.Namespace) -> int:
 
     info = node_info(args.state_dir)
     if not info.controlplane_dir:
-        raise SystemExit("bcd events: this node joined an existing upstream; its control plane keeps the event log")
-    try:
-        asyncio.run(follow_events(Path(info.controlplane_dir) / "events.jsonl", follow=not args.no_follow, last=args.last))
-    except KeyboardInterrupt:
-        pass
+        raise UsageError(f"events: node {info.node_id} joined an existing upstream ({info.upstream_url}); its control plane keeps the event log")
+    last = None if args.all else args.last
+    asyncio.run(follow_events(Path(info.controlplane_dir) / "events.jsonl", follow=not args.no_follow, last=last, as_json=args.json))
     return 0
 
 
 def cmd_releases(args: argparse.Namespace) -> int:
-    """Pending Kubernetes releases; `--clear-unreadable` removes the unreadable-releases marker."""
+    """Pending Kubernetes releases; `--clear-unreadable` removes the unreadable-releases marker.
+
+    Reads the converger's files, so it works with the node stopped too. `--json`:
+    `{node_id, releases: [...], unreadable_marker, error}`, or `{node_id, cleared, marker}`
+    with `--clear-unreadable`.
+    """
     from services.converger.releases import RELEASES_FILE, RELEASES_MAX_BYTES, UNREADABLE_MARKER, ReleasesFile
     from shared.fsutil import read_regular
 
@@ -270,9 +300,13 @@ def cmd_releases(args: argparse.Namespace) -> int:
     marker = data / UNREADABLE_MARKER
     if args.clear_unreadable:
         if not marker.exists():
-            print(f"no marker at {marker}: nothing to clear")
+            if args.json:
+                print(json.dumps({"node_id": info.node_id, "cleared": False, "marker": str(marker)}, indent=2))
+            else:
+                print(f"no marker at {marker}: nothing to clear")
             return 0
-        print(f"removing {marker}: you assert that no pod holds a GPU of an allocation this node does not know")
+        if not args.json:
+            print(f"removing {marker}: you assert that no pod holds a GPU of an allocation this node does not know")
         marker.unlink()
 
         async def kick() -> None:
@@ -283,16 +317,34 @@ def cmd_releases(args: argparse.Namespace) -> int:
                 await nc.close()
 
         _run(kick())
+        if args.json:
+            print(json.dumps({"node_id": info.node_id, "cleared": True, "marker": str(marker)}, indent=2))
         return 0
+    error = ""
+    pending: dict = {}
     try:
         pending = BoundedDecoder(ReleasesFile, max_bytes=RELEASES_MAX_BYTES, what=RELEASES_FILE).decode(read_regular(data / RELEASES_FILE, max_bytes=RELEASES_MAX_BYTES)).releases
     except FileNotFoundError:
         pending = {}
     except OSError as exc:
-        print(f"{data / RELEASES_FILE} is unreadable ({exc.strerror or exc}); the converger sets it aside at its next pass")
-        return 1
+        error = f"{data / RELEASES_FILE} is unreadable ({exc.strerror or exc}); the converger sets it aside at its next pass"
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        print(f"{data / RELEASES_FILE} is unreadable ({exc}); the converger sets it aside at its next pass")
+        error = f"{data / RELEASES_FILE} is unreadable ({exc}); the converger sets it aside at its next pass"
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "node_id": info.node_id,
+                    "releases": [msgspec.to_builtins(rel) for rel in pending.values()],
+                    "unreadable_marker": str(marker) if marker.exists() else None,
+                    "error": error or None,
+                },
+                indent=2,
+            )
+        )
+        return 1 if error or marker.exists() else 0
+    if error:
+        print(error)
         return 1
     if marker.exists():
         print(f"UNREADABLE releases marker present ({marker}): every GPU counts as claimed. `bcd releases --clear-unreadable` once you are sure.")
@@ -303,63 +355,248 @@ def cmd_releases(args: argparse.Namespace) -> int:
     return 1 if marker.exists() else 0
 
 
+def cmd_cdi(args: argparse.Namespace) -> int:
+    """`bcd cdi list`: the CDI device names bcd created, the hold and atoms behind each, and how a runtime asks for them.
+
+    Reads the hold files in the node's CDI dir (`--cdi-dir`, else node.json's), never the bus: it works
+    with the node stopped. Exit 1 when a file there could not be read as a hold or a name is used twice.
+    """
+    from .cdi import listing_json, read_cdi_dir, render_listing
+
+    if args.cdi_dir is not None:
+        cdi_dir = args.cdi_dir
+    else:
+        info = node_info(args.state_dir)
+        cdi_dir = Path(info.cdi_dir) if info.cdi_dir else args.state_dir / "cdi"
+    listing = read_cdi_dir(cdi_dir)
+    if args.allocations:
+        wanted = set(args.allocations)
+        missing = sorted(wanted - {h.allocation_id for h in listing.holds})
+        listing.holds = [h for h in listing.holds if h.allocation_id in wanted]
+        listing.problems.extend(f"no hold of allocation {a} in {cdi_dir}" for a in missing)
+    print(json.dumps(listing_json(listing), indent=2) if args.json else render_listing(listing))
+    return 1 if listing.problems else 0
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """`bcd completion bash|zsh|tcsh`: the shell's completion script, generated from this parser by shtab."""
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=args.shell), end="")
+    return 0
+
+
+def manpage(parser: argparse.ArgumentParser | None = None) -> str:
+    """bcd(1) in roff, generated from the parser by argparse-manpage (every subcommand, flag and help text)."""
+    from argparse_manpage.manpage import Manpage
+
+    parser = parser or build_parser()
+    page = Manpage(
+        parser,
+        _data={
+            "project_name": "bcd",
+            "version": VERSION,
+            "manual_title": "bcd manual",
+            "description": "a node agent for GPU hosts",
+            "date": "",
+        },
+    )
+    return str(page)
+
+
+def cmd_man(args: argparse.Namespace) -> int:
+    """`bcd man [-o FILE]`: the man page (roff) on stdout, or written to FILE (`man -l FILE` reads it)."""
+    text = manpage()
+    if args.output is None or str(args.output) == "-":
+        print(text, end="")
+        return 0
+    try:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"man: cannot write {args.output}: {exc.strerror or exc}") from None
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bcd", description="bcd: node agent for GPU hosts")
-    sub = parser.add_subparsers(dest="command", required=True)
-    state_default = Path(_env_default("BCD_STATE_DIR", "state"))
+def _service_list(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = [n for n in names if n not in METRICS_PORTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown service(s) {', '.join(unknown)} (known: {', '.join(METRICS_PORTS)})")
+    return names
 
-    up = sub.add_parser("up", help="start a whole node: embedded nats-server, every service, a reference control plane")
-    up.add_argument("--state-dir", type=Path, default=state_default, help="everything the node keeps [env BCD_STATE_DIR]")
-    up.add_argument("--fake-host", type=Path, default=_default_fake_host(), help="fake host description file [env BCD_FAKE_HOST]")
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0 and <= 3600, not {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a count is >= 0, not {value}")
+    return value
+
+
+try:  # shell-completion hints on path arguments; the completion command itself needs shtab
+    import shtab as _shtab
+
+    _FILE, _DIRECTORY = _shtab.FILE, _shtab.DIRECTORY
+except ImportError:  # pragma: no cover - shtab is a dependency; without it only `bcd completion` fails
+    _FILE = _DIRECTORY = None
+
+
+def _path(action: argparse.Action, kind: dict | None) -> argparse.Action:
+    if kind is not None:
+        action.complete = kind  # type: ignore[attr-defined]
+    return action
+
+
+EPILOG = (
+    "Every command but `up`, `completion` and `man` finds the node through <state-dir>/node.json.\n"
+    "A node that is down ends in one line on stderr and exit 3 within --timeout seconds; --debug\n"
+    "shows the traceback of any failure. --json shapes: README.md, section \"JSON output\".\n\n"
+    + exit_codes_text()
+)
+
+#: the read commands: each prints JSON with --json (the shapes in README.md, "JSON output").
+READ_COMMANDS = ("ping", "inventory", "key", "status", "doctor", "bus", "releases", "gpu", "events", "cdi")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bcd",
+        description="bcd: node agent for GPU hosts",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"bcd {VERSION}", help="print bcd's version and exit")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of a failure instead of one line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands", help="what to do (`bcd COMMAND --help`)")
+    state_default = Path(_env_default("BCD_STATE_DIR", "state"))
+    # --debug after the subcommand too (`bcd status --debug`); SUPPRESS keeps the global one's value otherwise
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the Python traceback of a failure instead of one line")
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, parents=[common])
+
+    up = command("up", "start a whole node: embedded nats-server, every service, a reference control plane")
+    _path(up.add_argument("--state-dir", type=Path, default=state_default, help="everything the node keeps (default ./state) [env BCD_STATE_DIR]"), _DIRECTORY)
+    _path(up.add_argument("--fake-host", type=Path, default=_default_fake_host(), help="fake host description file [env BCD_FAKE_HOST]"), _FILE)
     up.add_argument("--real-host", action="store_true", help="use NVML and the real sysfs instead of a fake host")
-    up.add_argument("--node-id", default=_env_default("BCD_NODE_ID", "node-1"), help="[env BCD_NODE_ID]")
-    up.add_argument("--port", type=int, default=int(_env_default("BCD_BUS_PORT", "4222")), help="node-bus client port")
-    up.add_argument("--http-port", type=int, default=int(_env_default("BCD_BUS_HTTP_PORT", "8222")), help="node-bus monitoring port (0: off)")
+    up.add_argument("--node-id", default=_env_default("BCD_NODE_ID", "node-1"), help="this node's id (default node-1) [env BCD_NODE_ID]")
+    up.add_argument("--port", type=int, default=int(_env_default("BCD_BUS_PORT", "4222")), help="node-bus client port (default 4222) [env BCD_BUS_PORT]")
+    up.add_argument(
+        "--http-port", type=int, default=int(_env_default("BCD_BUS_HTTP_PORT", "8222")), help="node-bus monitoring port (default 8222; 0: off) [env BCD_BUS_HTTP_PORT]"
+    )
     up.add_argument("--any-ports", action="store_true", help="pick free ports for the bus, monitoring and metrics")
-    up.add_argument("--services", type=lambda s: [x for x in s.split(",") if x], default=list(NODE_SERVICES))
-    up.add_argument("--upstream", default=_env_default("BCD_UPSTREAM_URL", ""), help="join this upstream NATS instead of the embedded control plane")
-    up.add_argument("--cp-key", default=_env_default("BCD_CP_KEY", ""), help="control-plane public key file(s), comma-separated (with --upstream)")
-    up.add_argument("--upstream-user")
-    up.add_argument("--upstream-password-file", type=Path)
-    up.add_argument("--upstream-token-file", type=Path)
-    up.add_argument("--upstream-nkey-file", type=Path)
-    up.add_argument("--upstream-creds", type=Path)
-    up.add_argument("--kubeconfig", type=Path, default=os.environ.get("BCD_KUBECONFIG") or None, help="kubeconfig for kube_reaper's evictions")
-    up.add_argument("--pod-resources-socket", type=Path, default=os.environ.get("BCD_POD_RESOURCES_SOCKET") or None, help="the kubelet's pod-resources socket")
-    up.add_argument("--apply", type=Path, help="apply this spec once the node is up, print status and events")
+    up.add_argument(
+        "--any-ports-if-taken",
+        action="store_true",
+        help="use the fixed ports, but pick free ones as --any-ports does (and say so) when one is taken; `make run` passes it",
+    )
+    up.add_argument(
+        "--services",
+        type=_service_list,
+        default=list(NODE_SERVICES),
+        metavar="NAME[,NAME...]",
+        help=f"the services to run, comma-separated (default {','.join(NODE_SERVICES)})",
+    )
+    up.add_argument("--upstream", default=_env_default("BCD_UPSTREAM_URL", ""), help="join this upstream NATS instead of the embedded control plane [env BCD_UPSTREAM_URL]")
+    _path(up.add_argument("--cp-key", default=_env_default("BCD_CP_KEY", ""), help="control-plane public key file(s), comma-separated (with --upstream) [env BCD_CP_KEY]"), _FILE)
+    up.add_argument("--upstream-user", help="upstream NATS user (with --upstream; default node-<node-id>)")
+    _path(up.add_argument("--upstream-password-file", type=Path, help="file holding the upstream user's password (with --upstream)"), _FILE)
+    _path(up.add_argument("--upstream-token-file", type=Path, help="file holding an upstream token (with --upstream)"), _FILE)
+    _path(up.add_argument("--upstream-nkey-file", type=Path, help="upstream nkey seed file (with --upstream)"), _FILE)
+    _path(up.add_argument("--upstream-creds", type=Path, help="upstream .creds file, JWT + nkey (with --upstream)"), _FILE)
+    _path(up.add_argument("--kubeconfig", type=Path, default=os.environ.get("BCD_KUBECONFIG") or None, help="kubeconfig for kube_reaper's evictions [env BCD_KUBECONFIG]"), _FILE)
+    _path(
+        up.add_argument(
+            "--pod-resources-socket",
+            type=Path,
+            default=os.environ.get("BCD_POD_RESOURCES_SOCKET") or None,
+            help="the kubelet's pod-resources socket [env BCD_POD_RESOURCES_SOCKET]",
+        ),
+        _FILE,
+    )
+    _path(up.add_argument("--apply", type=Path, help="apply this spec once the node is up, print status and events"), _FILE)
     up.add_argument("--verbose", action="store_true", help="service logs on this terminal instead of <state>/logs")
-    up.add_argument("--log-level", default=_env_default("BCD_LOG_LEVEL", "INFO"))
-    up.add_argument("--log-format", default=_env_default("BCD_LOG_FORMAT", "json"), choices=("json", "text"))
+    up.add_argument("--log-level", default=_env_default("BCD_LOG_LEVEL", "INFO"), help="services' log level (default INFO) [env BCD_LOG_LEVEL]")
+    up.add_argument(
+        "--log-format", default=_env_default("BCD_LOG_FORMAT", "json"), choices=("json", "text"), help="this terminal's log format (default json) [env BCD_LOG_FORMAT]"
+    )
     up.set_defaults(func=cmd_up)
 
+    timeout_default = float(_env_default("BCD_TIMEOUT", str(DEFAULT_CONNECT_TIMEOUT)))
+
     def client(name: str, func, help_: str) -> argparse.ArgumentParser:  # noqa: ANN001
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("--state-dir", type=Path, default=state_default)
-        p.add_argument("--json", action="store_true")
+        p = command(name, help_)
+        _path(
+            p.add_argument("--state-dir", type=Path, default=state_default, help="the node's state dir, where `bcd up` wrote node.json (default ./state) [env BCD_STATE_DIR]"),
+            _DIRECTORY,
+        )
+        p.add_argument("--json", action="store_true", help="print JSON instead of text (shapes: README.md, \"JSON output\")")
+        p.add_argument(
+            "--timeout",
+            type=_seconds,
+            default=timeout_default,
+            metavar="SECONDS",
+            help=f"give up on an unreachable node bus after this long, exit 3 (default {timeout_default:g}) [env BCD_TIMEOUT]",
+        )
         p.set_defaults(func=func)
         return p
 
-    client("ping", cmd_ping, "list every service answering $SRV.PING").add_argument("--wait", type=float, default=0.5, help=argparse.SUPPRESS)
+    client("ping", cmd_ping, "list every service answering $SRV.PING").add_argument("--wait", type=float, default=0.5, help="seconds to wait for $SRV.PING replies (default 0.5)")
     client("inventory", cmd_inventory, "show the node's inventory")
     client("key", cmd_key, "show the node's public key and key_id")
     client("status", cmd_status, "GPUs and who holds them, the devices section, the outbox; exit 1 when unhealthy")
-    client("doctor", cmd_doctor, "check the node and say what is wrong")
+    client("doctor", cmd_doctor, "check the node and say what is wrong; exit 1 on a failed check")
     client("bus", cmd_bus, "the node bus: endpoints' requests, errors and times ($SRV.STATS), outbox, KV, connections; exit 1 when unhealthy").add_argument(
-        "--wait", type=float, default=1.0, help="seconds to wait for $SRV.STATS replies"
+        "--wait", type=float, default=1.0, help="seconds to wait for $SRV.STATS replies (default 1)"
     )
     ap = client("apply", cmd_apply, "sign a NodeSpec JSON file and put it through the control plane")
-    ap.add_argument("spec", type=Path)
+    _path(ap.add_argument("spec", type=Path, help="the NodeSpec JSON file (generation filled in)"), _FILE)
+    from .applycmd import add_arguments as apply_arguments
+
+    apply_arguments(ap)
     rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")
-    rel.add_argument("--clear-unreadable", action="store_true")
-    gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card; exclude, include or reclaim one card")
-    gpu.add_argument("action", choices=("list", "exclude", "include", "reclaim"))
-    gpu.add_argument("pci", nargs="?", help="canonical PCI address, like 0000:3b:00.0")
-    ev = client("events", cmd_events, "follow the control plane's verified event log")
-    ev.add_argument("--no-follow", action="store_true")
-    ev.add_argument("--last", type=int, default=50, help="show this many past events first")
+    rel.add_argument(
+        "--clear-unreadable", action="store_true", help="remove the unreadable-releases marker (you assert no pod holds a GPU of an allocation the node does not know)"
+    )
+    gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card (or one); exclude, include or reclaim one card")
+    gpu.add_argument("action", choices=("list", "exclude", "include", "reclaim"), help="list the cards (one with ADDRESS), or act on the card at ADDRESS")
+    gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by exclude, include, reclaim)")
+    ev = client("events", cmd_events, "the control plane's verified event log: the last events, then follow")
+    ev.add_argument("--no-follow", action="store_true", help="print the past events and exit instead of following")
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--last", type=_count, default=20, metavar="N", help="show the last N past events first (default 20)")
+    which.add_argument("--all", action="store_true", help="show every past event first, not only the last --last")
+    cdi = client("cdi", cmd_cdi, "the CDI devices bcd created (from the hold files; works with the node stopped) and the runtime flags that use them")
+    cdi.add_argument("action", choices=("list",), help="list: every hold's CDI device names, the atoms behind them, docker/podman/containerd usage")
+    cdi.add_argument("allocations", nargs="*", metavar="ALLOCATION", help="only these allocations' holds (default: all)")
+    cdi.add_argument("--cdi-dir", type=Path, default=None, help="read this CDI dir instead of the one in <state-dir>/node.json")
+    from .fleet import add_parser as fleet_parser
+
+    fleet_parser(sub, [common])
+    comp = command("completion", "print a shell completion script, e.g. `source <(bcd completion bash)`")
+    comp.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell to complete for")
+    comp.set_defaults(func=cmd_completion)
+    man = command("man", "print the bcd(1) man page (roff; `bcd man | man -l -`), or write it with -o")
+    _path(man.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the page to FILE instead of stdout"), _FILE)
+    man.set_defaults(func=cmd_man)
     return parser
 
 
@@ -367,10 +604,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if getattr(args, "real_host", False):
         args.fake_host = None
-    for name in getattr(args, "services", []):
-        if name not in METRICS_PORTS:
-            raise SystemExit(f"bcd up: unknown service {name!r}")
-    sys.exit(args.func(args))
+    if getattr(args, "timeout", None) is not None:
+        set_connect_timeout(args.timeout)
+    sys.exit(run_command(args.func, args, debug=args.debug))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ another process and the running consumer never lose each other's updates).
 Each event is also printed as one readable line on stdout and appended, with
 all fields, to `<state_dir>/events.jsonl`.
 
-`bcd up` runs it embedded; `python -m bcd.controlplane serve|put` runs it alone.
+`bcd up` runs it embedded; `bcd-controlplane serve|put` (the console script;
+`python -m bcd.controlplane` is the same) runs it alone, as a fleet does.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -88,6 +89,7 @@ from shared.schemas import (
 )
 from shared.schemas.codec import DEFAULT_MAX_BYTES, BoundedDecoder, bounded_json_loads
 from shared.schemas.events import EVENT_TYPES
+from shared.schemas.strict import UnknownField, UnknownFieldsError, unknown_fields
 from shared.signing import VerificationError, key_id, sign_node_spec, verify_report
 from shared.subjects import (
     CONTROLPLANE_USER,
@@ -515,6 +517,8 @@ class PutResult:
     requested_generation: int | None
     #: non-empty when the requested generation was not above the last one and was bumped.
     note: str = ""
+    #: fields NodeSpec does not declare, put as given (only with allow_unknown_fields).
+    unknown_fields: tuple[UnknownField, ...] = ()
 
     @property
     def node_id(self) -> str:
@@ -542,6 +546,49 @@ def _spec_fields(spec: NodeSpec | dict[str, Any] | str | bytes) -> dict[str, Any
     if not isinstance(data, dict):
         raise BadMessage("spec: expected a JSON object")
     return dict(data)
+
+
+@dataclass(frozen=True)
+class CheckedSpec:
+    """A spec as `check_spec` read it: valid, with any generation it asked for."""
+
+    #: the spec decoded (generation: the requested one, or 0 when none was given).
+    draft: NodeSpec
+    requested: int | None
+    #: the JSON object as given.
+    fields: dict[str, Any]
+    #: fields NodeSpec does not declare (empty unless allowed).
+    unknown: list[UnknownField]
+
+
+def check_spec(spec: NodeSpec | dict[str, Any] | str | bytes, *, allow_unknown_fields: bool = False) -> CheckedSpec:
+    """What a put checks before anything is reserved or signed (also `bcd apply --dry-run`).
+
+    Unknown fields first (UnknownFieldsError names every one, unless allowed),
+    then the schema (BadMessage naming the field), then the node id.
+    """
+    fields = _spec_fields(spec)
+    unknown = unknown_fields(NodeSpec, fields)
+    if unknown and not allow_unknown_fields:
+        raise UnknownFieldsError(unknown)
+    requested = fields.get("generation")
+    # Validate first (with any generation), so a bad spec never consumes one.
+    draft = NODE_SPEC_CODEC.decode(encode({**fields, "generation": requested if isinstance(requested, int) and requested >= 0 else 0}))
+    if requested is not None:
+        NODE_SPEC_CODEC.decode(encode(fields))  # a malformed generation fails here, named
+    try:
+        upstream_spec_key_subject(draft.node_id)  # refuses a reserved node id
+    except ValueError as exc:
+        raise BadMessage(f"spec: {exc}") from None
+    return CheckedSpec(draft=draft, requested=requested, fields=fields, unknown=unknown)
+
+
+class UnknownNode(ValueError):
+    """A spec for a node that never put a Hello (a typo, or a node not yet joined)."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(f"node {node_id} has never announced itself (no Hello in {UPSTREAM_NODES_BUCKET})")
+        self.node_id = node_id
 
 
 # ----------------------------------------------------------------------------- the control plane
@@ -655,39 +702,67 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ specs
 
-    async def put_spec(self, spec: NodeSpec | dict[str, Any] | str | bytes) -> PutResult:
+    async def put_spec(
+        self,
+        spec: NodeSpec | dict[str, Any] | str | bytes,
+        *,
+        allow_unknown_fields: bool = False,
+        require_known_node: bool = False,
+        hello_wait: float = 0.0,
+    ) -> PutResult:
         """Sign and put one node's spec at `bcd_nodespecs/<node_id>`.
 
         A dict or JSON without `generation` gets the last put generation + 1;
         a given generation not above the last is bumped the same way, and the
-        result's `note` says so. Raises BadMessage when the spec does not decode.
+        result's `note` says so. Raises BadMessage when the spec does not decode,
+        UnknownFieldsError (a BadMessage) naming every field NodeSpec does not
+        declare unless `allow_unknown_fields` (then they are put as given, for a
+        newer node), and UnknownNode with `require_known_node` when the node has
+        never put a Hello (waiting up to `hello_wait` seconds for one).
         """
-        fields = _spec_fields(spec)
-        requested = fields.get("generation")
-        # Validate first (with any generation), so a bad spec never consumes one.
-        draft = NODE_SPEC_CODEC.decode(encode({**fields, "generation": requested if isinstance(requested, int) and requested >= 0 else 0}))
-        if requested is not None:
-            NODE_SPEC_CODEC.decode(encode(fields))  # a malformed generation fails here, named
-        node_id = draft.node_id
-        try:
-            upstream_spec_key_subject(node_id)  # refuses a reserved node id
-        except ValueError as exc:
-            raise BadMessage(f"spec: {exc}") from None
+        checked = check_spec(spec, allow_unknown_fields=allow_unknown_fields)
+        draft, requested, node_id = checked.draft, checked.requested, checked.draft.node_id
+        if require_known_node and not await self.node_known(node_id, wait=hello_wait):
+            raise UnknownNode(node_id)
         published = await self._published_generation(node_id)
         with self.store.transaction() as st:
             gen, note = next_generation(st, node_id, requested, published)
             # reserve it now: a concurrent put (another process) gets the next one.
             st.node(node_id).last_generation = gen
         final = msgspec.structs.replace(draft, generation=gen)
-        signed = sign_node_spec(self.key, final)
+        # fields this schema does not know (allowed) travel as given: they are for a newer node
+        signed = sign_node_spec(self.key, encode({**checked.fields, "generation": gen}) if checked.unknown else final)
         kv = await self._bucket(UPSTREAM_NODESPECS_BUCKET)
         revision = await kv.put(node_id, encode(signed))
         with self.store.transaction() as st:
             apply_spec(st, final, now_utc())
         if note:
             log.warning("generation bumped", node_id=node_id, note=note)
-        log.info("spec put", node_id=node_id, generation=gen, revision=revision, assignments=len(final.devices), key_id=self.key_id)
-        return PutResult(spec=final, revision=revision, requested_generation=requested, note=note)
+        log.info(
+            "spec put",
+            node_id=node_id,
+            generation=gen,
+            revision=revision,
+            assignments=len(final.devices),
+            key_id=self.key_id,
+            # allowed fields this control plane does not know: put as given, for a newer node
+            **({"unknown_fields": [str(f) for f in checked.unknown][:20]} if checked.unknown else {}),
+        )
+        return PutResult(spec=final, revision=revision, requested_generation=requested, note=note, unknown_fields=tuple(checked.unknown))
+
+    async def node_known(self, node_id: str, *, wait: float = 0.0) -> bool:
+        """Has `node_id` ever put a Hello (a boot id on record, or a Hello in `bcd_nodes` now)?
+
+        Waits up to `wait` seconds for a Hello to appear (a node that is starting).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            if self.boot_ids(node_id) or await self.node_hello(node_id) is not None:
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
 
     async def _published_generation(self, node_id: str) -> int:
         kv = await self._bucket(UPSTREAM_NODESPECS_BUCKET)
@@ -1067,18 +1142,32 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--state-dir", type=Path, default=_env("BCD_CP_STATE_DIR"), help="key, state.json, events.jsonl [env BCD_CP_STATE_DIR]")
     common.add_argument("--log-level", default=_env("BCD_CP_LOG_LEVEL", "INFO"), help="[env BCD_CP_LOG_LEVEL]")
     common.add_argument("--log-format", default=_env("BCD_CP_LOG_FORMAT", "json"), choices=("json", "text"), help="[env BCD_CP_LOG_FORMAT]")
-    parser = argparse.ArgumentParser(prog="python -m bcd.controlplane", description="bcd reference control plane")
+    parser = argparse.ArgumentParser(prog="bcd-controlplane", description="bcd reference control plane")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", parents=[common], help="ensure the upstream buckets and stream, consume events until SIGTERM")
     put = sub.add_parser("put", parents=[common], help="sign and put one NodeSpec, print its generation")
     put.add_argument("spec", help="NodeSpec JSON file ('-' for stdin); generation optional")
+    put.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="put fields NodeSpec does not declare as given (for a newer node) instead of refusing the spec (exit 2)",
+    )
     return parser
 
 
-async def connect_upstream(url: str, user: str, password_file: Path | None, *, reconnect: bool = True) -> Client:
+async def connect_upstream(
+    url: str, user: str, password_file: Path | None, *, reconnect: bool = True, timeout: float = 5.0
+) -> Client:
+    """Connect as the control plane. `reconnect=False` (one put): one try and one retry within
+    `timeout` seconds, then ConnectionError naming the cause (nats-py alone would retry a refused
+    server forever and log each failure)."""
     password = Path(password_file).read_text().strip() if password_file else None
+    errors: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
+        if not reconnect:
+            errors.append(exc)  # said once, in the ConnectionError
+            return
         log.warning("nats error", error=str(exc))
 
     nc: Client | None = None
@@ -1091,8 +1180,7 @@ async def connect_upstream(url: str, user: str, password_file: Path | None, *, r
     async def on_reconnect() -> None:
         log.info("reconnected to upstream")
 
-    nc = await nats.connect(
-        url,
+    options: dict[str, Any] = dict(
         name="bcd-controlplane",
         user=user if password is not None else None,
         password=password,
@@ -1101,10 +1189,23 @@ async def connect_upstream(url: str, user: str, password_file: Path | None, *, r
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         allow_reconnect=reconnect,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=1,
-        connect_timeout=5,
     )
+    if reconnect:
+        return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5, **options)
+    nc = Client()
+    try:
+        await asyncio.wait_for(
+            nc.connect(url, max_reconnect_attempts=1, reconnect_time_wait=min(0.25, timeout / 4), connect_timeout=max(0.1, timeout), **options),
+            timeout=max(0.1, timeout),
+        )
+    except Exception as exc:  # noqa: BLE001 - whatever the client raises, upstream is not there for us
+        with contextlib.suppress(Exception):
+            await nc.close()
+        cause: BaseException = errors[-1] if errors and isinstance(exc, (nats.errors.NoServersError, asyncio.TimeoutError)) else exc
+        why = "connection refused" if isinstance(cause, ConnectionRefusedError) else (
+            f"no answer within {timeout:g} s" if isinstance(cause, asyncio.TimeoutError) else (str(cause) or type(cause).__name__)
+        )
+        raise ConnectionError(f"upstream {url} not reachable ({why})") from None
     return nc
 
 
@@ -1139,48 +1240,77 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def put_spec_file(
-    nats_url: str, user: str, password_file: Path | None, state_dir: Path, spec: Path | str | bytes
+    nats_url: str,
+    user: str,
+    password_file: Path | None,
+    state_dir: Path,
+    spec: Path | str | bytes,
+    *,
+    allow_unknown_fields: bool = False,
+    require_known_node: bool = False,
+    hello_wait: float | Callable[[str], float] = 0.0,
+    connect_timeout: float = 5.0,
 ) -> PutResult:
     """Connect, ensure the upstream objects, sign and put one spec (a file path, or the JSON bytes).
 
-    Raises BadMessage (a ValueError) for a spec that does not decode, OSError
-    for an unreadable file, ConnectionError when upstream cannot be reached.
+    Raises BadMessage (a ValueError) for a spec that does not decode,
+    UnknownFieldsError (a BadMessage) for fields NodeSpec does not declare
+    (unless allowed), UnknownNode (a ValueError, with `require_known_node`),
+    OSError for an unreadable file, ConnectionError when upstream cannot be
+    reached. `hello_wait` may depend on the spec's node id.
     """
     data = spec if isinstance(spec, bytes) else Path(spec).read_bytes()
+    # everything that can be judged offline is judged before connecting
+    checked = check_spec(data, allow_unknown_fields=allow_unknown_fields)
+    wait = hello_wait(checked.draft.node_id) if callable(hello_wait) else hello_wait
     key, _ = load_or_create_cp_key(state_dir)
-    try:
-        nc = await connect_upstream(nats_url, user, password_file, reconnect=False)
-    except nats.errors.Error as exc:
-        raise ConnectionError(f"upstream {nats_url} unreachable: {exc or type(exc).__name__}") from None
+    nc = await connect_upstream(nats_url, user, password_file, reconnect=False, timeout=connect_timeout)
     try:
         cp = ControlPlane(nc, key, state_dir, out=None)
         try:
             await cp.ensure_upstream()
-            return await cp.put_spec(data)
+            return await cp.put_spec(data, allow_unknown_fields=allow_unknown_fields, require_known_node=require_known_node, hello_wait=wait)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
     finally:
         await _close(nc)
 
 
-async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
-    """`bcd apply`: put one spec through the embedded control plane of the node at `state`; return its generation.
+#: how long `bcd apply` waits for the Hello of the node it runs beside (a node still starting).
+LOCAL_HELLO_WAIT_S = 15.0
+
+
+async def put_through_node(
+    state: Path, spec: Path | bytes, *, allow_unknown_fields: bool = False, force: bool = False, connect_timeout: float = 5.0
+) -> PutResult:
+    """`bcd apply`: put one spec through the embedded control plane of the node at `state`.
 
     Finds the upstream URL, the control plane's password and its state dir in
-    `<state>/node.json` (written by `bcd up`).
+    `<state>/node.json` (written by `bcd up`). Unless `force`, a spec for a
+    node that never put a Hello is refused (UnknownNode); for the node of this
+    state dir, a Hello is waited for a little (it may be starting).
     """
     from .client import node_info
 
     info = node_info(Path(state))
     if not info.controlplane_dir:
         raise ValueError("this node joined an existing upstream: apply specs through that control plane")
-    result = await put_spec_file(
+    return await put_spec_file(
         info.upstream_url or info.nats_url,
         CONTROLPLANE_USER,
         Path(info.creds_dir) / f"{CONTROLPLANE_USER}.password",
         Path(info.controlplane_dir),
-        Path(spec_file),
+        spec,
+        allow_unknown_fields=allow_unknown_fields,
+        require_known_node=not force,
+        hello_wait=lambda node_id: LOCAL_HELLO_WAIT_S if node_id == info.node_id else 0.0,
+        connect_timeout=connect_timeout,
     )
+
+
+async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
+    """Put one spec file through the node's embedded control plane (strictly); return its generation."""
+    result = await put_through_node(Path(state), Path(spec_file))
     if result.note:
         print(f"note: {result.note}", file=sys.stderr)
     return result.generation
@@ -1188,7 +1318,7 @@ async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
 
 async def _put(args: argparse.Namespace) -> int:
     spec: Path | bytes = sys.stdin.buffer.read() if args.spec == "-" else Path(args.spec)
-    result = await put_spec_file(args.nats_url, args.user, args.password_file, args.state_dir, spec)
+    result = await put_spec_file(args.nats_url, args.user, args.password_file, args.state_dir, spec, allow_unknown_fields=args.allow_unknown_fields)
     if result.note:
         print(result.note, file=sys.stderr)
     print(result.generation)
@@ -1205,6 +1335,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_serve(args) if args.command == "serve" else _put(args))
     except (KeyFileError, StateError) as exc:
         log.error("cannot start", reason=str(exc))
+        return 2
+    except UnknownFieldsError as exc:
+        log.error("spec refused", reason=str(exc), unknown_fields=[str(f) for f in exc.fields][:100])
         return 2
     except BadMessage as exc:
         log.error("spec refused", reason=str(exc))
@@ -1245,7 +1378,12 @@ __all__ = [
     "load_or_create_cp_key",
     "connect_upstream",
     "put_spec_file",
+    "put_through_node",
     "apply_spec_file",
+    "check_spec",
+    "CheckedSpec",
+    "UnknownNode",
+    "LOCAL_HELLO_WAIT_S",
     "main",
 ]
 

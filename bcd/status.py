@@ -4,12 +4,18 @@
 inventory, the converger's status and the outbox depth; `render_status`,
 `problems` and `doctor_checks` are pure functions of that report, so their
 verdicts are unit-tested as tables.
+
+A card that only a person can move on (`ATTENTION_ROWS`: a disruption waiting
+for a reboot, a failed reclaim, phase Failed, an Orphaned card nobody is
+reclaiming) makes the node unhealthy (`bcd status` and `bcd doctor` exit 1)
+and is listed with the condition behind it and what to run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -18,8 +24,9 @@ import nats.errors
 
 from shared.jsutil import StreamDepth, StreamMissing, stream_depth
 from shared.runtime import ServiceCallError, call
-from shared.schemas import CLAIMS_CODEC, CONVERGER_STATUS_CODEC, INVENTORY_CODEC, BadMessage, Claims, ConvergerStatus, Empty, Inventory
+from shared.schemas import CLAIMS_CODEC, CONVERGER_STATUS_CODEC, INVENTORY_CODEC, BadMessage, Claims, Condition, ConvergerStatus, Empty, Gpu, Inventory
 from shared.schemas.inventory import REBOOT_WAIT_REASONS
+from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.subjects import NodeSubjects
 
 from .client import NodeInfo, NodeUnreachable, connect, ping_all
@@ -148,8 +155,17 @@ def render_status(report: NodeReport) -> str:
             lines.append(f"  hold {h.allocation_id} ({h.reservation_id}) gen {h.generation}: {', '.join(h.devices)}{extra}{flag}")
         # what the converger skipped or got less of (files that are not regular files, a reduced outbox)
         lines.extend(f"  problem: {p}" for p in conv.problems)
+        # node conditions the converger raised and that hold now (NodeSpecUnknownFields, ...)
+        lines.extend(f"  condition {c.type}: {c.reason}: {c.message}" for c in conv.conditions if c.status == "True")
     else:
         lines.append("section devices: converger unavailable")
+    attention = gpu_attention(inv)
+    if attention:
+        lines.append("needs a person:")
+        for a in attention:
+            why = f"{a.message} ({a.condition})" if a.condition else a.message
+            lines.append(f"  GPU {a.pci} {a.what}: {why}")
+            lines.append(f"    {'run: ' if a.command else 'to do: '}{a.action}")
     svc = ", ".join(f"{n}{'' if n in report.services else ' (DOWN)'}" for n in (report.expected or sorted(report.services)))
     lines.append(f"services: {svc}")
     bad = problems(report)
@@ -170,22 +186,163 @@ def render_gpus(inv: Inventory) -> str:
         for c in st.conditions:
             if c.type in ("Reclaim", "Reconfiguring") or (c.type == "AdapterReady" and c.status == "False"):
                 lines.append(f"{'':<13} {c.type}: {c.message}")
+        a = card_attention(g)
+        if a is not None:
+            lines.append(f"{'':<13} needs a person: {'run ' if a.command else ''}{a.action}")
     return "\n".join(lines)
 
 
+def _condition(g: Gpu, type_: str) -> Condition | None:
+    return next((c for c in g.status.conditions if c.type == type_), None)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A card that needs a person: the condition that says so and what to do about it."""
+
+    pci: str
+    #: the ATTENTION_ROWS row that matched.
+    row: str
+    #: in a word or two: "Orphaned", "RebootRequested", "reclaim failed", "phase Failed".
+    what: str
+    #: "<type>=<status>/<reason>" of the condition behind it ("" when there is none).
+    condition: str
+    message: str
+    #: a command line to run (`command` True) or what to do, in words.
+    action: str
+    command: bool = False
+
+    def text(self) -> str:
+        todo = f"run `{self.action}`" if self.command else self.action
+        why = f"{self.message} ({self.condition})" if self.condition else self.message
+        return f"GPU {self.pci} {self.what}: {why} -> {todo}"
+
+    def to_builtins(self) -> dict[str, Any]:
+        return {
+            "pci_address": self.pci,
+            "row": self.row,
+            "what": self.what,
+            "condition": self.condition,
+            "message": self.message,
+            "action": self.action,
+            "command": self.command,
+        }
+
+
+@dataclass(frozen=True)
+class AttentionRow:
+    name: str
+    when: Callable[[Gpu], bool]
+    #: the condition behind it, as the operator reads it (None: the row has none to show).
+    why: Callable[[Gpu], Condition | None]
+    what: Callable[[Gpu], str]
+    #: (action, is a command line)
+    action: Callable[[Gpu], tuple[str, bool]]
+
+
+def _reboot_wait(g: Gpu) -> Condition | None:
+    c = _condition(g, "Reconfiguring")
+    return c if c is not None and c.status == "True" and c.reason in REBOOT_WAIT_REASONS else None
+
+
+def _reclaim_failed(g: Gpu) -> Condition | None:
+    c = _condition(g, "Reclaim")
+    return c if c is not None and c.status == "False" and c.reason == "Failed" else None
+
+
+def _adapter_not_ready(g: Gpu) -> Condition | None:
+    c = _condition(g, "AdapterReady")
+    return c if c is not None and c.status == "False" else None
+
+
+def _orphaned(g: Gpu) -> bool:
+    if g.status.driver_binding.management_state != "Orphaned":
+        return False
+    reclaim = _condition(g, "Reclaim")
+    # a reclaim on its way: nothing to do but wait
+    return reclaim is None or reclaim.reason not in ("Held", "InProgress")
+
+
+def _failed_action(g: Gpu) -> tuple[str, bool]:
+    ready = _adapter_not_ready(g)
+    if ready is not None and ready.reason == "VFIORequiresBareMetal":
+        return (
+            "take the VM instance off this card: `bcd apply` a spec without it "
+            "(VFIO passthrough needs a bare-metal node)",
+            False,
+        )
+    return "see its AdapterReady condition (`bcd gpu list`); the card is unusable until that is fixed", False
+
+
+def _base(g: Gpu) -> str:
+    return g.base_driver or "its compute driver"
+
+
+#: what makes a card need a person, first matching row wins per card; anything
+#: else (Ready, Completing, a refused reclaim, OrphanPending, Excluded, a
+#: reclaim in progress) resolves by itself or is the operator's own choice.
+ATTENTION_ROWS: tuple[AttentionRow, ...] = (
+    # the switcher could not roll a driver switch back: only a reboot returns the card
+    AttentionRow(
+        "reboot-wait",
+        lambda g: _reboot_wait(g) is not None,
+        _reboot_wait,
+        lambda g: getattr(_reboot_wait(g), "reason", "Reconfiguring"),
+        lambda g: (f"reboot the node (the card is back on {_base(g)} after it; the condition clears by itself)", False),
+    ),
+    # a reclaim that did not get the card off vfio-pci in time (seed: "a node reboot may be needed")
+    AttentionRow(
+        "reclaim-failed",
+        lambda g: _reclaim_failed(g) is not None,
+        _reclaim_failed,
+        lambda g: "reclaim failed",
+        lambda g: (f"reboot the node, or try again: `bcd gpu reclaim {g.pci_address}`", False),
+    ),
+    # e.g. a VM asked for the card on a virtualized node
+    AttentionRow("phase-failed", lambda g: g.status.phase == "Failed", _adapter_not_ready, lambda g: "phase Failed", _failed_action),
+    # on vfio-pci with no claim past the grace period: nothing returns it unless someone asks
+    AttentionRow(
+        "orphaned",
+        _orphaned,
+        lambda g: _condition(g, "Managed"),
+        lambda g: "Orphaned",
+        lambda g: (f"bcd gpu reclaim {g.pci_address}", True),
+    ),
+)
+
+
+def attention_row(g: Gpu) -> AttentionRow | None:
+    """The first row of ATTENTION_ROWS that matches the card; None: nothing to do."""
+    return next((row for row in ATTENTION_ROWS if row.when(g)), None)
+
+
+def card_attention(g: Gpu) -> Attention | None:
+    """What the card needs from a person (the first matching ATTENTION_ROWS row); None: nothing."""
+    row = attention_row(g)
+    if row is None:
+        return None
+    c = row.why(g)
+    action, command = row.action(g)
+    st = g.status
+    return Attention(
+        pci=g.pci_address,
+        row=row.name,
+        what=row.what(g),
+        condition=f"{c.type}={c.status}/{c.reason}" if c is not None else "",
+        message=c.message if c is not None else f"phase {st.phase}, managementState {st.driver_binding.management_state}",
+        action=action,
+        command=command,
+    )
+
+
+def gpu_attention(inv: Inventory | None) -> list[Attention]:
+    """Every card that needs a person, in inventory order, each with what to do."""
+    return [a for g in (inv.gpus if inv else []) if (a := card_attention(g)) is not None]
+
+
 def gpu_problems(inv: Inventory | None) -> list[str]:
-    """Cards that need an operator: a disruption waiting for a reboot, a failed reclaim, a Failed phase."""
-    out: list[str] = []
-    for g in inv.gpus if inv else []:
-        for c in g.status.conditions:
-            if c.type == "Reconfiguring" and c.status == "True" and c.reason in REBOOT_WAIT_REASONS:
-                out.append(f"GPU {g.pci_address} {c.reason}: {c.message}")
-            if c.type == "Reclaim" and c.status == "False" and c.reason == "Failed":
-                out.append(f"GPU {g.pci_address} reclaim failed: {c.message}")
-        if g.status.phase == "Failed":
-            ready = next((c for c in g.status.conditions if c.type == "AdapterReady"), None)
-            out.append(f"GPU {g.pci_address} phase Failed" + (f" ({ready.reason}: {ready.message})" if ready else ""))
-    return out
+    """Cards that need an operator, one line each: what, the condition's message, what to run."""
+    return [a.text() for a in gpu_attention(inv)]
 
 
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
@@ -239,6 +396,10 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
                 out.append(("warn", "hold-dirs", p))
         if conv.section is not None and conv.section.state == "FAILED":
             out.append(("warn", "section", "devices section FAILED: " + "; ".join(conv.section.message.splitlines())))
+        for c in conv.conditions:
+            if c.status == "True":
+                name = "spec-fields" if c.type == UNKNOWN_FIELDS_CONDITION else "node-condition"
+                out.append(("warn", name, f"{c.type} ({c.reason}): {c.message}"))
     out.extend(("fail", "gpu", p) for p in gpu_problems(inv))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
@@ -246,4 +407,19 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     return out
 
 
-__all__ = ["NodeReport", "gather", "problems", "render_status", "render_gpus", "gpu_problems", "doctor_checks", "OUTBOX_STALE_S"]
+__all__ = [
+    "NodeReport",
+    "gather",
+    "problems",
+    "render_status",
+    "render_gpus",
+    "Attention",
+    "AttentionRow",
+    "ATTENTION_ROWS",
+    "attention_row",
+    "card_attention",
+    "gpu_attention",
+    "gpu_problems",
+    "doctor_checks",
+    "OUTBOX_STALE_S",
+]

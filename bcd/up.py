@@ -51,6 +51,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = logs.get_logger("bcd.up")
     state: Path = args.state_dir.resolve()
     paths = layout(state)
+    running = _running_supervisor(state)
+    if running:
+        # before the port check: a second `make run` on the same state would otherwise
+        # find the ports taken, pick free ones and share the first node's files
+        print(f"bcd up: a node already runs on {state} (supervisor pid {running}); stop it first or pass another --state-dir", file=sys.stderr)
+        return 1
+    if not args.any_ports:
+        # a taken fixed port: free ones instead (make run), or one line naming it (bcd/ports.py)
+        from .ports import fallback_line, fixed_ports, refusal, taken
+
+        busy = taken(fixed_ports(args.port, args.http_port, args.services))
+        if busy and not getattr(args, "any_ports_if_taken", False):
+            print(refusal(busy), file=sys.stderr)
+            return 1
+        if busy:
+            print(fallback_line(busy), file=sys.stderr, flush=True)
+            args.any_ports = True
     for p in paths.values():
         p.mkdir(parents=True, exist_ok=True, mode=0o700)
     fake_host: Path | None = args.fake_host.resolve() if args.fake_host else None
@@ -189,7 +206,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     write_node_info(state, info)
 
     def banner() -> None:
-        s = f"--state-dir {args.state_dir}"
         lines = [
             "",
             f"bcd node {args.node_id!r} is starting on {'fake host ' + str(fake_host) if fake_host else 'this host (NVML)'}",
@@ -199,11 +215,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             *[f"  metrics      {n:<15} {u}" for n, u in metrics.items()],
             f"  logs         {paths['logs']}/<service>.log" if not args.verbose else "  logs         here",
             f"  holds        {paths['cdi']}/bcd-*.json, {paths['run']}/allocations/*.env, {paths['run']}/slices/",
-            "Look at it from another terminal:",
-            f"  .venv/bin/bcd status {s}       # GPUs, holds, section, outbox",
-            f"  .venv/bin/bcd apply SPEC.json {s}   # sign and put a NodeSpec through the control plane",
-            f"  .venv/bin/bcd events {s}       # the control plane's verified event log (follows)",
-            f"  .venv/bin/bcd doctor {s}       # what is wrong, if anything",
+            *look_lines(args.state_dir, args.upstream if not embedded else ""),
             "Stop with Ctrl-C.",
             "",
         ]
@@ -231,6 +243,43 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         bus.stop()
         log.debug("node bus stopped")
+
+
+def look_lines(state_dir: Path | str, upstream: str = "") -> list[str]:
+    """The banner's "look at it from another terminal": only commands that work in this mode.
+
+    With an embedded control plane (`upstream` ""), `bcd apply` and `bcd events`
+    go through it; a node that joined an `upstream` has no control plane of its
+    own (both refuse there), so the lines name what does work and where specs go.
+    """
+    s = f"--state-dir {state_dir}"
+    lines = ["Look at it from another terminal:", f"  .venv/bin/bcd status {s}       # GPUs, holds, section, outbox"]
+    if not upstream:
+        lines += [
+            f"  .venv/bin/bcd apply SPEC.json {s}   # sign and put a NodeSpec through the control plane",
+            f"  .venv/bin/bcd events {s}       # the control plane's verified event log (the last 20, then follows)",
+        ]
+    else:
+        lines += [
+            f"  .venv/bin/bcd gpu list {s}     # each card's driver, phase, managementState",
+            f"  .venv/bin/bcd bus {s}          # the node bus: endpoints, outbox, connections",
+        ]
+    lines.append(f"  .venv/bin/bcd doctor {s}       # what is wrong, if anything")
+    if upstream:
+        lines.append(f"Specs and the verified events go through the control plane at {upstream}, not this node.")
+    return lines
+
+
+def _running_supervisor(state: Path) -> int:
+    """The pid of a live `bcd up` that wrote `<state>/node.json`, else 0."""
+    import json
+
+    try:
+        pid = int(json.loads((state / "node.json").read_text()).get("supervisor_pid") or 0)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if pid > 0 and pid != os.getpid() else b""
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return pid if b"bcd" in cmdline and b"up" in cmdline.split(b"\0") else 0
 
 
 def _report_demo(task: asyncio.Task[None]) -> None:
@@ -280,7 +329,7 @@ async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[
         await asyncio.sleep(0.2)
     print(render_status(await gather(info)), flush=True)
     print("\nverified events (the control plane's log; following until Ctrl-C):", flush=True)
-    await follow_events(Path(info.controlplane_dir) / "events.jsonl", follow=True)
+    await follow_events(Path(info.controlplane_dir) / "events.jsonl", follow=True, last=50)
 
 
-__all__ = ["NODE_SERVICES", "layout", "cmd_up", "wait_ready", "run_demo"]
+__all__ = ["NODE_SERVICES", "layout", "cmd_up", "look_lines", "wait_ready", "run_demo"]

@@ -37,9 +37,16 @@ def section_id(node_id: str, section: str, generation: int, state: str, message:
 
 
 def condition_id(node_id: str, condition: Condition) -> str:
-    """A condition change: its type, status and the instant it took that status."""
+    """A condition change: its type, status, the instant it took that status, and what it says.
+
+    A condition keeps its `since` while its status holds, so a new reason or
+    message under the same status (another release stuck, other unknown
+    fields) needs the digest to be a new event; the same condition, replayed,
+    keeps its id.
+    """
     stamp = condition.since.strftime("%Y%m%dt%H%M%S%f")
-    return _id(node_id, "condition", condition.type.lower(), condition.status.lower(), stamp)
+    digest = hashlib.sha256(f"{condition.reason}\0{condition.message}".encode()).hexdigest()[:12]
+    return _id(node_id, "condition", condition.type.lower(), condition.status.lower(), stamp, digest)
 
 
 def gpu_id(node_id: str, pci_address: str, at: datetime, change: str) -> str:

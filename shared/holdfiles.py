@@ -40,6 +40,14 @@ target shape):
   adds `<gpu index>:<mig index>` only when the caller knows the index.
 * `cdiVersion` is the lowest version that expresses the content, following
   the CDI library's `MinimumRequiredVersion` (specs-go/version.go).
+* Env file values. Every line of the env file is read to the same value by
+  a shell sourcing it (`. file`), `docker run --env-file` and systemd's
+  `EnvironmentFile=` (`shared.schemas.common.env_value_problem`): the three
+  disagree on quotes, backslashes, `$` and whitespace and no quoting suits
+  all of them (docker keeps quotes), so no value holds those. bcd's own
+  values are ids, the slice name (a `-` of the id spelled `.`, see
+  `shared.slices.slice_name`), uuids and the MPS pipe directory; a spec's
+  env value with any of them is refused when the spec is decoded.
 * The seed's example shows `"env": null` in the device edits; the official
   schema types `env` as an array, so bcd omits the key instead.
 """
@@ -69,11 +77,11 @@ from shared.schemas.bus import (
     HelperLimits,
 )
 from shared.schemas.codec import BoundedDecoder, bounded_json_loads
-from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, reserved_env_key
+from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, env_value_problem, reserved_env_key
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi, VendorSpecError, read_vendor_cdi
 
 # the systemd slice of a sliced hold, also its bcd.dev/cgroup-parent
-from shared.slices import parse_cpulist, slice_name
+from shared.slices import parse_cpulist, slice_name, slice_names
 
 #: the CDI kind of every hold; a container asks for `bcd.dev/gpu=<device name>`.
 KIND = "bcd.dev/gpu"
@@ -231,11 +239,15 @@ class HoldContent:
         for line in self.env:
             if not _ENV_LINE_RE.search(line) or reserved_env_key(line.split("=", 1)[0]):
                 raise ValueError(f"{self.allocation_id}: env line {line!r} is not allowed")
-        # the lines bcd builds itself too (visible ids come from the inventory):
-        # no value may carry a line break of any kind into the env file
+        # the lines bcd builds itself too (visible ids come from the inventory,
+        # the MPS pipe directory from host config): no value may carry a line
+        # break of any kind into the env file, nor anything a shell, docker
+        # --env-file or systemd EnvironmentFile= would read differently
         for line in env_lines(self):
-            if not _ENV_LINE_RE.search(line):
-                raise ValueError(f"{self.allocation_id}: env line {line!r} cannot be written to an env file")
+            problem = "" if _ENV_LINE_RE.search(line) else "not one KEY=VALUE line"
+            problem = problem or env_value_problem(line.split("=", 1)[1])
+            if problem:
+                raise ValueError(f"{self.allocation_id}: env line {line!r} cannot be written to an env file: {problem}")
 
     @property
     def visible_devices(self) -> str:
@@ -427,6 +439,11 @@ class HoldOnDisk:
     def sliced(self) -> bool:
         return bool(self.cgroup_parent)
 
+    @property
+    def legacy_slice(self) -> bool:
+        """Bound before a `-` of the id was spelled `.`: it names `legacy_slice_name` (with `\\x2d`)."""
+        return bool(self.cgroup_parent) and self.cgroup_parent != slice_name(self.allocation_id)
+
 
 class NotAHold(Exception):
     """A `bcd-*.json` file that is not a bcd hold; the converger logs it and leaves it alone."""
@@ -473,8 +490,10 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
     if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
         raise refuse(f"{ANN_GENERATION} missing or not a non-negative integer")
     cgroup_parent = annotations.get(ANN_CGROUP_PARENT, "")
-    # the converger stops this unit by name: only our own slice name is trusted.
-    if cgroup_parent not in ("", slice_name(allocation)):
+    # the converger stops this unit by name: only our own slice name is trusted
+    # (or the one bcd gave it before a '-' of the id was spelled '.': that hold
+    # is kept, released, and rewritten under the current name once it can be)
+    if cgroup_parent not in ("", *slice_names(allocation)):
         raise refuse(f"{ANN_CGROUP_PARENT} {cgroup_parent!r} is not {slice_name(allocation)}")
     binding = annotations.get(ANN_BINDING)
     if binding is None:

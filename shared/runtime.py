@@ -187,13 +187,17 @@ class ServiceContext(Generic[T]):
         self,
         name: str,
         subject: str,
-        handler: Callable[[Any], Awaitable[object]],
+        handler: Callable[..., Awaitable[object]],
         request: Codec[Any] | None,
         *,
         allow_empty: bool = False,
         reply: Codec[Any] | None = None,
+        with_body: bool = False,
     ) -> None:
         """Add a micro endpoint whose body is decoded with `request` at the boundary.
+
+        With `with_body`, the handler gets `(decoded, body)`: the request bytes
+        too, for what the typed value does not keep (fields its schema does not know).
 
         A body that does not decode, whatever the reason, is answered 400 with
         the field named; a `Refused` keeps its code; anything else is logged
@@ -234,7 +238,7 @@ class ServiceContext(Generic[T]):
                         outcome = "bad_request"
                         raise refuse_body(exc) from None
                 try:
-                    result = await handler(arg)
+                    result = await (handler(arg, req.data) if with_body else handler(arg))
                 except ServiceError as exc:
                     outcome = "refused" if outcome == "ok" else outcome
                     log.info("request refused", endpoint=name, code=exc.code, reason=exc.description)

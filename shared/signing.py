@@ -119,8 +119,9 @@ def verify_report(report: AttestedReport, public_key: bytes | Ed25519PublicKey) 
         raise VerificationError(f"body: {exc}") from None
 
 
-def sign_node_spec(private_key: Ed25519PrivateKey, spec: NodeSpec) -> SignedNodeSpec:
-    payload = encode(spec)
+def sign_node_spec(private_key: Ed25519PrivateKey, spec: NodeSpec | bytes) -> SignedNodeSpec:
+    """Sign a NodeSpec, or the exact NodeSpec JSON bytes (fields a newer node knows kept as given)."""
+    payload = spec if isinstance(spec, bytes) else encode(spec)
     return SignedNodeSpec(
         spec=payload,
         key_id=key_id(private_key),

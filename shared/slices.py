@@ -9,7 +9,8 @@ names it to the workload manager, and stops it only once no process is left.
 
 This module owns that one thing:
 
-- the name (`slice_name`, `allocation_of`), built only from a validated
+- the name (`slice_name`, `allocation_of`; `legacy_slice_name` for holds
+  bound before a `-` of the id was spelled `.`), built only from a validated
   allocation id, so nothing from the wire reaches systemd or a path unchecked;
 - the systemd properties a slice gets (`slice_properties`, pure, shared by both
   backends so the fake records exactly what systemd would be sent);
@@ -46,7 +47,10 @@ SLICE_SUFFIX = ".slice"
 #: a fake slice record read back (a few properties and pids).
 SLICE_RECORD_MAX_BYTES = 1024 * 1024
 _SLICE_RE = re.compile(r"^bcd-alloc-(.+)\.slice\Z")
-_DASH = "\\x2d"
+#: what a `-` of the allocation id becomes in a slice name (`slice_name`).
+_SEP = "."
+#: ... and what it became before (`legacy_slice_name`).
+_LEGACY_DASH = "\\x2d"
 _CPULIST_RE = re.compile(CPULIST_PATTERN)
 
 #: D-Bus signature of every property `slice_properties` may return, in the
@@ -81,29 +85,63 @@ class SliceError(Exception):
 # ---------------------------------------------------------------- names
 
 
+def _checked(allocation_id: str) -> str:
+    if not isinstance(allocation_id, str) or not ID_RE.match(allocation_id):
+        raise ValueError(f"not an allocation id: {allocation_id!r}")
+    return allocation_id
+
+
 def slice_name(allocation_id: str) -> str:
-    """`bcd-alloc-<allocation_id>.slice`; ValueError unless the id is a valid allocation id.
+    """`bcd-alloc-<allocation_id>.slice` with each `-` of the id as `.`; ValueError unless the id is valid.
 
     systemd reads every `-` of a slice name as a level of the hierarchy, so
     `bcd-alloc-a-1.slice` would sit inside `bcd-alloc-a.slice` (a's limits
-    bounding a-1, stopping a stopping a-1). A `-` inside the allocation id is
-    therefore escaped as systemd-escape does (`\x2d`); ids without one keep the
-    seed's plain name.
+    bounding a-1, stopping a stopping a-1). A `-` inside the allocation id
+    therefore becomes `.`, which no allocation id holds (so the name is
+    collision-free and reversible), which systemd allows in a unit name and
+    gives no meaning before the suffix, and which no consumer of the name
+    treats specially: `BCD_CGROUP_PARENT=bcd-alloc-train.01.slice` reads the
+    same to a shell sourcing the env file, `docker run --env-file` and
+    systemd's `EnvironmentFile=`, and the fake host's record file name needs
+    no quoting in a shell loop or `xargs`. (bcd before this spelled the `-`
+    as systemd-escape does, `\\x2d`: right for systemd, but a shell reads
+    `bcd-alloc-train\\x2d01.slice` as `bcd-alloc-trainx2d01.slice`; see
+    `legacy_slice_name`.) Ids without a `-` keep the seed's plain name.
     """
-    if not isinstance(allocation_id, str) or not ID_RE.match(allocation_id):
-        raise ValueError(f"not an allocation id: {allocation_id!r}")
-    return f"{SLICE_PREFIX}{allocation_id.replace('-', _DASH)}{SLICE_SUFFIX}"
+    return f"{SLICE_PREFIX}{_checked(allocation_id).replace('-', _SEP)}{SLICE_SUFFIX}"
+
+
+def legacy_slice_name(allocation_id: str) -> str:
+    """The name bcd gave the slice before `slice_name` used `.`: each `-` as systemd-escape's `\\x2d`.
+
+    Holds bound then still name it (their CDI annotation, env file and
+    AllocationBound); such a slice is recognised, kept while its workload
+    runs and stopped at release, and the converger rewrites such a hold under
+    `slice_name` as soon as nothing runs in its slice (or a file of it must
+    be written again). Equal to `slice_name` for an id without a `-`.
+    """
+    return f"{SLICE_PREFIX}{_checked(allocation_id).replace('-', _LEGACY_DASH)}{SLICE_SUFFIX}"
+
+
+def slice_names(allocation_id: str) -> tuple[str, ...]:
+    """The names an allocation's slice may have: `slice_name`, then `legacy_slice_name` when it differs."""
+    current, legacy = slice_name(allocation_id), legacy_slice_name(allocation_id)
+    return (current,) if current == legacy else (current, legacy)
 
 
 def allocation_of(name: str) -> str | None:
-    """The allocation id of one of our slice names; None for any other name."""
+    """The allocation id of one of our slice names (current or legacy spelling); None for any other name."""
     if not isinstance(name, str):
         return None
     m = _SLICE_RE.match(name)
     if m is None or "-" in m.group(1):
         return None
-    alloc = m.group(1).replace(_DASH, "-")
-    if not ID_RE.match(alloc):
+    body = m.group(1)
+    if "\\" in body:
+        alloc = body.replace(_LEGACY_DASH, "-") if _SEP not in body else ""
+    else:
+        alloc = body.replace(_SEP, "-")
+    if not ID_RE.match(alloc) or name not in slice_names(alloc):
         return None
     return alloc
 
@@ -252,6 +290,11 @@ class FakeSlices:
     (`slice_properties`; byte arrays as lists of ints), its huge page limits,
     and `pids`: the processes "in" the slice. Nothing runs in a fake slice, so
     tests (or a fake workload) put pids there to make it busy; [] is empty.
+
+    A record under the legacy name (`legacy_slice_name`, written before bcd
+    spelled a `-` of the id as `.`) is the allocation's slice too: seen by
+    `exists`, `is_empty`, `list` and `properties`, removed by `stop` once
+    empty; `apply` only ever writes the current name.
     """
 
     def __init__(self, run_dir: Path | str) -> None:
@@ -261,8 +304,10 @@ class FakeSlices:
     def path(self, allocation_id: str) -> Path:
         return self.dir / f"{slice_name(allocation_id)}.json"
 
-    def _read(self, allocation_id: str) -> dict[str, Any] | None:
-        path = self.path(allocation_id)
+    def _paths(self, allocation_id: str) -> list[Path]:
+        return [self.dir / f"{name}.json" for name in slice_names(allocation_id)]
+
+    def _read_path(self, path: Path) -> dict[str, Any] | None:
         try:
             record = bounded_json_loads(read_regular(path, max_bytes=SLICE_RECORD_MAX_BYTES), SLICE_RECORD_MAX_BYTES, "slice record")
         except FileNotFoundError:
@@ -278,8 +323,16 @@ class FakeSlices:
             raise SliceError(f"fake slice record {path} is malformed (want name, properties, hugepages, pids)")
         return record
 
-    def _write(self, allocation_id: str, record: dict[str, Any]) -> None:
-        path = self.path(allocation_id)
+    def _records(self, allocation_id: str) -> list[tuple[Path, dict[str, Any]]]:
+        """(path, record) of each record the allocation has, the current name first."""
+        found = []
+        for path in self._paths(allocation_id):
+            record = self._read_path(path)
+            if record is not None:
+                found.append((path, record))
+        return found
+
+    def _write_path(self, path: Path, record: dict[str, Any]) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             atomic_write(path, json.dumps(record, indent=2, sort_keys=True).encode() + b"\n", 0o644)
@@ -289,7 +342,8 @@ class FakeSlices:
     def apply(self, allocation_id: str, limits: Limits) -> None:
         props = slice_properties(allocation_id, limits)
         with self._lock:
-            old = self._read(allocation_id)
+            path = self.path(allocation_id)
+            old = self._read_path(path)
             record = {
                 "name": slice_name(allocation_id),
                 "properties": {k: _to_json(k, v) for k, v in props},
@@ -297,51 +351,51 @@ class FakeSlices:
                 "pids": old["pids"] if old else [],
             }
             if record != old:
-                self._write(allocation_id, record)
+                self._write_path(path, record)
 
     def set_pids(self, allocation_id: str, pids: list[int]) -> None:
-        """Simulate a workload (or its exit) in an existing fake slice."""
+        """Simulate a workload (or its exit) in an existing fake slice (the current name's, else the legacy one's)."""
         with self._lock:
-            record = self._read(allocation_id)
-            if record is None:
+            records = self._records(allocation_id)
+            if not records:
                 raise SliceError(f"fake slice {slice_name(allocation_id)} does not exist")
+            path, record = records[0]
             record["pids"] = [int(p) for p in pids]
-            self._write(allocation_id, record)
+            self._write_path(path, record)
 
     def stop(self, allocation_id: str) -> bool:
         with self._lock:
-            record = self._read(allocation_id)
-            if record is None:
-                return True
-            if record["pids"]:
-                return False
-            path = self.path(allocation_id)
-            try:
-                path.unlink(missing_ok=True)
-                fsync_dir(self.dir)
-            except OSError as exc:
-                raise SliceError(f"cannot remove fake slice record {path}: {exc}") from None
-            return True
+            kept = False
+            for path, record in self._records(allocation_id):
+                if record["pids"]:
+                    kept = True
+                    continue
+                try:
+                    path.unlink(missing_ok=True)
+                    fsync_dir(self.dir)
+                except OSError as exc:
+                    raise SliceError(f"cannot remove fake slice record {path}: {exc}") from None
+            return not kept
 
     def exists(self, allocation_id: str) -> bool:
-        return self._read(allocation_id) is not None
+        return bool(self._records(allocation_id))
 
     def is_empty(self, allocation_id: str) -> bool:
-        record = self._read(allocation_id)
-        return record is None or not record["pids"]
+        return not any(record["pids"] for _, record in self._records(allocation_id))
 
     def list(self) -> list[str]:
         try:
             names = [p.name for p in self.dir.glob(f"{SLICE_PREFIX}*{SLICE_SUFFIX}.json")]
         except OSError as exc:
             raise SliceError(f"cannot list fake slices in {self.dir}: {exc}") from None
-        ids = (allocation_of(n.removesuffix(".json")) for n in names)
+        ids = {allocation_of(n.removesuffix(".json")) for n in names}
         return sorted(i for i in ids if i is not None)
 
     def properties(self, allocation_id: str) -> dict[str, Any]:
-        record = self._read(allocation_id)
-        if record is None:
+        records = self._records(allocation_id)
+        if not records:
             return {}
+        record = records[0][1]
         out: dict[str, Any] = {k: _from_json(k, v) for k, v in record["properties"].items()}
         if record.get("hugepages"):
             out["hugepages"] = record["hugepages"]
@@ -397,10 +451,12 @@ class SystemdSlices:
     the call runs in `asyncio.to_thread`) stalls for the call: a millisecond
     normally, up to sd-bus's 25 s timeout when systemd does not answer.
 
-    Slice names nest on '-': `bcd-alloc-a-1.slice` lives inside
-    `bcd-alloc-a.slice`, which systemd creates implicitly. An allocation id
-    with a '-' therefore sits below the slice of the id before its last '-',
-    and that implicit parent is listed like one of ours.
+    Slice names nest on '-', so `slice_name` spells a '-' of the id as '.'
+    (every hold's slice sits directly in `bcd-alloc.slice`). A live unit
+    under the legacy name (`legacy_slice_name`, '\\x2d') is the
+    allocation's slice too: `exists`, `is_empty`, `list` and `properties`
+    see it, `stop` stops it once empty; `apply` only ever starts or updates
+    the current name.
     """
 
     def __init__(
@@ -553,14 +609,14 @@ class SystemdSlices:
                 raise SliceError(f"{name}: cannot write {f}: {exc}") from None
 
     def exists(self, allocation_id: str) -> bool:
-        name = slice_name(allocation_id)
-        with self._call(f"look up {name}") as manager:
-            return self._live(manager, name) is not None
+        names = slice_names(allocation_id)
+        with self._call(f"look up {names[0]}") as manager:
+            return any(self._live(manager, name) is not None for name in names)
 
     def is_empty(self, allocation_id: str) -> bool:
-        name = slice_name(allocation_id)
-        with self._call(f"count the tasks of {name}") as manager:
-            return self._is_empty(manager, name)
+        names = slice_names(allocation_id)
+        with self._call(f"count the tasks of {names[0]}") as manager:
+            return all(self._is_empty(manager, name) for name in names)
 
     def _is_empty(self, manager: Any, name: str) -> bool:
         path = self._live(manager, name)
@@ -585,35 +641,39 @@ class SystemdSlices:
         return False
 
     def stop(self, allocation_id: str) -> bool:
-        name = slice_name(allocation_id)
-        with self._call(f"stop {name}") as manager:
-            if self._live(manager, name) is None:
-                self._warned_hugepages.discard(name)
-                return True
-            if not self._is_empty(manager, name):
-                return False
-            manager.Manager.StopUnit(name.encode(), b"replace")
-            deadline = time.monotonic() + self.stop_wait_s
-            while self._live(manager, name) is not None:
-                if time.monotonic() >= deadline:
-                    log.warning("slice still stopping; will look again", slice=name)
-                    return False
-                time.sleep(0.05)
+        names = slice_names(allocation_id)
+        with self._call(f"stop {names[0]}") as manager:
+            return all([self._stop(manager, name) for name in names])
+
+    def _stop(self, manager: Any, name: str) -> bool:
+        if self._live(manager, name) is None:
             self._warned_hugepages.discard(name)
             return True
+        if not self._is_empty(manager, name):
+            return False
+        manager.Manager.StopUnit(name.encode(), b"replace")
+        deadline = time.monotonic() + self.stop_wait_s
+        while self._live(manager, name) is not None:
+            if time.monotonic() >= deadline:
+                log.warning("slice still stopping; will look again", slice=name)
+                return False
+            time.sleep(0.05)
+        self._warned_hugepages.discard(name)
+        return True
 
     def list(self) -> list[str]:
         with self._call("list bcd-alloc-*.slice units") as manager:
             units = manager.Manager.ListUnitsByPatterns([], [f"{SLICE_PREFIX}*{SLICE_SUFFIX}".encode()])
-        ids = (allocation_of(_text(u[0])) for u in units if _text(u[3]) in _LIVE)
+        ids = {allocation_of(_text(u[0])) for u in units if _text(u[3]) in _LIVE}
         return sorted(i for i in ids if i is not None)
 
     def properties(self, allocation_id: str) -> dict[str, Any]:
-        name = slice_name(allocation_id)
-        with self._call(f"read the properties of {name}") as manager:
-            path = self._live(manager, name)
-            if path is None:
+        names = slice_names(allocation_id)
+        with self._call(f"read the properties of {names[0]}") as manager:
+            live = [(name, path) for name in names if (path := self._live(manager, name)) is not None]
+            if not live:
                 return {}
+            name, path = live[0]
             out: dict[str, Any] = {}
             for prop, sig in PROPERTY_SIGNATURES.items():
                 iface = _UNIT_IFACE if prop == "Description" else _SLICE_IFACE
@@ -655,6 +715,8 @@ __all__ = [
     "FakeSlices",
     "SystemdSlices",
     "slice_name",
+    "legacy_slice_name",
+    "slice_names",
     "allocation_of",
     "slice_properties",
     "parse_cpulist",

@@ -130,6 +130,9 @@ class Observed:
     #: node does not know (clears the unreadable marker).
     no_orphans: bool = False
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    #: fields of the spec as received that NodeSpec does not declare, as `$.path: unknown field`
+    #: (ignored; condition NodeSpecUnknownFields names them once per generation).
+    spec_unknown_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

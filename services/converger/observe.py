@@ -164,8 +164,10 @@ def observe(
     releases: ReleaseFacts | None = None,
     now: datetime | None = None,
     switched: Mapping[str, tuple[str, datetime]] | None = None,
+    spec_unknown_fields: tuple[str, ...] = (),
 ) -> Observed:
-    """`switched`: where the Applier's switches left each card (PCI address -> (target, reply time))."""
+    """`switched`: where the Applier's switches left each card (PCI address -> (target, reply time));
+    `spec_unknown_fields`: the fields of the spec as received that NodeSpec does not declare."""
     disk = read_disk(cdi_dir, run_dir, warned=warned)
     releases = releases or ReleaseFacts()
     vendor: VendorCdi | None
@@ -197,6 +199,7 @@ def observe(
         release_held=releases.held,
         no_orphans=releases.no_orphans,
         now=now or datetime.now(timezone.utc),
+        spec_unknown_fields=tuple(spec_unknown_fields),
     )
 
 

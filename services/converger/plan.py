@@ -42,6 +42,7 @@ from shared.schemas import (
     clip,
     summarise,
 )
+from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.slices import slice_name
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
@@ -108,6 +109,12 @@ class Claims:
             return
         if ref.kind != "gpu":
             self.parts.setdefault(ref.gpu, {}).setdefault(ref.kind, {})[atom_id] = holder
+
+    def discard(self, atom_id: str) -> None:
+        self.atoms.pop(atom_id, None)
+        for kinds in self.parts.values():
+            for held in kinds.values():
+                held.pop(atom_id, None)
 
     def conflict(self, resolved: ResolvedAtom) -> str | None:
         """The overlap message for one atom, naming the holder, or None."""
@@ -217,6 +224,9 @@ class _Pass:
     released: set[str] = field(default_factory=set)
     #: Kubernetes releases still pending after this pass, by allocation.
     pending: dict[str, PendingRelease] = field(default_factory=dict)
+    #: pending releases the spec wants again: dropped unreported when the hold binds
+    #: again on the same devices in this pass, else still pending.
+    taken_back: dict[str, PendingRelease] = field(default_factory=dict)
 
     @property
     def gen(self) -> int:
@@ -250,7 +260,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     kept = plan_kept_holds(p, index, claims, ledger, mps)  # 4
     failures = plan_new_holds(p, index, claims, ledger, mps, kept)  # 5
     plan_failures(p, failures)  # 6
-    p.steps.extend(_conditions(observed, config, p.pending, unreadable))
+    p.steps.extend(_conditions(observed, config, p.pending, unreadable, spec.generation))
     # the VFIO side's driver switches, after every release of this pass (a card
     # moves from a hold to an instance in one generation)
     vfio = plan_vfio(spec, observed, _held_cards(claims, index))
@@ -284,8 +294,14 @@ def section_status(generation: int, failures: Iterable[Failure]) -> SectionStatu
 def plan_kubernetes_releases(p: _Pass) -> None:
     """Pending releases: reported once no pod holds them, dropped unreported when wanted again."""
     for alloc, rel in sorted(p.observed.pending_releases.items()):
-        if alloc in p.wanted:
+        if alloc in p.wanted and alloc in p.observed.holds:
+            # recorded, then a crash before the withdraw, and wanted again: the hold is still whole
             p.steps.append(DropPendingRelease(alloc))
+            continue
+        if alloc in p.wanted:
+            # taken back only if the hold binds again in this pass, on the same devices
+            # (plan_new_holds decides); until then its devices stay claimed
+            p.taken_back[alloc] = rel
             continue
         p.released.add(alloc)
         if alloc in p.observed.holds:
@@ -388,7 +404,7 @@ def claims_after_releases(p: _Pass, index: AtomIndex) -> tuple[Claims, bool]:
     claims.excluded = {g.atom_id for g in index.by_pci.values() if g.atom_id and excluded(g)}
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")
-    for alloc, rel in p.pending.items():
+    for alloc, rel in [*p.pending.items(), *p.taken_back.items()]:
         for atom in rel.devices:
             claims.add(atom, f"{alloc} (pending Kubernetes release)")
     unreadable = observed.releases_unreadable and not observed.no_orphans
@@ -411,10 +427,15 @@ def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedg
         for atom in hold.devices:
             claims.add(atom, alloc)
         ledger.promise(hold.limits)
-    for rel in p.pending.values():
+    for rel in [*p.pending.values(), *p.taken_back.values()]:
         ledger.promise(rel.limits)
     for alloc, hold in sorted(kept.items()):
         assignment = p.wanted[alloc]
+        if hold.legacy_slice and (
+            alloc not in observed.slices or alloc in observed.empty_slices or alloc not in observed.env_files
+        ):
+            _rename_legacy_slice(p, index, mps, alloc, hold, assignment)
+            continue
         if hold.cgroup_parent and alloc not in observed.slices:
             limits = hold.limits or assignment.limits
             if limits is not None:
@@ -436,6 +457,54 @@ def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedg
     return kept
 
 
+def _rename_legacy_slice(
+    p: _Pass, index: AtomIndex, mps: frozenset[str], alloc: str, hold: HoldOnDisk, assignment: DeviceAssignment
+) -> None:
+    """A kept hold bound under the legacy slice name (`bcd-alloc-a\\x2d1.slice`) is rewritten
+    under `slice_name` (`bcd-alloc-a.1.slice`) once nothing runs in its slice or a
+    file of it must be written again anyway: the old slice is stopped once empty,
+    then slice, CDI spec and env file are written like a bind of the same generation
+    (reported only if its Bound never was). While a workload runs in the old slice
+    and every file is there, the hold is left as it is (plan_kept_holds)."""
+    limits = hold.limits or assignment.limits
+    try:
+        devices = hold_devices(index.resolve(a) for a in hold.devices)
+    except AtomError as exc:
+        p.notes.append(f"{alloc}: cannot be rewritten under slice {slice_name(alloc)}: {exc.message}")
+        return
+    if limits is None:
+        p.notes.append(f"{alloc}: cannot be rewritten under slice {slice_name(alloc)}: its limits are unknown")
+        return
+    content = dataclasses.replace(
+        hold_content(assignment, devices, p.observed, mps),
+        reservation_id=hold.reservation_id,
+        generation=hold.generation,
+        binding=hold.binding,
+        cgroup_parent=slice_name(alloc),
+        limits=limits,
+    )
+    report = alloc not in p.state.reported
+    intent = p.state.intents.get(alloc)
+    event_id = intent.event_id if intent is not None and intent.op == "bind" else bound_id(p.node, alloc, hold.generation)
+    p.steps.append(StopSlice(alloc))
+    p.steps.append(
+        BindHold(
+            alloc,
+            event_id,
+            AllocationBound(
+                allocation_id=alloc,
+                reservation_id=hold.reservation_id,
+                generation=hold.generation,
+                devices=list(hold.devices),
+                cgroup_parent=content.cgroup_parent,
+                cdi_devices=_qualified(content),
+            ),
+            content,
+            report=report,
+        )
+    )
+
+
 # ------------------------------------------------------------------------------ 5. new holds
 
 
@@ -454,6 +523,10 @@ def plan_new_holds(
         alloc = assignment.allocation_id
         if alloc in kept:
             continue
+        taken_back = p.taken_back.get(alloc)
+        if taken_back is not None:
+            for atom in taken_back.devices:  # its own release does not stand in its way
+                claims.discard(atom)
         try:
             refused = state.refusals.get(alloc)
             if refused is not None and refused.generation == gen and state.reported_failures.get(alloc) == gen:
@@ -462,8 +535,20 @@ def plan_new_holds(
                 # cause (an excluded card, a full host) has gone since.
                 raise _Refused(refused.reason, refused.message)
             resolved = check_new_hold(assignment, index, claims, p.config)
-            admission.check(assignment.limits, p.notes)
+            if taken_back is not None and sorted(r.ref.id for r in resolved) != sorted(taken_back.devices):
+                raise _Refused(
+                    "overlap",
+                    f"{alloc} is still being released from {', '.join(taken_back.devices)} (pending Kubernetes release): "
+                    "it binds to other devices once that release is reported",
+                )
+            if taken_back is None:
+                admission.check(assignment.limits, p.notes)
         except _Refused as exc:
+            if taken_back is not None:
+                # not taken back: the release goes on (reported once no pod holds it)
+                p.pending[alloc] = taken_back
+                for atom in taken_back.devices:
+                    claims.add(atom, f"{alloc} (pending Kubernetes release)")
             failures.append(Failure(alloc, assignment.reservation_id, exc.reason, clip(exc.message)))  # type: ignore[arg-type]
             intent = state.intents.get(alloc)
             if intent is not None and intent.op == "bind" and alloc not in observed.holds and alloc not in p.released:
@@ -472,6 +557,8 @@ def plan_new_holds(
                 # binds (its atoms are on no disk, nothing waits for it)
                 undo.append(_undo_bind(alloc, intent, gen))
             continue
+        if taken_back is not None:
+            p.steps.append(DropPendingRelease(alloc))
         devices = hold_devices(resolved)
         # a hold already reported Bound whose files vanished is re-created as it
         # was bound (same generation, same event id) and not reported again
@@ -480,7 +567,8 @@ def plan_new_holds(
         content = dataclasses.replace(hold_content(assignment, devices, observed, mps), generation=hold_gen)
         for r in resolved:
             claims.add(r.ref.id, alloc)
-        ledger.promise(assignment.limits)
+        if taken_back is None:  # a taken-back hold's booking was promised with its release
+            ledger.promise(assignment.limits)
         p.steps.append(
             BindHold(
                 alloc,
@@ -563,11 +651,12 @@ def _held_cards(claims: Claims, index: AtomIndex) -> dict[str, str]:
 
 
 STUCK = "KubernetesReleaseStuck"
+UNKNOWN_FIELDS = UNKNOWN_FIELDS_CONDITION
 UNREADABLE = "KubernetesReleasesUnreadable"
 
 
-def _conditions(observed: Observed, config: PlanConfig, pending: Mapping[str, PendingRelease], unreadable: bool) -> list[Step]:
-    """KubernetesReleaseStuck and KubernetesReleasesUnreadable, raised and cleared on change."""
+def _conditions(observed: Observed, config: PlanConfig, pending: Mapping[str, PendingRelease], unreadable: bool, generation: int = 0) -> list[Step]:
+    """KubernetesReleaseStuck, KubernetesReleasesUnreadable and NodeSpecUnknownFields, raised and cleared on change."""
     now = observed.now
     stuck = sorted(a for a, r in pending.items() if now - r.since > config.stuck_after)
     wanted: list[Condition] = []
@@ -598,15 +687,45 @@ def _conditions(observed: Observed, config: PlanConfig, pending: Mapping[str, Pe
         wanted.append(
             Condition(type=UNREADABLE, status="False", reason="ReleasesFileReadable", message="no unreadable releases remain", since=now)
         )
+    wanted.extend(_unknown_fields_condition(observed, generation))
     steps: list[Step] = []
     for cond in wanted:
         last = observed.state.conditions.get(cond.type)
         if last is None or last.status != cond.status or last.message != cond.message:
-            # a condition keeps its `since` while its status holds
-            if last is not None and last.status == cond.status:
+            # a condition keeps its `since` while its status holds; NodeSpecUnknownFields
+            # is a report per generation, so each one is a new event (its id has `since`)
+            if last is not None and last.status == cond.status and cond.type != UNKNOWN_FIELDS:
                 cond = msgspec.structs.replace(cond, since=last.since)
             steps.append(SetCondition(cond))
     return steps
+
+
+def _unknown_fields_condition(observed: Observed, generation: int) -> list[Condition]:
+    """NodeSpecUnknownFields: True naming the fields (once per generation), False once a spec has none."""
+    fields = observed.spec_unknown_fields
+    if fields:
+        head = f"generation {generation}: {len(fields)} field{'s' if len(fields) != 1 else ''} this node does not know, ignored: "
+        return [
+            Condition(
+                type=UNKNOWN_FIELDS,
+                status="True",
+                reason="UnknownFields",
+                message=head + summarise(list(fields), TEXT_MAX - len(head), sep="; "),
+                since=observed.now,
+            )
+        ]
+    last = observed.state.conditions.get(UNKNOWN_FIELDS)
+    if last is not None and last.status == "True":
+        return [
+            Condition(
+                type=UNKNOWN_FIELDS,
+                status="False",
+                reason="NoUnknownFields",
+                message=f"generation {generation}: every field of the spec is known",
+                since=observed.now,
+            )
+        ]
+    return []
 
 
 def _bound_event(hold: HoldOnDisk) -> AllocationBound:

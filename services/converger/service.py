@@ -53,6 +53,7 @@ from shared.schemas import (
 )
 from shared.schemas.bus import PROBLEMS_MAX
 from shared.schemas.common import clip
+from shared.schemas.strict import unknown_fields_of_json
 from shared.slices import FakeSlices, Slices, SystemdSlices
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorSpecError
 
@@ -87,6 +88,9 @@ class ConvergerApp(ServiceApp):
 
     def __init__(self) -> None:
         self.spec: NodeSpec | None = None
+        #: fields of `spec` as received that NodeSpec does not declare (ignored; reported
+        #: as condition NodeSpecUnknownFields at its generation).
+        self.spec_unknown: tuple[str, ...] = ()
         self.inventory: Inventory | None = None
         self.state = ConvergerState()
         self.failures: dict[str, str] = {}
@@ -163,7 +167,8 @@ class ConvergerApp(ServiceApp):
         self.state.vfio_stuck = {pci: b for pci, b in self.state.vfio_stuck.items() if b == boot}
         self.state.boot_id = boot
         self.store.save(self.state)
-        self.spec = self.store.load_spec()
+        self.spec, unknown = self.store.load_spec_with_unknown()
+        self.spec_unknown = tuple(unknown)
         if not self.privileged:
             ctx.log.warning(
                 "running unprivileged (not root, no helper): every plain hold will fail with node-unprivileged",
@@ -220,7 +225,7 @@ class ConvergerApp(ServiceApp):
 
         await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=on_inventory)
         await ctx.nc.subscribe(ctx.subjects.reaper_freed, cb=on_freed)
-        await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC, reply=SPEC_ACK_CODEC)
+        await ctx.endpoint("spec", ctx.subjects.converger_spec, self.take_spec, NODE_SPEC_CODEC, reply=SPEC_ACK_CODEC, with_body=True)
         await ctx.endpoint("status", ctx.subjects.converger_status, self.status, EMPTY_CODEC, allow_empty=True, reply=CONVERGER_STATUS_CODEC)
         await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC, reply=HOLDER_REPLY_CODEC)
         await ctx.endpoint("claims", ctx.subjects.converger_claims, self.claims, EMPTY_CODEC, allow_empty=True, reply=CLAIMS_CODEC)
@@ -248,7 +253,7 @@ class ConvergerApp(ServiceApp):
 
     # ------------------------------------------------------------------ endpoints
 
-    async def take_spec(self, spec: NodeSpec) -> SpecAck:
+    async def take_spec(self, spec: NodeSpec, body: bytes = b"") -> SpecAck:
         if spec.node_id != self.opts.node_id:
             raise Refused(f"spec is for node {spec.node_id}, this is {self.opts.node_id}", code="400")
         current = self.spec.generation if self.spec is not None else -1
@@ -258,9 +263,13 @@ class ConvergerApp(ServiceApp):
             return SpecAck(generation=spec.generation, changed=False)
         if spec.generation == current:
             raise Refused(f"generation {spec.generation} is already applied with different content", code="409")
-        await asyncio.to_thread(self.store.save_spec, spec)
-        self.spec = spec
+        # decoded already (within its bounds): what the typed spec dropped is named here
+        unknown = tuple(str(f) for f in unknown_fields_of_json(NodeSpec, body)) if body else ()
+        await asyncio.to_thread(self.store.save_spec, spec, bytes(body) if unknown else None)
+        self.spec, self.spec_unknown = spec, unknown
         self.ctx.log.info("spec accepted", generation=spec.generation, assignments=len(spec.devices), instances=len(spec.instances))
+        if unknown:
+            self.ctx.log.warning("the spec carries fields this node does not know; ignored", generation=spec.generation, fields=list(unknown[:20]), count=len(unknown))
         self.loop.trigger(f"spec generation {spec.generation}")
         return SpecAck(generation=spec.generation)
 
@@ -311,6 +320,8 @@ class ConvergerApp(ServiceApp):
             problems=bounded_problems(problems),
             outbox_warning=clip(self.outbox.warning),
             outbox_error=clip(self.outbox.error),
+            conditions=sorted(self.state.conditions.values(), key=lambda c: c.type)[:PROBLEMS_MAX],
+            system_reserve_bytes=self.opts.system_reserve_bytes,
         )
 
     def _card_claims(self, inv: Inventory) -> list[GpuClaim]:
@@ -420,6 +431,7 @@ class ConvergerApp(ServiceApp):
                     state=self.state,
                     warned=self.warned,
                     switched=self.applier.switched,
+                    spec_unknown_fields=self.spec_unknown,
                 )
                 # a success the inventory already shows no longer needs remembering
                 for pci in [pci for pci in self.applier.switched if pci not in observed.switched]:

@@ -19,6 +19,7 @@ from shared import logs
 from shared.fsutil import RefusedFile, atomic_write, read_regular
 from shared.schemas import NODE_SPEC_CODEC, BadMessage, NodeSpec, encode
 from shared.schemas.codec import BoundedDecoder
+from shared.schemas.strict import unknown_fields_of_json
 
 from .model import ConvergerState
 
@@ -55,19 +56,26 @@ class StateStore:
         atomic_write(self.path, encode(state), 0o600)
 
     def load_spec(self) -> NodeSpec | None:
+        return self.load_spec_with_unknown()[0]
+
+    def load_spec_with_unknown(self) -> tuple[NodeSpec | None, list[str]]:
+        """The stored spec, and the fields of it NodeSpec does not declare (kept as received)."""
         try:
-            return NODE_SPEC_CODEC.decode(read_regular(self.spec_path, max_bytes=SPEC_MAX_BYTES))
+            data = read_regular(self.spec_path, max_bytes=SPEC_MAX_BYTES)
+            spec = NODE_SPEC_CODEC.decode(data)
         except FileNotFoundError:
-            return None
+            return None, []
         except OSError as exc:
             log.error("stored spec unreadable; waiting for the next one", file=str(self.spec_path), error=str(exc))
-            return None
+            return None, []
         except BadMessage as exc:
             log.error("stored spec unreadable; waiting for the next one", file=str(self.spec_path), error=str(exc))
-            return None
+            return None, []
+        return spec, [str(f) for f in unknown_fields_of_json(NodeSpec, data, SPEC_MAX_BYTES)]
 
-    def save_spec(self, spec: NodeSpec) -> None:
-        atomic_write(self.spec_path, encode(spec), 0o600)
+    def save_spec(self, spec: NodeSpec, raw: bytes | None = None) -> None:
+        """`raw`: the bytes `spec` was decoded from, kept as received when they carry unknown fields."""
+        atomic_write(self.spec_path, raw if raw is not None else encode(spec), 0o600)
 
 
 __all__ = ["StateStore"]

@@ -120,6 +120,9 @@ class BridgeApp(ServiceApp):
         #: the newest verified spec the converger has not acknowledged yet: handed
         #: over again every HANDOVER_RETRY_S until it is; a newer one replaces it.
         self.pending: NodeSpec | None = None
+        #: the exact JSON bytes `pending` was verified from: what the converger gets, so
+        #: it sees the fields this schema does not know too (NodeSpecUnknownFields).
+        self.pending_raw: bytes | None = None
         #: the converger answered the last hand-over (False: the next success is logged).
         self.converger_reachable = True
         self.applied_generation = -1
@@ -335,14 +338,17 @@ class BridgeApp(ServiceApp):
                 "which waits for the converger"
             )
             return
-        self.pending = spec
+        self.pending, self.pending_raw = spec, signed.spec
 
     async def hand_over(self) -> None:
         """Hand the pending spec to the converger; kept pending (retried soon) when it does not answer."""
         spec = self.pending
         assert spec is not None
+        # the verified bytes as signed (they decoded as this spec), not a re-encoding:
+        # fields a newer control plane added reach the converger, which reports them
+        payload = self.pending_raw if self.pending_raw is not None else spec
         try:
-            ack = await call(self.ctx.nc, self.ctx.subjects.converger_spec, spec, SPEC_ACK_CODEC, timeout=HANDOVER_TIMEOUT_S)
+            ack = await call(self.ctx.nc, self.ctx.subjects.converger_spec, payload, SPEC_ACK_CODEC, timeout=HANDOVER_TIMEOUT_S)
         except ServiceCallError as exc:
             if exc.code in ("400", "409"):
                 self._handed(spec)
@@ -367,7 +373,7 @@ class BridgeApp(ServiceApp):
     def _handed(self, spec: NodeSpec) -> None:
         # only what was handed over leaves `pending`; a newer spec taken meanwhile stays
         if self.pending is spec:
-            self.pending = None
+            self.pending, self.pending_raw = None, None
 
     def _unreachable(self, spec: NodeSpec, error: str) -> None:
         # the first miss of an outage is a WARNING; the retries every HANDOVER_RETRY_S are DEBUG

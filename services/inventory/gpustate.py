@@ -9,7 +9,10 @@ scan:
 - the operator's exclusions,
 - reclaim requests (held ones are re-gated on every evaluation and start by
   themselves once the card reads Orphaned; started ones run until Succeeded or
-  Failed; the Reclaim condition stays after the request ends),
+  Failed; the Reclaim condition stays after the request ends only while it
+  still applies, `reclaim_answer_applies`: a refusal while the managementState
+  it named lasts, Succeeded while the card is on its compute driver, Failed
+  while it is not),
 - disruptions (the boot id at the DisruptionRequired notice; the flow steps
   once per evaluation and clears only on the base driver under a new boot id),
 - the last status of each card, so an unchanged condition keeps its `since`
@@ -62,6 +65,7 @@ from .physicalgpu import (
     disruption_flow,
     establish_occupancy,
     management_state,
+    reclaim_answer_applies,
     reclaim_gate,
     reclaim_progress,
     track_orphan,
@@ -475,6 +479,11 @@ class GpuTracker:
             if reclaim.reason in (RECLAIM_SUCCEEDED, RECLAIM_FAILED):
                 rec.reclaim = None
                 outcomes.append("succeeded" if reclaim.reason == RECLAIM_SUCCEEDED else "failed")
+        elif reclaim is not None:
+            # no request: the answer of the last one stays only while it still describes the card
+            previous_state = rec.status.driver_binding.management_state if rec.status is not None else None
+            if not reclaim_answer_applies(reclaim, previous_state, mstate, mode):
+                reclaim = None
 
         # Reconfiguring (the disruption flow)
         reconf = condition_of(previous, RECONFIGURING)

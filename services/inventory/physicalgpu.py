@@ -13,8 +13,9 @@ Four tables, first matching row wins in each:
   then from the conditions; never set directly.
 - `MANAGEMENT_ROWS` / `management_state`: the five managementState answers and
   the Managed condition that explains them.
-- `reclaim_gate` / `reclaim_progress`: whether a reclaim request may start, and
-  how a started one ends (the Reclaim condition).
+- `reclaim_gate` / `reclaim_progress` / `reclaim_answer_applies`: whether a
+  reclaim request may start, how a started one ends (the Reclaim condition),
+  and how long the answer stays once the request is over.
 - `disruption_flow`: the Reconfiguring condition when a driver switch could
   not be rolled back (DisruptionRequired -> DisruptionPending ->
   RebootRequested -> Completing -> cleared).
@@ -524,6 +525,41 @@ def reclaim_progress(
     )
 
 
+#: Reclaim reasons answered on the management state at the time: they stand while it does.
+_STATE_ANSWERS = frozenset({RECLAIM_REFUSED, RECLAIM_OCCUPIED, RECLAIM_OCCUPANCY_UNKNOWN})
+
+
+def reclaim_answer_applies(
+    answer: Condition, previous_state: ManagementState | None, state: ManagementState, mode: DriverMode
+) -> bool:
+    """Whether the Reclaim condition of a request that has ended still describes the card.
+
+    A Reclaim condition is born of a request, so nothing re-derives it on the
+    next evaluation; without this rule it stayed on the card for good (a
+    `Refused ... managementState is Excluded` on a card included since and
+    reading Managed). The caller carries the condition from one evaluation to
+    the next only while this says True, with `previous_state` the
+    managementState of the evaluation that carried it (so, inductively, the
+    state it was answered in):
+
+    | reason                              | kept while                                           |
+    |-------------------------------------|------------------------------------------------------|
+    | Refused, Occupied, OccupancyUnknown | managementState is the one it was answered in        |
+    | Succeeded                           | the card is on a compute driver (mode Compute)       |
+    | Failed                              | the card is not on a compute driver (still stuck)    |
+    | Held, InProgress, anything else     | never: without a request they describe nothing       |
+    """
+    if answer.type != RECLAIM:
+        return False
+    if answer.reason in _STATE_ANSWERS:
+        return previous_state is not None and previous_state == state
+    if answer.reason == RECLAIM_SUCCEEDED:
+        return mode == "Compute"
+    if answer.reason == RECLAIM_FAILED:
+        return mode != "Compute"
+    return False
+
+
 # --------------------------------------------------------------------------- 4. disruption flow
 
 
@@ -680,6 +716,7 @@ __all__ = [
     "establish_occupancy",
     "reclaim_gate",
     "reclaim_progress",
+    "reclaim_answer_applies",
     "DisruptionFacts",
     "recovered",
     "disruption_flow",

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .common import END, AtomId, EventId, Id, KeyId, Name, PciAddress, Text
+from .common import END, AtomId, Condition, EventId, Id, KeyId, Name, PciAddress, Text
 from .events import AttestedEvent, SectionStatus
 from .inventory import Gpu
 
@@ -83,6 +83,11 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     outbox_warning: Text = ""
     #: the outbox stream could not be created (no room even for its floor): no event is journaled, or "".
     outbox_error: Text = ""
+    #: the node conditions the converger raised, as last published (NodeSpecUnknownFields,
+    #: KubernetesReleaseStuck, ...), by type; status False ones are cleared ones.
+    conditions: Annotated[list[Condition], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
+    #: host memory the converger never promises to holds (--system-reserve-bytes): what a dry run plans with.
+    system_reserve_bytes: int = 0
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -271,7 +276,7 @@ class HelperDevice(HelperStruct, frozen=True, kw_only=True):
     visible id and the vendor device names from them)."""
 
     kind: HelperDeviceKind
-    gpu_uuid: Annotated[str, msgspec.Meta(pattern=GPU_UUID_PATTERN)]
+    gpu_uuid: Annotated[str, msgspec.Meta(pattern=GPU_UUID_PATTERN, description="an NVML GPU uuid, GPU-<8-4-4-4-12 hex digits> (the GPU- prefix optional)")]
     gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)]
     #: MIG: GPU instance and compute instance ids; None otherwise.
     gi: _AtomPart | None = None

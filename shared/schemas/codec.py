@@ -4,7 +4,9 @@
 deeper than `MAX_DEPTH` levels before parsing (DESIGN 12: a parser would
 recurse once per level), and turns every parser error into `BadMessage`,
 whose text names the field (`$.devices[0].allocation_id`) so a sender can see
-what to fix. `encode_valid` is the producer's side: a message is encoded and
+what to fix, and says what a constrained string must look like in words (the
+field's `Meta(description=...)`, see `human_error`), never as the regex behind
+it. `encode_valid` is the producer's side: a message is encoded and
 decoded again with the same bounded decoder, so nothing a service emits is
 refused by its own schema at the peer.
 
@@ -17,12 +19,17 @@ working unchanged.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import typing
 from itertools import accumulate
 from typing import Any, Generic, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
+
+from . import common
 
 T = TypeVar("T")
 
@@ -42,6 +49,97 @@ _TO_PARENS = bytes.maketrans(b"[{]}", b"(())")
 _TO_SIGNS = bytes.maketrans(b"()", b"\x01\xff")
 #: rounds of pair removal before the running count (each is one pass over what is left)
 _PAIR_ROUNDS = 4
+
+
+# ------------------------------------------------------------- human pattern errors
+
+#: msgspec's text for a string that fails its pattern: "Expected `str` matching regex '<repr>'"
+_REGEX_ERROR = re.compile(r"""Expected `str` matching regex (?P<repr>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
+def _described(meta: object) -> tuple[str, str] | None:
+    pattern, desc = getattr(meta, "pattern", None), getattr(meta, "description", None)
+    return (pattern, desc) if isinstance(pattern, str) and isinstance(desc, str) and desc else None
+
+
+def _module_patterns(module: Any) -> dict[str, str]:
+    """pattern -> description of every constrained `Annotated[str, Meta(pattern=, description=)]` alias in `module`."""
+    out: dict[str, str] = {}
+    for value in vars(module).values():
+        if typing.get_origin(value) is typing.Annotated:
+            for meta in value.__metadata__:
+                if (pd := _described(meta)) is not None:
+                    out.setdefault(*pd)
+    return out
+
+
+#: built once from the shared constrained types (common.py): Id, PciAddress, AtomId, CpuList, EnvLine, ...
+PATTERN_DESCRIPTIONS: dict[str, str] = _module_patterns(common)
+
+
+def _type_patterns(type_: Any) -> dict[str, str]:
+    """pattern -> description of every described pattern anywhere in `type_` (a field's own `Meta` too)."""
+    out: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def walk(t: Any) -> None:
+        if isinstance(t, mi.Metadata):
+            desc = (t.extra_json_schema or {}).get("description")
+            pattern = getattr(t.type, "pattern", None)
+            if isinstance(pattern, str) and isinstance(desc, str) and desc:
+                out.setdefault(pattern, desc)
+            walk(t.type)
+            return
+        fields = getattr(t, "fields", None)
+        if fields is not None:
+            if id(t) in seen:
+                return
+            seen.add(id(t))
+            for f in fields:
+                walk(f.type)
+            return
+        for attr in ("item_type", "key_type", "value_type"):
+            if (sub := getattr(t, attr, None)) is not None:
+                walk(sub)
+        for attr in ("types", "item_types"):
+            for sub in getattr(t, attr, None) or ():
+                walk(sub)
+
+    try:
+        walk(mi.type_info(type_))
+    except Exception:  # noqa: BLE001 - a type msgspec cannot describe only loses the nicer words
+        pass
+    return out
+
+
+def _bare(pattern: str) -> str:
+    """A pattern without the anchoring internals (`^...$(?!\\n)`), for a pattern no description names."""
+    core = pattern.removeprefix("^")
+    return core[: -len(common.END)] if core.endswith(common.END) else core.removesuffix("$")
+
+
+def human_error(text: str, type_: Any = None, _cache: dict[Any, dict[str, str]] = {}) -> str:  # noqa: B006 - a cache
+    """msgspec's error text with "Expected `str` matching regex '<pattern>'" said in words.
+
+    The words are the pattern's description: from common.py's constrained
+    types, else from the `Meta(description=...)` found in `type_`; a pattern
+    with none is shown without its anchors. The field path (`- at `$.x``)
+    stays as msgspec wrote it.
+    """
+    m = _REGEX_ERROR.search(text)
+    if m is None:
+        return text
+    try:
+        pattern = ast.literal_eval(m.group("repr"))
+    except (ValueError, SyntaxError):
+        return text
+    desc = PATTERN_DESCRIPTIONS.get(pattern)
+    if desc is None and type_ is not None:
+        if type_ not in _cache:
+            _cache[type_] = _type_patterns(type_)
+        desc = _cache[type_].get(pattern)
+    words = f"Expected `str` ({desc})" if desc else f"Expected `str` matching {_bare(pattern)}"
+    return text[: m.start()] + words + text[m.end() :]
 
 
 class BadMessage(ValueError):
@@ -146,6 +244,12 @@ class BoundedDecoder(Generic[T]):
         raw = check_bounds(data, self.max_bytes, self.what)
         try:
             return self._decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            human = human_error(text, self.type)
+            if human is text:
+                raise
+            raise msgspec.ValidationError(human) from None
         except RecursionError:
             raise BoundsError(f"{self.what}: nested too deeply") from None
 
@@ -165,7 +269,7 @@ class Codec(Generic[T]):
         try:
             return self._decoder.decode(raw)
         except msgspec.ValidationError as exc:
-            raise BadMessage(str(exc)) from None
+            raise BadMessage(human_error(str(exc), self.type)) from None
         except msgspec.DecodeError as exc:
             raise BadMessage(f"message: not valid JSON ({exc})") from None
         except RecursionError:
@@ -211,5 +315,7 @@ __all__ = [
     "bounded_json_loads",
     "check_bounds",
     "encode",
+    "human_error",
     "nesting_exceeds",
+    "PATTERN_DESCRIPTIONS",
 ]

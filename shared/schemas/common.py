@@ -64,7 +64,56 @@ ENV_KEY_RE = re.compile(ENV_KEY_PATTERN)
 #: splitlines) can see a line of its own inside a value.
 ENV_VALUE_FORBIDDEN = r"\x00-\x1f\x7f-\x9f\u2028\u2029"
 ENV_LINE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}=[^" + ENV_VALUE_FORBIDDEN + r"]{0,4096}" + END
-EnvLine = Annotated[str, msgspec.Meta(pattern=ENV_LINE_PATTERN, description="KEY=VALUE env line")]
+EnvLine = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=ENV_LINE_PATTERN,
+        description="KEY=VALUE: KEY of letters, digits and '_', not starting with a digit, at most 128; "
+        "VALUE at most 4096 characters, with no control character or line separator",
+    ),
+]
+
+#: characters of an env value that the env file's consumers read differently.
+#: The env file (`<run_dir>/allocations/<id>.env`) is read by a shell (`. file`:
+#: quotes, `\\`, `$` and backticks are processed, a space ends the assignment,
+#: `; & | < > ( )` end the command), by `docker run --env-file` (the value as
+#: written after the first `=`; newer docker/cli, pkg/kvfile's trimQuotes, also
+#: drops one pair of matching surrounding quotes) and by systemd's `EnvironmentFile=`
+#: (src/basic/env-file.c: `\\` escapes, a leading quote starts a quoted value,
+#: leading and trailing whitespace is dropped). No quoting reads the same to
+#: all three (docker keeps quotes), so a value bcd writes holds none of these.
+ENV_VALUE_SPECIAL = " \"'`\\$;&|<>()"
+_ENV_VALUE_SPECIAL_NAMES = {" ": "a space", '"': "a double quote", "'": "a single quote", "`": "a backtick", "\\": "a backslash"}
+
+
+def env_value_problem(value: str) -> str:
+    """"" when a shell, `docker run --env-file` and systemd's `EnvironmentFile=` all read
+    `KEY=<value>` as `value`; otherwise what stops them (for a refusal message).
+
+    Refused: the characters of ENV_VALUE_SPECIAL, a `~` first or right after a
+    `:` (a shell expands it to a home directory in an assignment), control
+    characters (a line of their own to some reader) and text that is not
+    UTF-8 (docker refuses the file, systemd ignores the line). Anything else,
+    non-ASCII letters included, is read as written by all three.
+    """
+    for ch in value:
+        if ch in ENV_VALUE_SPECIAL:
+            name = _ENV_VALUE_SPECIAL_NAMES.get(ch, repr(ch))
+            return (
+                f"the value holds {name}, which a shell sourcing the env file, docker --env-file and "
+                "systemd EnvironmentFile= read differently (not allowed: spaces, quotes, backticks, "
+                "backslashes, '$', ';', '&', '|', '<', '>', '(', ')')"
+            )
+        if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u2029":
+            return f"the value holds the control character {ch!r}"
+    if value.startswith("~") or ":~" in value:
+        return "the value has a '~' first or after ':', which a shell sourcing the env file expands to a home directory"
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return "the value is not valid Unicode text"
+    return ""
+
 
 #: env keys bcd writes itself; a spec may not set them.
 RESERVED_ENV_KEYS = frozenset({"NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY"})
@@ -81,7 +130,13 @@ Generation = Annotated[int, msgspec.Meta(ge=0)]
 
 #: event ids are derived by the caller (hex digests), so a replay keeps its id.
 EVENT_ID_PATTERN = r"^[a-z0-9][a-z0-9_.:-]{0,199}" + END
-EventId = Annotated[str, msgspec.Meta(pattern=EVENT_ID_PATTERN)]
+EventId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=EVENT_ID_PATTERN,
+        description="lowercase letters, digits, '_', '.', ':' and '-', starting alphanumeric, 1-200 characters",
+    ),
+]
 
 KEY_ID_PATTERN = r"^[0-9a-f]{16}" + END
 KeyId = Annotated[str, msgspec.Meta(pattern=KEY_ID_PATTERN, description="first 16 hex digits of sha256(raw public key)")]
@@ -156,6 +211,8 @@ __all__ = [
     "ENV_KEY_RE",
     "EnvLine",
     "RESERVED_ENV_KEYS",
+    "ENV_VALUE_SPECIAL",
+    "env_value_problem",
     "reserved_env_key",
     "NonNegInt",
     "PositiveInt",

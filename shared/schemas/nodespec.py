@@ -21,6 +21,7 @@ from .common import (
     PciAddress,
     PositiveInt,
     Struct,
+    env_value_problem,
     reserved_env_key,
 )
 
@@ -91,6 +92,10 @@ class DeviceAssignment(Struct, kw_only=True):
             if key in seen:
                 raise ValueError(f"env: {key} is set twice")
             seen.add(key)
+            # the env file must read the same to every consumer (common.env_value_problem)
+            problem = env_value_problem(line.split("=", 1)[1])
+            if problem:
+                raise ValueError(f"env: {key}: {problem}")
 
     @property
     def sliced(self) -> bool:

@@ -598,6 +598,13 @@ async def test_apply_spec_file_through_node_json(upstream, tmp_path):
         NodeInfo(node_id="node-1", nats_url=upstream.url, creds_dir=str(creds_dir), controlplane_dir=str(state / "controlplane")),
     )
     spec_file = tmp_path / "spec.json"
+    # a node that never put a Hello is refused (bcd apply --force overrides), nothing is put
+    from bcd.controlplane import UnknownNode
+
+    spec_file.write_text(json.dumps(spec("node-2", WHOLE)))
+    with pytest.raises(UnknownNode, match="node-2 has never announced itself"):
+        await apply_spec_file(state, spec_file)
+    await SimNode("node-1", await upstream.connect(upstream_node_user("node-1"))).hello(BOOT_A)
     spec_file.write_text(json.dumps(spec("node-1", WHOLE)))
     assert await apply_spec_file(state, spec_file) == 1
     assert await apply_spec_file(state, spec_file) == 2

@@ -203,3 +203,49 @@ def test_exclude_include_and_a_reclaim_of_an_orphaned_card_through_bcd_gpu(tmp_p
         assert ev[-1]["management_state"] == "Unclaimed"
     finally:
         node.stop()
+
+
+def test_status_and_doctor_name_the_command_for_an_orphaned_card_and_no_stale_refusal_stays(tmp_path):
+    """Issue 12: `status`/`doctor` exited 0 with a card Passthrough/Orphaned, and after `bcd gpu include`
+    a stale `Reclaim=False/Refused ... managementState is Excluded` stayed on the card."""
+    node = Node(tmp_path, env={"BCD_ORPHAN_GRACE": "2", "BCD_GPU_TICK": "0.5", "BCD_RESCAN_INTERVAL": "1"}).start()
+    try:
+        free, orphan = PCI[1], PCI[2]
+        state = ("--state-dir", str(node.state))
+        # the converger runs its passes (and so a reclaim's switch back) once the node has a spec
+        node.wait_generation(node.apply(spec()))
+        wait_for(lambda: bcd("status", *state).returncode == 0, 30, "a healthy node")
+
+        # exclude -> reclaim (refused: Excluded) -> include: the refusal goes with the state it named
+        assert gpu_cmd(node, "exclude", free).returncode == 0
+        refused = gpu_cmd(node, "reclaim", free)
+        assert refused.returncode == 1 and "managementState is Excluded" in refused.stdout, refused.stdout
+        assert condition(gpu_list(node)[free], "Reclaim")["reason"] == "Refused"
+        assert gpu_cmd(node, "include", free).returncode == 0
+        card = gpu_list(node)[free]
+        assert card["driver_binding"]["management_state"] == "Unclaimed", card
+        assert condition(card, "Reclaim") is None, card
+
+        # a card put on vfio-pci behind bcd's back: Orphaned once the grace period is over
+        edit_host(node, orphan, driver="vfio-pci", driver_override="vfio-pci")
+        wait_for(lambda: gpu_list(node).get(orphan, {}).get("driver_binding", {}).get("management_state") == "Orphaned", 30, "card 2 Orphaned")
+        command = f"bcd gpu reclaim {orphan}"
+        st = bcd("status", *state)
+        assert st.returncode == 1, st.stdout
+        assert "needs a person:" in st.stdout and f"GPU {orphan} Orphaned" in st.stdout and f"run: {command}" in st.stdout, st.stdout
+        doc = json.loads(bcd("status", *state, "--json").stdout)
+        assert any(p.startswith(f"GPU {orphan} Orphaned") and f"run `{command}`" in p for p in doc["problems"]), doc["problems"]
+        doctor = bcd("doctor", *state)
+        assert doctor.returncode == 1, doctor.stdout
+        assert any(line.startswith("FAIL") and f"GPU {orphan} Orphaned" in line and command in line for line in doctor.stdout.splitlines()), doctor.stdout
+        listed = bcd("gpu", "list", *state)
+        assert f"needs a person: run {command}" in listed.stdout, listed.stdout
+
+        # the operator runs it: once the card is back on its driver, nothing needs a person
+        reclaimed = gpu_cmd(node, "reclaim", orphan)
+        assert reclaimed.returncode == 0, reclaimed.stdout
+        wait_for(lambda: (c := condition(gpu_list(node).get(orphan, {}), "Reclaim")) and c["reason"] == "Succeeded", 60, "Reclaim Succeeded")
+        wait_for(lambda: bcd("status", *state).returncode == 0, 30, "status healthy again")
+        assert bcd("doctor", *state).returncode == 0
+    finally:
+        node.stop()

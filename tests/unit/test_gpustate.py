@@ -579,6 +579,103 @@ def test_a_new_reclaim_after_a_refusal_is_gated_again() -> None:
     assert sr(status_of(t), "Reclaim") == ("Unknown", "Held")
 
 
+# --------------------------------------------------------------------------- an ended request's answer (issue 12)
+
+
+def test_a_refusal_on_an_excluded_card_is_cleared_once_it_is_included() -> None:
+    """exclude -> reclaim (refused: Excluded) -> include: the card read Unclaimed with the stale refusal."""
+    clock = Clock()
+    t = tracker(clock)
+    t.evaluate(inv(gpu()), FREE)
+    assert t.exclude(PCI) is True
+    assert answer(t.evaluate(inv(gpu()), FREE).inventory.gpus[0].status)[1] == "Excluded"
+    t.request_reclaim(PCI)
+    refused = t.evaluate(inv(gpu()), FREE)
+    assert refused.reclaims == ["refused"]
+    reclaim = reclaim_condition(status_of(t))
+    assert reclaim is not None and (reclaim.status, reclaim.reason) == ("False", "Refused")
+    assert reclaim.message == "refused: managementState is Excluded"
+    # the refusal stands while the card still reads Excluded
+    clock.advance(timedelta(seconds=30))
+    assert t.evaluate(inv(gpu()), FREE).events == []
+    assert sr(status_of(t), "Reclaim") == ("False", "Refused")
+
+    assert t.include(PCI) is True
+    clock.advance(timedelta(seconds=1))
+    result = t.evaluate(inv(gpu()), FREE)
+    status = result.inventory.gpus[0].status
+    assert answer(status) == ("Ready", "Unclaimed", "NoBackingAllocation")
+    assert reclaim_condition(status) is None
+    assert [c.type for c in status.conditions] == ["AdapterReady", "Managed"]
+    # one event says so, and the cleared condition does not come back
+    assert len(result.events) == 1 and reclaim_condition(result.events[0].event.status) is None
+    clock.advance(timedelta(seconds=1))
+    managed = t.evaluate(inv(gpu()), claims((PCI, "allocation", "a-1"))).inventory.gpus[0].status
+    assert managed.driver_binding.management_state == "Managed"
+    assert reclaim_condition(status_of(t)) is None
+
+
+STALE_ANSWER_CASES = [
+    # (id, card then claims to reach the answer, the card and claims after, Reclaim after)
+    ("refused-unclaimed-stays-unclaimed", (gpu(), FREE), (gpu(), FREE), ("False", "Refused")),
+    ("refused-unclaimed-then-claimed", (gpu(), FREE), (gpu(), claims((PCI, "allocation", "a-1"))), None),
+    ("refused-managed-then-released", (gpu(), claims((PCI, "allocation", "a-1"))), (gpu(), FREE), None),
+    ("refused-managed-vm-then-orphan-pending", (gpu(driver="vfio-pci"), claims((PCI, "instance", "vm-1"))), (gpu(driver="vfio-pci"), FREE), None),
+    ("refused-unknown-no-driver-then-driver", (gpu(driver=""), FREE), (gpu(), FREE), None),
+    ("refused-indeterminate-then-claims-answer", (gpu(), None), (gpu(), FREE), None),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [c[1:] for c in STALE_ANSWER_CASES],
+    ids=[c[0] for c in STALE_ANSWER_CASES],
+)
+def test_a_refusal_stands_only_while_the_state_it_named_does(
+    before: tuple[Gpu, Claims | None], after: tuple[Gpu, Claims | None], expected: tuple[str, str] | None
+) -> None:
+    clock = Clock()
+    t = tracker(clock)
+    t.request_reclaim(PCI)
+    assert t.evaluate(inv(before[0]), before[1]).reclaims == ["refused"]
+    clock.advance(timedelta(seconds=5))
+    assert sr(t.evaluate(inv(after[0]), after[1]).inventory.gpus[0].status, "Reclaim") == expected
+
+
+def test_succeeded_is_cleared_when_the_card_leaves_its_compute_driver() -> None:
+    clock = Clock()
+    t = tracker(clock)
+    card = _orphaned(clock, t)
+    t.request_reclaim(PCI)
+    t.evaluate(card, FREE)
+    clock.advance(timedelta(seconds=10))
+    t.evaluate(inv(gpu(driver="nvidia")), FREE)
+    assert sr(status_of(t), "Reclaim") == ("True", "Succeeded")
+    # a hold takes it on its compute driver: still back on it
+    t.evaluate(inv(gpu(driver="nvidia")), claims((PCI, "allocation", "a-1")))
+    assert sr(status_of(t), "Reclaim") == ("True", "Succeeded")
+    # a VM takes it to vfio-pci: "back on its compute driver" is no longer true
+    t.evaluate(inv(gpu(driver="vfio-pci")), claims((PCI, "instance", "vm-1")))
+    assert reclaim_condition(status_of(t)) is None
+
+
+def test_failed_stays_until_the_card_is_on_its_compute_driver_again() -> None:
+    clock = Clock()
+    t = tracker(clock)
+    card = _orphaned(clock, t)
+    t.request_reclaim(PCI)
+    t.evaluate(card, FREE)
+    clock.advance(TWO)
+    assert t.evaluate(card, FREE).reclaims == ["failed"]
+    t.exclude(PCI)  # the state moves (Managed/ExcludedReleasePending), the card is still stuck: Failed stands
+    t.evaluate(card, FREE)
+    assert sr(status_of(t), "Reclaim") == ("False", "Failed")
+    # after a reboot the card is on its compute driver
+    clock.advance(timedelta(minutes=5))
+    t.evaluate(inv(gpu(driver="nvidia"), boot="boot-b"), FREE)
+    assert reclaim_condition(status_of(t)) is None
+
+
 # --------------------------------------------------------------------------- exclusion
 
 

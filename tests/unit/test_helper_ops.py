@@ -56,7 +56,7 @@ LIMITS = Limits(cpus="0-3", cpu_millis=4000, memory_bytes=8 * GIB, hugepages=[Hu
 CONTENTS = {
     "sliced-whole-gpu": HoldContent(
         allocation_id="whole", reservation_id="rsv-whole", generation=42, binding="BINDING_HOLD", devices=(gpu(0),),
-        cgroup_parent="bcd-alloc-whole.slice", env=("MY_VAR=1", "OTHER=a b c"), limits=LIMITS,
+        cgroup_parent="bcd-alloc-whole.slice", env=("MY_VAR=1", "OTHER=a,b=c"), limits=LIMITS,
     ),
     "two-gpus": HoldContent(allocation_id="two", reservation_id="rsv-two", generation=1, binding="BINDING_HOLD", devices=(gpu(1), gpu(2))),
     "mig": HoldContent(allocation_id="mig", reservation_id="rsv-mig", generation=3, binding="BINDING_HOLD", devices=(mig(6, 1, 0), mig(6, 5, 0))),

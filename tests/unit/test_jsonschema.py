@@ -173,7 +173,7 @@ def _node_spec() -> NodeSpec:
                     hugepages=[HugePages(page_size_kib=2048, count=16)],
                     mems="0",
                 ),
-                env=["FOO=bar", "EMPTY=", "WITH_EQ=a=b c"],
+                env=["FOO=bar", "EMPTY=", "WITH_EQ=a=b,c"],
             ),
             DeviceAssignment(allocation_id="k8s-2", reservation_id="r2", binding="BINDING_KUBERNETES"),
         ],

@@ -23,6 +23,7 @@ from services.inventory.physicalgpu import (
     management_row,
     management_state,
     phase_row,
+    reclaim_answer_applies,
     reclaim_gate,
     reclaim_progress,
     track_orphan,
@@ -442,6 +443,38 @@ def test_reclaim_progress_table(elapsed: timedelta, mode: Any, status: str, reas
 
 def test_reclaim_timeout_is_two_minutes() -> None:
     assert RECLAIM_TIMEOUT == ORPHAN_GRACE == TWO
+
+
+@pytest.mark.parametrize(
+    ("reason", "previous", "state", "mode", "kept"),
+    [
+        # a refusal stands while the managementState it was answered in does (issue 12)
+        pytest.param("Refused", "Excluded", "Excluded", "Compute", True, id="refused-state-unchanged"),
+        pytest.param("Refused", "Excluded", "Unclaimed", "Compute", False, id="refused-after-include"),
+        pytest.param("Refused", "Unclaimed", "Managed", "Compute", False, id="refused-then-claimed"),
+        pytest.param("Refused", None, "Unclaimed", "Compute", False, id="refused-no-previous-status"),
+        pytest.param("Occupied", "Orphaned", "Orphaned", "Passthrough", True, id="occupied-still-orphaned"),
+        pytest.param("Occupied", "Orphaned", "Managed", "Passthrough", False, id="occupied-then-managed"),
+        pytest.param("OccupancyUnknown", "Orphaned", "Unknown", "Passthrough", False, id="occupancy-unknown-then-unknown"),
+        # Succeeded while on a compute driver, Failed while not
+        pytest.param("Succeeded", "Unclaimed", "Managed", "Compute", True, id="succeeded-then-claimed-on-compute"),
+        pytest.param("Succeeded", "Unclaimed", "Managed", "Passthrough", False, id="succeeded-then-on-vfio-again"),
+        pytest.param("Failed", "Orphaned", "Orphaned", "Passthrough", True, id="failed-still-on-vfio"),
+        pytest.param("Failed", "Orphaned", "Unknown", "None", True, id="failed-left-without-a-driver"),
+        pytest.param("Failed", "Orphaned", "Unclaimed", "Compute", False, id="failed-back-on-compute-after-a-reboot"),
+        # a live request's reasons mean nothing without the request
+        pytest.param("Held", "Unknown", "Unknown", "Passthrough", False, id="held-without-a-request"),
+        pytest.param("InProgress", "Orphaned", "Orphaned", "Passthrough", False, id="in-progress-without-a-request"),
+        pytest.param("SomethingNewer", "Unclaimed", "Unclaimed", "Compute", False, id="unknown-reason"),
+    ],
+)
+def test_reclaim_answer_applies_table(reason: str, previous: Any, state: Any, mode: Any, kept: bool) -> None:
+    status = {"Succeeded": "True", "Held": "Unknown", "InProgress": "Unknown"}.get(reason, "False")
+    assert reclaim_answer_applies(cond("Reclaim", status, reason), previous, state, mode) is kept
+
+
+def test_reclaim_answer_applies_only_to_reclaim() -> None:
+    assert reclaim_answer_applies(cond("Managed", "False", "Refused"), "Excluded", "Excluded", "Compute") is False
 
 
 # --------------------------------------------------------------------------- disruption flow

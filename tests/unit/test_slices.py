@@ -886,17 +886,104 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize(
-    ("alloc", "name"),
+    ("alloc", "name", "legacy"),
     [
-        ("alloc_01jz8k2v", "bcd-alloc-alloc_01jz8k2v.slice"),  # the seed's example: unchanged
-        ("a-1", "bcd-alloc-a\\x2d1.slice"),  # not nested under bcd-alloc-a.slice
-        ("x-y-z", "bcd-alloc-x\\x2dy\\x2dz.slice"),
+        ("alloc_01jz8k2v", "bcd-alloc-alloc_01jz8k2v.slice", "bcd-alloc-alloc_01jz8k2v.slice"),  # the seed's example: unchanged
+        ("a-1", "bcd-alloc-a.1.slice", "bcd-alloc-a\\x2d1.slice"),  # not nested under bcd-alloc-a.slice
+        ("x-y-z", "bcd-alloc-x.y.z.slice", "bcd-alloc-x\\x2dy\\x2dz.slice"),
+        ("a--b-", "bcd-alloc-a..b..slice", "bcd-alloc-a\\x2d\\x2db\\x2d.slice"),
     ],
 )
-def test_a_dash_in_the_allocation_id_is_escaped_so_slices_do_not_nest(alloc, name):
-    from shared.slices import allocation_of, slice_name
+def test_a_dash_in_the_allocation_id_is_spelled_dot_so_slices_do_not_nest(alloc, name, legacy):
+    """A '-' of the id becomes '.' (no id holds one, systemd gives it no meaning before
+    the suffix, and no shell, docker or systemd env-file reader treats it specially);
+    the '\\x2d' spelling of earlier versions is still recognised as the same allocation's."""
+    from shared.slices import allocation_of, legacy_slice_name, slice_name, slice_names
 
-    assert slice_name(alloc) == name
+    assert slice_name(alloc) == name and "\\" not in name
+    assert legacy_slice_name(alloc) == legacy
+    assert slice_names(alloc) == ((name,) if name == legacy else (name, legacy))
     assert allocation_of(name) == alloc
+    assert allocation_of(legacy) == alloc
     # the unescaped form is not one of ours: it would be a child of another hold's slice
     assert allocation_of(f"bcd-alloc-{alloc}.slice") == (None if "-" in alloc else alloc)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["bcd-alloc-a.1\\x2d2.slice", "bcd-alloc-a\\x2e1.slice", "bcd-alloc-A.slice", "bcd-alloc-.slice", "bcd-alloc-a.b\\.slice"],
+)
+def test_mixed_or_foreign_spellings_are_not_ours(name):
+    from shared.slices import allocation_of
+
+    assert allocation_of(name) is None
+
+
+def test_fake_slices_record_names_need_no_quoting(tmp_path):
+    """`ls <run_dir>/slices | xargs ...` and a shell loop see the names as they are."""
+    slices = FakeSlices(tmp_path)
+    slices.apply("train-01", Limits(cpus="0-1"))
+    names = [p.name for p in (tmp_path / "slices").iterdir()]
+    assert names == ["bcd-alloc-train.01.slice.json"]
+    out = subprocess.run(["sh", "-c", f"cd {tmp_path}/slices && ls | xargs -n1 echo"], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == names
+
+
+def test_a_legacy_fake_slice_is_the_allocations_slice_until_stopped(tmp_path):
+    """A record bcd wrote before (\\x2d in its name) is seen, kept while busy and stopped once empty."""
+    from shared.slices import legacy_slice_name
+
+    slices = FakeSlices(tmp_path)
+    legacy = tmp_path / "slices" / f"{legacy_slice_name('train-01')}.json"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(json.dumps({"name": legacy_slice_name("train-01"), "properties": {"MemoryMax": 1024}, "hugepages": [], "pids": [42]}))
+    assert slices.list() == ["train-01"] and slices.exists("train-01") and not slices.is_empty("train-01")
+    assert slices.properties("train-01") == {"MemoryMax": 1024}
+    slices.apply("train-01", Limits(memory_bytes=2048))  # only ever the current name
+    assert slices.properties("train-01")["MemoryMax"] == 2048 and legacy.exists()
+    assert slices.list() == ["train-01"]
+    assert slices.stop("train-01") is False  # the legacy one still runs a workload
+    assert legacy.exists() and not slices.path("train-01").exists()
+    assert slices.exists("train-01")
+    slices.set_pids("train-01", [])
+    assert slices.is_empty("train-01") and slices.stop("train-01") is True
+    assert not slices.exists("train-01") and slices.list() == []
+
+
+def test_a_legacy_named_slice_is_the_allocations_slice_on_both_backends(backend, tmp_path):
+    """A slice an earlier bcd started as `bcd-alloc-a\\x2d1.slice` is listed as a-1's, kept
+    while a workload runs in it and stopped once empty; `apply` only ever starts the new name."""
+    from shared.slices import legacy_slice_name
+
+    s, legacy = backend.slices, legacy_slice_name("a-1")
+    if backend.fake_systemd is None:
+        (tmp_path / "slices").mkdir(exist_ok=True)
+        (tmp_path / "slices" / f"{legacy}.json").write_text(json.dumps({"name": legacy, "properties": {}, "hugepages": [], "pids": [7]}))
+        idle = lambda: s.set_pids("a-1", [])  # noqa: E731 - the only record: the legacy one
+    else:
+        backend.fake_systemd.add_unit(legacy, "bcd hold a-1")
+        backend.fake_systemd.set_tasks(legacy, 2)
+        idle = lambda: backend.fake_systemd.set_tasks(legacy, 0)  # noqa: E731
+    assert s.list() == ["a-1"] and s.exists("a-1") and not s.is_empty("a-1")
+    assert s.stop("a-1") is False and s.exists("a-1")
+    idle()
+    assert s.is_empty("a-1")
+    s.apply("a-1", LIMITS)
+    assert s.list() == ["a-1"] and s.properties("a-1") == dict(slice_properties("a-1", LIMITS))
+    if backend.fake_systemd is not None:
+        assert [c[1] for c in backend.fake_systemd.calls_of("StartTransientUnit")] == ["bcd-alloc-a.1.slice"]
+    assert s.stop("a-1") is True
+    assert not s.exists("a-1") and s.list() == []
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.parametrize("alloc", ["train-01", "a--b-", "alloc_01jz8k2v", "x" * 63])
+def test_systemd_takes_the_slice_name_as_a_valid_unit_name(tmp_path, alloc):
+    """`systemd-analyze verify` (offline: nothing is started) loads a slice unit by that name;
+    a name systemd refuses ('%', say) fails it, so the check has teeth."""
+    for name, ok in ((slice_name(alloc), True), ("bcd-alloc-a%b.slice", False)):
+        unit = tmp_path / name
+        unit.write_text("[Unit]\nDescription=bcd hold\n")
+        out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60)
+        assert (out.returncode == 0) is ok, out.stderr
+        unit.unlink()

@@ -123,27 +123,117 @@ def _cond(type_: str, status: str, reason: str, message: str = "m"):
     return Condition(type=type_, status=status, reason=reason, message=message, since=NOW)
 
 
+def _binding(mode: str = "Compute", state: str = "Unclaimed", driver: str = "nvidia"):
+    from shared.schemas import DriverBinding
+
+    return DriverBinding(driver=driver, mode=mode, management_state=state)
+
+
+VFIO_ORPHAN = dict(mode="Passthrough", state="Orphaned", driver="vfio-pci")
+ORPHANED = _cond("Managed", "False", "Orphaned", "bound to vfio-pci with no claim for 2m0s or more without a break")
+
+#: (name, phase, driverBinding, conditions, ATTENTION_ROWS row or None, line words, action words, action is a command)
+ATTENTION_CASES = [
+    # nothing to do: it resolves by itself, or it is what the operator chose
+    ("nothing-to-do", "Ready", _binding(), [_cond("AdapterReady", "True", "DriverReady")], None, "", "", False),
+    ("completing-is-fine", "Reconfiguring", _binding(), [_cond("Reconfiguring", "True", "Completing")], None, "", "", False),
+    ("reclaim-refused-is-an-answer", "Ready", _binding(), [_cond("Reclaim", "False", "Refused")], None, "", "", False),
+    ("reclaim-succeeded", "Ready", _binding(), [_cond("Reclaim", "True", "Succeeded")], None, "", "", False),
+    ("orphan-pending-waits", "Passthrough", _binding("Passthrough", "Unknown", "vfio-pci"), [_cond("Managed", "Unknown", "OrphanPending")], None, "", "", False),
+    ("orphaned-reclaim-in-progress", "Passthrough", _binding(**VFIO_ORPHAN), [ORPHANED, _cond("Reclaim", "Unknown", "InProgress")], None, "", "", False),
+    ("excluded-is-a-choice", "Ready", _binding(state="Excluded"), [_cond("Managed", "False", "Excluded")], None, "", "", False),
+    ("excluded-release-pending", "Passthrough", _binding("Passthrough", "Managed", "vfio-pci"), [_cond("Managed", "True", "ExcludedReleasePending")], None, "", "", False),
+    ("vm-on-vfio", "Passthrough", _binding("Passthrough", "Managed", "vfio-pci"), [_cond("Managed", "True", "BackingAllocation")], None, "", "", False),
+    # a person is needed
+    (
+        "orphaned",
+        "Passthrough",
+        _binding(**VFIO_ORPHAN),
+        [ORPHANED],
+        "orphaned",
+        "Orphaned: bound to vfio-pci with no claim for 2m0s or more without a break (Managed=False/Orphaned)",
+        "bcd gpu reclaim {pci}",
+        True,
+    ),
+    (
+        "orphaned-after-a-refusal",
+        "Passthrough",
+        _binding(**VFIO_ORPHAN),
+        [ORPHANED, _cond("Reclaim", "False", "OccupancyUnknown")],
+        "orphaned",
+        "Orphaned:",
+        "bcd gpu reclaim {pci}",
+        True,
+    ),
+    ("disruption-required", "Reconfiguring", _binding("None", "Unknown", ""), [_cond("Reconfiguring", "True", "DisruptionRequired", "reboot needed")], "reboot-wait", "DisruptionRequired: reboot needed (Reconfiguring=True/DisruptionRequired)", "reboot the node", False),
+    ("disruption-pending", "Reconfiguring", _binding("None", "Unknown", ""), [_cond("Reconfiguring", "True", "DisruptionPending")], "reboot-wait", "DisruptionPending", "reboot the node", False),
+    ("reboot-requested", "Reconfiguring", _binding("None", "Unknown", ""), [_cond("Reconfiguring", "True", "RebootRequested", "node reboot requested")], "reboot-wait", "RebootRequested: node reboot requested", "reboot the node", False),
+    (
+        "reboot-requested-beats-orphaned",
+        "Passthrough",
+        _binding(**VFIO_ORPHAN),
+        [ORPHANED, _cond("Reconfiguring", "True", "RebootRequested")],
+        "reboot-wait",
+        "RebootRequested",
+        "reboot the node",
+        False,
+    ),
+    ("reclaim-failed", "Passthrough", _binding(**VFIO_ORPHAN), [ORPHANED, _cond("Reclaim", "False", "Failed", "still Passthrough")], "reclaim-failed", "reclaim failed: still Passthrough (Reclaim=False/Failed)", "reboot the node, or try again: `bcd gpu reclaim {pci}`", False),
+    (
+        "failed-phase",
+        "Failed",
+        _binding(state="Managed"),
+        [_cond("AdapterReady", "False", "VFIORequiresBareMetal", "virtualized")],
+        "phase-failed",
+        "phase Failed: virtualized (AdapterReady=False/VFIORequiresBareMetal)",
+        "take the VM instance off this card",
+        False,
+    ),
+    ("failed-phase-without-a-condition", "Failed", _binding(), [], "phase-failed", "phase Failed: phase Failed, managementState Unclaimed", "AdapterReady", False),
+]
+
+
 @pytest.mark.parametrize(
-    ("name", "conditions", "phase", "expect"),
-    [
-        ("nothing-to-say", [_cond("AdapterReady", "True", "DriverReady")], "Ready", None),
-        ("disruption", [_cond("Reconfiguring", "True", "DisruptionRequired", "reboot needed")], "Reconfiguring", "DisruptionRequired: reboot needed"),
-        ("reboot-requested", [_cond("Reconfiguring", "True", "RebootRequested")], "Reconfiguring", "RebootRequested"),
-        ("completing-is-fine", [_cond("Reconfiguring", "True", "Completing")], "Reconfiguring", None),
-        ("reclaim-failed", [_cond("Reclaim", "False", "Failed", "still Passthrough")], "Passthrough", "reclaim failed: still Passthrough"),
-        ("reclaim-refused-is-no-problem", [_cond("Reclaim", "False", "Refused")], "Ready", None),
-        ("failed-phase", [_cond("AdapterReady", "False", "VFIORequiresBareMetal", "virtualized")], "Failed", "phase Failed (VFIORequiresBareMetal: virtualized)"),
-    ],
+    ("phase", "binding", "conditions", "row", "words", "action", "command"),
+    [c[1:] for c in ATTENTION_CASES],
+    ids=[c[0] for c in ATTENTION_CASES],
 )
-def test_gpu_problems_make_the_node_unhealthy(name, conditions, phase, expect):
-    inv, pci, _ = _with_status(host_inventory(), 0, phase=phase, conditions=conditions)
-    bad = problems(report(inventory=inv))
-    found = [p for p in bad if p.startswith(f"GPU {pci}")]
-    if expect is None:
-        assert found == []
-    else:
-        assert len(found) == 1 and expect in found[0], found
-        assert any(level == "fail" and check == "gpu" for level, check, _ in doctor_checks(report(inventory=inv)))
+def test_cards_that_need_a_person_make_the_node_unhealthy_and_say_what_to_run(phase, binding, conditions, row, words, action, command):
+    from bcd.status import gpu_attention
+
+    inv, pci, _ = _with_status(host_inventory(), 0, phase=phase, driver_binding=binding, conditions=conditions)
+    r = report(inventory=inv)
+    found = [a for a in gpu_attention(inv) if a.pci == pci]
+    mine = [p for p in problems(r) if p.startswith(f"GPU {pci} ")]
+    fails = [m for level, check, m in doctor_checks(r) if level == "fail" and check == "gpu"]
+    text = render_status(r)
+    if row is None:
+        assert found == [] and mine == [] and fails == []
+        assert text.endswith("health: ok") and "needs a person" not in text
+        return
+    (a,) = found
+    assert (a.row, a.command) == (row, command)
+    assert action.format(pci=pci) in a.action
+    # status: the problem line (exit 1), and the block that says what to run
+    assert mine == [a.text()] and words in a.text() and a.action in a.text()
+    assert "health: UNHEALTHY" in text
+    lines = text.splitlines()
+    i = lines.index("needs a person:")
+    assert lines[i + 1].startswith(f"  GPU {pci} ") and words in lines[i + 1]
+    assert lines[i + 2] == f"    {'run: ' if command else 'to do: '}{a.action}"
+    # doctor: a FAIL row (exit 1) with the same line
+    assert fails == [a.text()]
+
+
+def test_every_attention_row_is_tested():
+    from bcd.status import ATTENTION_ROWS
+
+    assert {c[4] for c in ATTENTION_CASES} - {None} == {row.name for row in ATTENTION_ROWS}
+
+
+def test_the_orphaned_line_names_the_command():
+    inv, pci, _ = _with_status(host_inventory(), 2, phase="Passthrough", driver_binding=_binding(**VFIO_ORPHAN), conditions=[ORPHANED])
+    assert f"GPU {pci} Orphaned: bound to vfio-pci with no claim for 2m0s or more without a break (Managed=False/Orphaned) -> run `bcd gpu reclaim {pci}`" in problems(report(inventory=inv))
 
 
 def test_render_gpus_shows_binding_phase_management_and_why():
@@ -209,3 +299,13 @@ def test_doctor_and_status_list_skipped_entries_of_the_hold_dirs():
     r = report(converger=conv(problems=[skipped]))
     assert ("warn", "hold-dirs", skipped) in doctor_checks(r)
     assert f"  problem: {skipped}" in render_status(r).splitlines()
+
+
+def test_gpu_list_says_what_a_card_needs():
+    from bcd.status import render_gpus
+
+    inv, pci, _ = _with_status(host_inventory(), 2, phase="Passthrough", driver_binding=_binding(**VFIO_ORPHAN), conditions=[ORPHANED])
+    out = render_gpus(inv).splitlines()
+    i = next(k for k, line in enumerate(out) if line.startswith(pci))
+    assert out[i + 1].strip() == f"needs a person: run bcd gpu reclaim {pci}"
+    assert sum("needs a person" in line for line in out) == 1  # the other cards need nothing

@@ -91,7 +91,8 @@ KUBE_ROWS = [
     Row("unknown-counts-as-held", spec(2), [], observed={"pending_releases": {"k1": K1}}, released={"k1"}, pending={"k1"}),
     Row("free-is-reported", spec(2), [("ReportKubeRelease", "k1")], observed={"pending_releases": {"k1": K1}, "release_held": {"k1": False}},
         released={"k1"}),
-    Row("wanted-again-is-dropped", spec(2, hold("k1", G[2], binding="BINDING_KUBERNETES")), [("DropPendingRelease", "k1")],
+    # wanted again: taken back only if it binds again on the same devices (plan_new_holds decides)
+    Row("wanted-again-waits-for-its-bind", spec(2, hold("k1", G[2], binding="BINDING_KUBERNETES")), [],
         observed={"pending_releases": {"k1": K1}, "release_held": {"k1": True}}),
     Row("crash-before-withdraw-finishes-it", spec(2), [("WithdrawKubeHold", "k1")],
         before=spec(1, hold("k1", G[2], binding="BINDING_KUBERNETES")), observed={"pending_releases": {"k1": K1}},
@@ -266,3 +267,29 @@ async def test_plan_kept_holds_reports_no_bound_while_its_env_file_cannot_be_reb
     plan_kept_holds(p, index, claims, HostLedger(None, 0), mps_gpus(p.observed))
     assert _kinds(p) == [("ReportBound", "a1")]
     assert p.notes == [f"a2: env file missing and cannot be rebuilt: {G[1]} is not on this node"]
+
+
+@pytest.mark.parametrize(
+    ("assignment", "steps", "still_pending"),
+    [
+        pytest.param(hold("k1", G[2], binding="BINDING_KUBERNETES"), [("DropPendingRelease", "k1"), ("BindHold", "k1")], False, id="same-devices-taken-back"),
+        pytest.param(hold("k1", G[1]), [], True, id="other-devices-release-goes-on"),
+    ],
+)
+async def test_a_release_is_taken_back_only_when_the_hold_binds_again_on_its_devices(tmp_path: Path, assignment, steps, still_pending) -> None:
+    """A dropped release whose hold then failed its checks left upstream a Bound with no hold and no Released."""
+    node = Node(tmp_path)
+    await node.converge(spec(1, hold("k1", G[2], binding="BINDING_KUBERNETES")))
+    node.reaper.pod_atoms = {G[2]}
+    await node.converge(spec(2))  # withdrawn, pending: a pod still has it
+    s = spec(3, assignment)
+    plan_ = node.plan(s)
+    assert [(type(x).__name__, getattr(x, "allocation_id", "")) for x in plan_.steps if type(x).__name__ in ("DropPendingRelease", "BindHold")] == steps
+    assert ("k1" in plan_.pending) is still_pending
+    if still_pending:
+        assert [(f.allocation_id, f.reason) for f in plan_.failures] == [("k1", "overlap")]
+    _, r = await node.converge(s)
+    assert not r.errors
+    from tests.converger_kit import check_hold_invariants
+
+    check_hold_invariants(node)

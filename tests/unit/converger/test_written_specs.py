@@ -27,7 +27,7 @@ KUBE = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
 RICH = spec(
     42,
     hold("whole", G[0], cpus="0-3", cpu_millis=4000, memory_bytes=8 * GIB, hugepages=[(2048, 512), (1048576, 2)], mems="0",
-         env=("MY_VAR=1", "OTHER=a b c")),
+         env=("MY_VAR=1", "OTHER=a,b=c")),
     hold("two-gpus", G[1], G[2]),
     hold("mig", f"{G[6]}/gi1/ci0", f"{G[6]}/gi5/ci0"),
     hold("mig2", f"{G[7]}/gi2/ci0", cpus="8"),
@@ -111,7 +111,7 @@ def test_seed_shape_of_a_sliced_whole_gpu_hold(written: Node) -> None:
         "BCD_RESERVATION_ID=rsv-whole",
         f"NVIDIA_VISIBLE_DEVICES={G[0]}",
         "MY_VAR=1",
-        "OTHER=a b c",
+        "OTHER=a,b=c",
     ]
     # a Kubernetes hold: NVIDIA_VISIBLE_DEVICES in the env file, never in the CDI spec
     kube = written.holds()["kube"]

@@ -1,0 +1,219 @@
+"""`bcd apply`: check a NodeSpec strictly, put it (or plan it with `--dry-run`), and follow it (`--wait`).
+
+Exit codes (bcd.exits): 0 applied (with `--wait`: CONVERGED; with
+`--dry-run`: the plan refuses nothing), 1 FAILED (or the node refused the
+spec, a newer generation superseded it, the dry run's plan refuses
+something), 2 the spec was refused here and nothing was put (a field NodeSpec
+does not know, a value the schema refuses, a node that never announced
+itself, an unreadable file), 3 the control plane was not reachable, or no
+outcome within `--wait-timeout` (the node may be down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from shared.fsutil import read_regular
+from shared.schemas import BadMessage
+from shared.schemas.strict import UnknownFieldsError
+
+from .applywait import Follower, events_offset, follow
+from .client import node_info
+from .controlplane import (
+    _STATE_DECODER,
+    EVENTS_FILE,
+    STATE_FILE,
+    STATE_MAX_BYTES,
+    ControlPlaneState,
+    PutResult,
+    UnknownNode,
+    check_spec,
+    next_generation,
+    put_through_node,
+)
+
+#: a spec file larger than this is not read (the control plane takes at most 4 MiB of JSON).
+SPEC_FILE_MAX_BYTES = 4 * 1024 * 1024
+#: unknown fields listed one per line before "... and N more".
+UNKNOWN_LINES = 20
+EXIT_REFUSED = 2
+EXIT_UNREACHABLE = 3
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, not {text}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `apply` subcommand's own flags (the parser gives the spec argument, --state-dir, --json, --timeout)."""
+    p.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="follow the generation to its outcome, printing each hold's result; exit 0 CONVERGED, 1 FAILED, "
+        "3 no outcome within --wait-timeout (default: wait when stdout is a terminal)",
+    )
+    p.add_argument(
+        "--wait-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long --wait waits for the node's outcome before exit 3 (default %(default)g)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the spec and print the plan against the node's holds now (bind, keep, release, refuse); put nothing",
+    )
+    p.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="put fields NodeSpec does not know as given (for a newer node) instead of refusing the spec (exit 2)",
+    )
+    p.add_argument("--force", action="store_true", help="put the spec even for a node the control plane never heard from")
+
+
+def _say(text: str, *, json_mode: bool) -> None:
+    print(text, file=sys.stderr if json_mode else sys.stdout, flush=True)
+
+
+def _refused(args: argparse.Namespace, text: str, extra: dict[str, Any] | None = None, code: int = EXIT_REFUSED) -> int:
+    print(f"bcd apply: {text}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"spec": str(args.spec), "outcome": "REFUSED", "error": text, **(extra or {})}, indent=2))
+    return code
+
+
+def _unknown(args: argparse.Namespace, exc: UnknownFieldsError) -> int:
+    fields = exc.fields
+    print(f"bcd apply: {args.spec}: {len(fields)} field{'s' if len(fields) != 1 else ''} NodeSpec does not know:", file=sys.stderr)
+    for f in fields[:UNKNOWN_LINES]:
+        print(f"  {f}", file=sys.stderr)
+    if len(fields) > UNKNOWN_LINES:
+        print(f"  ... and {len(fields) - UNKNOWN_LINES} more", file=sys.stderr)
+    print("  nothing was put (--allow-unknown-fields puts them as given, for a newer node)", file=sys.stderr)
+    if args.json:
+        doc = {"spec": str(args.spec), "outcome": "REFUSED", "error": "unknown fields", "unknown_fields": [{"path": f.path, "suggestion": f.suggestion} for f in fields]}
+        print(json.dumps(doc, indent=2))
+    return EXIT_REFUSED
+
+
+def _cp_state(cp_dir: Path) -> ControlPlaneState:
+    """The control plane's record, read-only (a fresh one when there is none or it does not read)."""
+    try:
+        return _STATE_DECODER.decode(read_regular(cp_dir / STATE_FILE, max_bytes=STATE_MAX_BYTES))
+    except (OSError, ValueError):
+        return ControlPlaneState()
+
+
+def apply_command(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir.resolve()
+    try:
+        data = read_regular(args.spec, max_bytes=SPEC_FILE_MAX_BYTES)
+    except OSError as exc:
+        return _refused(args, f"{args.spec}: cannot read ({exc.strerror or exc})")
+    try:
+        checked = check_spec(data, allow_unknown_fields=args.allow_unknown_fields)
+    except UnknownFieldsError as exc:
+        return _unknown(args, exc)
+    except BadMessage as exc:
+        return _refused(args, f"{args.spec}: {exc}")
+    info = node_info(state_dir)
+    if args.dry_run:
+        return _dry_run(args, info, checked)
+    events = Path(info.controlplane_dir) / EVENTS_FILE if info.controlplane_dir else None
+    offset = events_offset(events) if events is not None else 0
+    try:
+        result = asyncio.run(
+            put_through_node(
+                state_dir,
+                data,
+                allow_unknown_fields=args.allow_unknown_fields,
+                force=args.force,
+                connect_timeout=getattr(args, "timeout", None) or 5.0,
+            )
+        )
+    except UnknownFieldsError as exc:  # checked above; the control plane checks again
+        return _unknown(args, exc)
+    except UnknownNode as exc:
+        return _refused(args, f"{exc}: is the node id right? Nothing was put (--force puts it anyway)", {"node_id": exc.node_id})
+    except BadMessage as exc:
+        return _refused(args, f"{args.spec}: {exc}")
+    except ConnectionError as exc:
+        return _refused(args, f"{exc}; is `bcd up` running? (--state-dir {args.state_dir})", code=EXIT_UNREACHABLE)
+    except (OSError, ValueError) as exc:  # a node joined to another upstream
+        return _refused(args, str(exc))
+    wait = args.wait if args.wait is not None else sys.stdout.isatty()
+    if result.note:
+        print(f"note: {result.note}", file=sys.stderr)
+    applied = f"applied {args.spec} as generation {result.generation}"
+    if result.unknown_fields:
+        applied += f" with {len(result.unknown_fields)} field(s) this control plane does not know, as given"
+    if not wait:
+        if args.json:
+            print(json.dumps(_put_json(args, result), indent=2))
+        else:
+            print(applied)
+        return 0
+    _say(applied + "; waiting for the node's outcome...", json_mode=args.json)
+    assert events is not None  # put_through_node refuses a node without an embedded control plane
+    follower = Follower.for_spec(result.spec, result.generation, _cp_state(Path(info.controlplane_dir)).reservations)
+    for line in follower.start_lines():
+        _say(line, json_mode=args.json)
+    try:
+        follow(events, offset, follower, timeout=args.wait_timeout, emit=lambda text: _say(text, json_mode=args.json))
+    except KeyboardInterrupt:
+        _say(f"stopped waiting; generation {result.generation} stays put (`bcd events` follows it)", json_mode=args.json)
+        return 130
+    for line in follower.summary(args.wait_timeout):
+        _say(line, json_mode=args.json)
+    if args.json:
+        print(json.dumps({**_put_json(args, result), **follower.to_json()}, indent=2))
+    return follower.exit_code()
+
+
+def _put_json(args: argparse.Namespace, result: PutResult) -> dict[str, Any]:
+    return {
+        "spec": str(args.spec),
+        "node_id": result.node_id,
+        "generation": result.generation,
+        "note": result.note,
+        "unknown_fields": [str(f) for f in result.unknown_fields],
+        "outcome": "applied",
+    }
+
+
+def _dry_run(args: argparse.Namespace, info: Any, checked: Any) -> int:
+    import msgspec
+
+    from .dryrun import dry_run, dry_run_json, render_dry_run
+
+    spec = checked.draft
+    if spec.node_id != info.node_id:
+        return _refused(args, f"the spec names node {spec.node_id}; {args.state_dir} is node {info.node_id}: a dry run plans against this node only")
+    generation, _ = next_generation(_cp_state(Path(info.controlplane_dir)), spec.node_id, checked.requested) if info.controlplane_dir else (
+        checked.requested if checked.requested is not None else 0,
+        "",
+    )
+    # a node bus or service that does not answer ends in bcd.exits (exit 3 or 4)
+    d = dry_run(info, msgspec.structs.replace(spec, generation=generation))
+    if args.json:
+        print(json.dumps({"spec": str(args.spec), **dry_run_json(d)}, indent=2))
+    else:
+        print(render_dry_run(d, str(args.spec)))
+    return 1 if d.would_fail else 0
+
+
+__all__ = ["add_arguments", "apply_command", "EXIT_REFUSED", "DEFAULT_TIMEOUT_S"]

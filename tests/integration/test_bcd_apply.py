@@ -1,0 +1,192 @@
+"""`bcd apply` against a whole node: strict specs, unknown nodes, `--wait` to the outcome, `--dry-run`.
+
+Every wait is bounded: `--wait-timeout` inside, the subprocess timeout outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bcd.client import connect, node_info
+from shared.subjects import NodeSubjects
+
+from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "specs" / "demo.json"
+WAIT = ("--wait", "--wait-timeout", "60")
+
+
+def write(node: Node, doc: dict) -> Path:
+    path = node.tmp / f"spec-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def apply(node: Node, path: Path, *flags: str, timeout: float = 90):
+    return bcd("apply", str(path), "--state-dir", str(node.state), *flags, timeout=timeout)
+
+
+def last_generation(node: Node) -> int:
+    rec = node.cp_state().nodes.get("node-1")
+    return rec.last_generation if rec else 0
+
+
+def conditions(node: Node, ctype: str) -> list:
+    return [e for e in applied(node, "condition") if (e.event or {}).get("condition", {}).get("type") == ctype]
+
+
+def test_wait_follows_each_hold_to_the_outcome_and_dry_run_puts_nothing(node: Node) -> None:
+    # the demo: three holds bind, three are refused -> FAILED, exit 1
+    out = apply(node, DEMO, *WAIT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    gen = int(lines[0].split("generation")[1].split(";")[0])
+    assert lines[0] == f"applied {DEMO} as generation {gen}; waiting for the node's outcome..."
+    for alloc in ("train-01", "notebook-mig", "infer-slots"):
+        assert any(line.startswith(f"bound    {alloc} (rsv-{alloc})") for line in lines), out.stdout
+    assert any(line.startswith("bound    train-01") and "cgroup parent bcd-alloc-" in line for line in lines), out.stdout
+    assert "failed   late-overlap (rsv-late-overlap)  overlap: GPU-5f1c2a90-0000-4000-8000-000000000001 is held by train-01" in lines
+    assert any(line.startswith("failed   not-yet-created (rsv-not-yet-created)  device-missing: ") for line in lines)
+    assert any(line.startswith("failed   too-big (rsv-too-big)  resources-exhausted: ResourcesExhausted: ") for line in lines)
+    assert lines[-1] == f"generation {gen}: FAILED (3 bound, 0 kept, 3 failed, 0 released)"
+
+    # a dry run of a change: the plan against the holds now, nothing put
+    change = {"node_id": "node-1", "devices": [assignment("train-01", GPU[0]), assignment("new-one", GPU[2]), assignment("clash", GPU[2])]}
+    path = write(node, change)
+    before = (last_generation(node), node.holds(), len(node.events()))
+    dry = apply(node, path, "--dry-run", timeout=30)
+    assert dry.returncode == 1, dry.stdout + dry.stderr  # its plan refuses one
+    text = dry.stdout
+    assert text.startswith("DRY RUN: nothing was put."), text
+    assert f"as generation {gen + 1}" in text.splitlines()[0]
+    assert "  keep     train-01 (rsv-train-01)" in text
+    assert "  bind     new-one (rsv-new-one)  GPU-5f1c…0003" in text
+    assert "  refuse   clash (rsv-clash)  overlap: GPU-5f1c2a90-0000-4000-8000-000000000003 is held by new-one" in text
+    for alloc in ("notebook-mig", "infer-slots"):
+        assert f"  release  {alloc} (rsv-{alloc})" in text
+    assert "would be: FAILED (1 bind, 1 keep, 2 release, 1 refuse)" in text
+    time.sleep(1.0)
+    assert (last_generation(node), node.holds(), len(node.events())) == before
+    assert node.section()["observed_generation"] == gen
+    doc = json.loads(apply(node, path, "--dry-run", "--json", timeout=30).stdout)
+    assert doc["dry_run"] is True and doc["state"] == "FAILED"
+    assert {h["allocation_id"]: h["action"] for h in doc["holds"]} == {
+        "train-01": "keep", "new-one": "bind", "clash": "refuse", "notebook-mig": "release", "infer-slots": "release"
+    }  # fmt: skip
+
+    # a converging spec: exit 0, the kept hold said as kept, the released ones as released
+    ok = write(node, {"node_id": "node-1", "devices": [assignment("train-01", GPU[0]), assignment("new-one", GPU[2])]})
+    out = apply(node, ok, *WAIT, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["outcome"] == "CONVERGED" and doc["exit_code"] == 0 and doc["generation"] == gen + 1
+    assert doc["section"]["state"] == "CONVERGED" and doc["section"]["observed_generation"] == gen + 1
+    results = {a["allocation_id"]: a["result"] for a in doc["allocations"]}
+    assert results == {"train-01": "kept", "new-one": "bound"}
+    assert sorted(r["allocation_id"] for r in doc["released"]) == ["infer-slots", "notebook-mig"]
+    assert "released notebook-mig (rsv-notebook-mig)" in out.stderr  # the lines go to stderr with --json
+    assert node.holds() == {"train-01", "new-one"}
+
+
+def test_strict_specs_unknown_nodes_and_the_unknown_fields_condition(node: Node) -> None:
+    typo = {
+        "node_id": "node-1",
+        "devicez": [],
+        "devices": [{**assignment("t1", GPU[3]), "limit": {"cpus": "0-3"}, "priority": 5}],
+    }
+    path = write(node, typo)
+    gen_before = last_generation(node)
+
+    # refused by default, each field named with its path, nothing put
+    out = apply(node, path, timeout=30)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert '$.devices[0].limit: unknown field (did you mean "limits"?)' in out.stderr
+    assert "$.devices[0].priority: unknown field" in out.stderr
+    assert '$.devicez: unknown field (did you mean "devices"?)' in out.stderr
+    assert "nothing was put" in out.stderr and out.stdout == ""
+    assert last_generation(node) == gen_before and not node.holds()
+    # the control plane's own put refuses it the same way
+    cp = node.cp_dir
+    info = node_info(node.state)
+    put = subprocess.run(
+        [
+            sys.executable, "-m", "bcd.controlplane", "put", str(path), "--state-dir", str(cp),
+            "--nats-url", info.upstream_url or info.nats_url, "--password-file", str(Path(info.creds_dir) / "controlplane.password"),
+        ],
+        capture_output=True, text=True, timeout=30, cwd=REPO,
+    )  # fmt: skip
+    assert put.returncode == 2, put.stdout + put.stderr
+    assert "$.devices[0].limit: unknown field" in put.stderr
+    assert last_generation(node) == gen_before
+
+    # a node the control plane never heard from: refused in one line, unless --force
+    other = write(node, {"node_id": "node-9", "devices": [assignment("x", GPU[0])]})
+    out = apply(node, other, timeout=30)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "node node-9 has never announced itself" in out.stderr and "--force" in out.stderr
+    assert "node-9" not in node.cp_state().nodes or node.cp_state().nodes["node-9"].last_generation == 0
+    # --force puts it; nobody answers, so --wait ends at its timeout with exit 3
+    out = apply(node, other, "--force", "--wait", "--wait-timeout", "2", timeout=30)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "no outcome within 2 s" in out.stdout and "the node may be down" in out.stdout
+    assert node.cp_state().nodes["node-9"].last_generation >= 1
+
+    # --allow-unknown-fields: put as given; the node binds what it knows and raises the warning condition
+    out = apply(node, path, "--allow-unknown-fields", *WAIT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    gen = int(out.stdout.splitlines()[0].split("generation")[1].split()[0])
+    assert "with 3 field(s) this control plane does not know, as given" in out.stdout.splitlines()[0]
+    assert "bound    t1 (rsv-t1)" in out.stdout
+    assert node.holds() == {"t1"}
+
+    def raised():
+        return [e for e in conditions(node, "NodeSpecUnknownFields") if e.event["condition"]["status"] == "True"]
+
+    [event] = wait_for(raised, 30, "the NodeSpecUnknownFields condition in the control plane's events")
+    c = event.event["condition"]
+    assert c["reason"] == "UnknownFields" and c["message"].startswith(f"generation {gen}: 3 fields this node does not know, ignored: ")
+    for text in ('$.devices[0].limit: unknown field (did you mean "limits"?)', "$.devices[0].priority: unknown field", "$.devicez: unknown field"):
+        assert text in c["message"]
+    assert event.verified is None and event.outcome == "applied"
+    status = node.status()
+    [shown] = [x for x in status["converger"]["conditions"] if x["type"] == "NodeSpecUnknownFields"]
+    assert shown["status"] == "True" and shown["message"] == c["message"]
+    doctor = bcd("doctor", "--state-dir", str(node.state))
+    assert any(line.startswith("WARN  spec-fields") and "NodeSpecUnknownFields" in line for line in doctor.stdout.splitlines()), doctor.stdout
+
+    # once per generation: more passes of the same generation raise nothing new
+    async def passes() -> None:
+        nc = await connect(info)
+        try:
+            for _ in range(3):
+                await nc.request(NodeSubjects("node-1").converger_pass, b"", timeout=5)
+                await asyncio.sleep(0.3)
+        finally:
+            await nc.close()
+
+    asyncio.run(passes())
+    node.wait_generation(gen, timeout=30)
+    time.sleep(1.0)
+    assert len(raised()) == 1
+
+    # a later generation without unknown fields clears it (once)
+    clean = write(node, {"node_id": "node-1", "devices": [assignment("t1", GPU[3])]})
+    out = apply(node, clean, *WAIT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    def cleared():
+        return [e for e in conditions(node, "NodeSpecUnknownFields") if e.event["condition"]["status"] == "False"]
+
+    [off] = wait_for(cleared, 30, "the condition cleared")
+    assert off.event["condition"]["reason"] == "NoUnknownFields"
+    assert [x["status"] for x in node.status()["converger"]["conditions"] if x["type"] == "NodeSpecUnknownFields"] == ["False"]

@@ -1,0 +1,362 @@
+"""The `bcd` command's own infrastructure, without a node: the parser (help on every flag,
+--version), the generated completion scripts and man page, the exit codes and the one
+wrapper that maps every failure to one line, and the bounded connect to a node bus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bcd import cli
+from bcd.client import NodeNotFound, NodeUnreachable, connect_url, node_info
+from bcd.exits import EXIT_CODES, CliError, Exit, ServiceUnavailable, UsageError, exit_codes_text, run_command
+from shared.runtime import VERSION, ServiceCallError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def walk(parser: argparse.ArgumentParser, path: str = "bcd"):
+    """(command path, parser, action) for every action of every (sub)parser."""
+    for action in parser._actions:
+        yield path, parser, action
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                yield from walk(subparser, f"{path} {name}")
+
+
+def subcommands(parser: argparse.ArgumentParser | None = None) -> list[str]:
+    parser = parser or cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return list(sub.choices)
+
+
+def bcd(*args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
+    return subprocess.run([sys.executable, "-m", "bcd.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env, **kw)
+
+
+# ------------------------------------------------------------------------- the parser
+
+
+def test_every_flag_and_argument_of_every_command_has_help() -> None:
+    missing = []
+    for path, _parser, action in walk(cli.build_parser()):
+        if isinstance(action, argparse._SubParsersAction):
+            # the subparsers action itself, and each command's line in the listing
+            if not action.help:
+                missing.append(f"{path}: the command list")
+            missing.extend(f"{path} {c.dest}: no help in the command list" for c in action._choices_actions if not (c.help or "").strip())
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if action.help is None or action.help == argparse.SUPPRESS or not str(action.help).strip():
+            missing.append(f"{path} {name}")
+    assert not missing, "actions without help text:\n" + "\n".join(missing)
+
+
+def test_the_walk_sees_every_command_and_their_common_flags() -> None:
+    """The help test above is only as good as its walk: it reaches every subcommand's flags."""
+    seen = {(path, opt) for path, _p, a in walk(cli.build_parser()) for opt in a.option_strings}
+    for name in cli.READ_COMMANDS:
+        for flag in ("--state-dir", "--json", "--timeout", "--debug"):
+            assert (f"bcd {name}", flag) in seen, (name, flag)
+    assert ("bcd up", "--upstream-creds") in seen and ("bcd events", "--all") in seen
+
+
+def test_version_is_the_runtime_version_and_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"bcd {VERSION}"
+    assert importlib.metadata.version("bcd") == VERSION, "pyproject.toml's version and shared.runtime.VERSION differ"
+
+
+def test_debug_is_accepted_before_and_after_the_command() -> None:
+    p = cli.build_parser()
+    assert p.parse_args(["--debug", "status"]).debug is True
+    assert p.parse_args(["status", "--debug"]).debug is True
+    assert p.parse_args(["status"]).debug is False
+
+
+def test_events_defaults_to_the_last_20_and_all_excludes_last() -> None:
+    p = cli.build_parser()
+    args = p.parse_args(["events"])
+    assert (args.last, args.all, args.no_follow) == (20, False, False)
+    assert p.parse_args(["events", "--all"]).all is True
+    with pytest.raises(SystemExit) as exc:
+        p.parse_args(["events", "--all", "--last", "3"])
+    assert exc.value.code == Exit.USAGE
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "99999"])
+def test_timeout_must_be_a_sane_number_of_seconds(value: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["status", "--timeout", value])
+    assert exc.value.code == Exit.USAGE
+
+
+def test_up_refuses_an_unknown_service_as_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["up", "--services", "inventory,nonsense"])
+    assert exc.value.code == Exit.USAGE
+
+
+@pytest.mark.parametrize(("given", "canonical"), [("0000:3b:00.0", "0000:3b:00.0"), ("3B:00.0", "0000:3b:00.0"), (" 0000:3A:00.0 ", "0000:3a:00.0")])
+def test_gpu_addresses_are_read_as_the_inventory_spells_them(given: str, canonical: str) -> None:
+    assert cli._canonical_pci(given) == canonical
+
+
+# --------------------------------------------------------------- completion and man page
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "tcsh"])
+def test_completion_script_names_every_subcommand(shell: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.cmd_completion(argparse.Namespace(shell=shell)) == 0
+    script = capsys.readouterr().out
+    for name in subcommands():
+        assert name in script, f"{shell} completion does not mention `bcd {name}`"
+    if shell != "tcsh":  # shtab's tcsh script completes commands and choices, not every subcommand's flags
+        for flag in ("--state-dir", "--timeout", "--json", "--all"):
+            assert flag in script
+
+
+def test_bash_completion_parses_and_completes_commands_and_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    cli.cmd_completion(argparse.Namespace(shell="bash"))
+    script = capsys.readouterr().out
+    probe = (
+        "source /dev/stdin\n"
+        "COMP_WORDS=(bcd st); COMP_CWORD=1; COMP_LINE='bcd st'; COMP_POINT=${#COMP_LINE}; _shtab_bcd; echo \"cmd: ${COMPREPLY[*]}\"\n"
+        "COMP_WORDS=(bcd status --ti); COMP_CWORD=2; COMP_LINE='bcd status --ti'; COMP_POINT=${#COMP_LINE}; _shtab_bcd; echo \"flag: ${COMPREPLY[*]}\"\n"
+    )
+    out = subprocess.run(["bash", "--norc", "-c", probe], input=script, capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert "cmd: status" in out.stdout, out.stdout
+    assert "flag: --timeout" in out.stdout, out.stdout
+
+
+def test_man_page_builds_and_lists_every_subcommand() -> None:
+    page = cli.manpage()
+    assert page.startswith(".TH BCD"), page[:80]
+    for name in subcommands():
+        assert f"'bcd {name}'" in page, f"the man page has no section for `bcd {name}`"
+    assert "\\-\\-timeout" in page and "exit codes:" in page
+    if shutil.which("groff"):
+        out = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z"], input=page, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+def test_man_writes_the_page_to_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "man" / "bcd.1"
+    assert cli.cmd_man(argparse.Namespace(output=target)) == 0
+    assert target.read_text() == cli.manpage()
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+
+def test_exit_codes_are_defined_once_and_documented_in_help_and_readme() -> None:
+    codes = [int(c) for c, _ in EXIT_CODES]
+    assert len(set(codes)) == len(codes) and set(codes) == {int(e) for e in Exit}
+    help_text = cli.build_parser().format_help()
+    readme = (REPO / "README.md").read_text()
+    for code, meaning in EXIT_CODES:
+        assert f"  {int(code):<4} {meaning}" in help_text
+        assert f"\n| {int(code)} | " in readme, f"README's exit code table has no row for {int(code)}"
+
+
+def test_readme_documents_the_json_shape_of_every_read_command() -> None:
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("**JSON output.**") :]
+    for name in cli.READ_COMMANDS:
+        assert f"\n| `{name}" in table, f"README's JSON table has no row for `bcd {name}`"
+
+
+def _raiser(exc: BaseException):
+    def func(_args: object) -> int:
+        raise exc
+
+    return func
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "text"),
+    [
+        pytest.param(NodeUnreachable("node bus at nats://127.0.0.1:1 not reachable (connection refused)"), 3, "is `bcd up` running? (--state-dir st)", id="bus-down"),
+        pytest.param(NodeNotFound("no node at st (st/node.json missing)"), 3, "no node at st", id="no-node"),
+        pytest.param(ServiceUnavailable("service inventory is not running"), 4, "service inventory", id="no-service"),
+        pytest.param(UsageError("gpu list: no card 0000:99:00.0"), 2, "no card", id="usage"),
+        pytest.param(CliError("it failed"), 1, "it failed", id="failed"),
+        pytest.param(ServiceCallError("400", "Expected `str` - at `$.pci`"), 2, "the node refused", id="refused-400"),
+        pytest.param(ServiceCallError("409", "busy"), 1, "the node refused", id="refused-409"),
+        pytest.param(asyncio.TimeoutError(), 4, "did not answer", id="timeout"),
+        pytest.param(RuntimeError("bug"), 1, "internal error: RuntimeError: bug", id="bug"),
+    ],
+)
+def test_every_failure_is_one_line_and_its_code(exc: BaseException, code: int, text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_command(_raiser(exc), argparse.Namespace(state_dir=Path("st"))) == code
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bcd: ") and text in lines[0], captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_command(_raiser(RuntimeError("bug")), argparse.Namespace(), debug=True) == Exit.FAILED
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().endswith("(rerun with --debug for the traceback)")
+
+
+def test_ctrl_c_is_130_and_quiet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_command(_raiser(KeyboardInterrupt()), argparse.Namespace()) == Exit.INTERRUPTED
+    assert capsys.readouterr().err == ""
+
+
+def test_a_closed_stdout_is_141_and_quiet() -> None:
+    """`bcd completion bash | head -0`: the reader is gone before bcd writes; no BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
+    with subprocess.Popen([sys.executable, "-m", "bcd.cli", "completion", "bash"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # nobody reads: the first flush gets EPIPE
+        try:
+            err = proc.stderr.read().decode()
+            rc = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert rc == Exit.BROKEN_PIPE, err
+    assert err == "", err
+
+
+def test_exit_codes_text_lists_every_code() -> None:
+    text = exit_codes_text()
+    assert all(f"  {int(c):<4} " in text for c, _ in EXIT_CODES)
+
+
+# ------------------------------------------------------------------ no node, a bus that is down
+
+
+def test_node_info_of_an_empty_dir_or_a_bad_file_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NodeNotFound, match="no node at"):
+        node_info(tmp_path)
+    (tmp_path / "node.json").write_text("{not json")
+    with pytest.raises(NodeNotFound, match="is not a node description"):
+        node_info(tmp_path)
+
+
+async def test_connect_to_a_refused_port_gives_up_at_once() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(NodeUnreachable, match=rf"^node bus at nats://127.0.0.1:{port} not reachable \(connection refused\)$"):
+        await connect_url(f"nats://127.0.0.1:{port}", timeout=5)
+    assert time.monotonic() - t0 < 3
+
+
+async def test_connect_to_a_bus_that_never_answers_gives_up_after_the_timeout() -> None:
+    """A listener that accepts and never sends INFO: nats-py alone would wait on it, and retry forever."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        port = srv.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(NodeUnreachable, match=r"no answer within 0.5 s"):
+            await connect_url(f"nats://127.0.0.1:{port}", timeout=0.5)
+        assert 0.4 < time.monotonic() - t0 < 3
+
+
+def test_a_command_against_a_black_hole_bus_ends_within_its_timeout(tmp_path: Path) -> None:
+    """The whole command: `bcd status --timeout 1` against a bus that accepts and never answers."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        (tmp_path / "creds").mkdir()
+        (tmp_path / "creds" / "cli.password").write_text("x\n")
+        (tmp_path / "node.json").write_text(
+            json.dumps({"node_id": "n1", "nats_url": f"nats://127.0.0.1:{srv.getsockname()[1]}", "creds_dir": str(tmp_path / "creds")})
+        )
+        t0 = time.monotonic()
+        out = bcd("status", "--state-dir", str(tmp_path), "--timeout", "1", timeout=30)
+        took = time.monotonic() - t0
+    assert out.returncode == Exit.UNREACHABLE, out
+    assert out.stdout == "" and len(out.stderr.splitlines()) == 1 and "no answer within 1 s" in out.stderr, out.stderr
+    assert took < 1 + 10, took  # the timeout plus the interpreter's start on a busy machine
+
+
+# ---------------------------------------------------------------------------------- events
+
+
+def _event_log(path: Path, n: int) -> None:
+    from datetime import datetime, timezone
+
+    import msgspec
+
+    from bcd.controlplane import EventRecord
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    lines = [
+        msgspec.json.encode(EventRecord(received_at=now, node_id="node-1", type="bound", outcome="applied", allocation_id=f"a{i}", reservation_id=f"r{i}"))
+        for i in range(n)
+    ]
+    path.write_bytes(b"\n".join([*lines[:2], b"not a record", *lines[2:]]) + b"\n")
+
+
+@pytest.mark.parametrize(("last", "expect"), [(20, 20), (3, 3), (0, 0), (None, 30)])
+async def test_events_print_the_last_n_or_all(tmp_path: Path, capsys: pytest.CaptureFixture[str], last: int | None, expect: int) -> None:
+    from bcd.events import follow_events
+
+    _event_log(tmp_path / "events.jsonl", 30)
+    await follow_events(tmp_path / "events.jsonl", follow=False, last=last)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == expect
+    if expect:
+        assert "a29 (r29)" in lines[-1]
+
+
+async def test_events_json_is_one_record_per_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bcd.events import follow_events
+
+    _event_log(tmp_path / "events.jsonl", 5)
+    await follow_events(tmp_path / "events.jsonl", follow=False, last=None, as_json=True)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["allocation_id"] for r in records] == [f"a{i}" for i in range(5)]
+    assert {"received_at", "node_id", "type", "outcome", "event"} <= set(records[0])
+    await follow_events(tmp_path / "missing.jsonl", follow=False, as_json=True)
+    assert capsys.readouterr().out == ""  # no log yet: an empty JSON Lines stream, not a sentence
+
+
+# ------------------------------------------------------------------------------ bcd up's banner
+
+
+def test_the_banner_of_an_upstream_node_suggests_only_what_works_there() -> None:
+    from bcd.up import look_lines
+
+    embedded = "\n".join(look_lines("state"))
+    assert "bcd apply SPEC.json --state-dir state" in embedded and "bcd events --state-dir state" in embedded
+    joined = look_lines("st", "nats://cp:4222")
+    commands = [line.split("#")[0] for line in joined if "bin/bcd " in line]
+    assert commands and not any(" apply " in c or " events " in c for c in commands), joined
+    assert any("bcd status --state-dir st" in c for c in commands) and any("bcd doctor" in c for c in commands)
+    assert "control plane at nats://cp:4222" in joined[-1]
+
+
+def test_events_of_a_node_that_joined_an_upstream_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "node.json").write_text(json.dumps({"node_id": "n1", "nats_url": "nats://127.0.0.1:1", "creds_dir": "/nonexistent", "upstream_url": "nats://cp:4222"}))
+    out = bcd("events", "--state-dir", str(tmp_path), "--no-follow")
+    assert out.returncode == Exit.USAGE and out.stdout == ""
+    assert out.stderr.splitlines() == ["bcd: events: node n1 joined an existing upstream (nats://cp:4222); its control plane keeps the event log"]
