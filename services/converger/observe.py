@@ -24,7 +24,7 @@ from pathlib import Path
 
 from shared import logs
 from shared.fsutil import RefusedFile, is_temp_name, occupant, read_regular
-from shared.holdfiles import HoldOnDisk, NotAHold, parse_hold
+from shared.holdfiles import HOLD_FILE_MAX_BYTES, HoldOnDisk, NotAHold, parse_hold
 from shared.schemas import Inventory, NodeSpec
 from shared.slices import SliceError, Slices
 from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi
@@ -37,8 +37,6 @@ from .vfio import switched_targets
 
 log = logs.get_logger("bcd.converger.observe")
 
-#: a hold's CDI spec read back (the helper writes at most 4 MiB; vendor edits are copied per device).
-CDI_SPEC_MAX_BYTES = 8 * 1024 * 1024
 #: an env file read back (bcd's lines plus the assignment's env).
 ENV_FILE_MAX_BYTES = 1024 * 1024
 
@@ -103,7 +101,7 @@ def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None) -
         if not (name.startswith("bcd-") and name.endswith(".json")):
             continue
         try:
-            data = _read(path, CDI_SPEC_MAX_BYTES, "a hold", view, warned)
+            data = _read(path, HOLD_FILE_MAX_BYTES, "a hold", view, warned)
             if data is None:
                 view.foreign.append(name)
                 continue
