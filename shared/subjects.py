@@ -168,6 +168,11 @@ class NodeSubjects:
         return self.subject("signer", "sign")
 
     @property
+    def signer_sign_batch(self) -> str:
+        """Many report bodies signed in one request (SignBatchRequest): a pass's reports."""
+        return self.subject("signer", "sign_batch")
+
+    @property
     def signer_key(self) -> str:
         return self.subject("signer", "key")
 
@@ -329,6 +334,7 @@ class NodeSubjects:
                 (
                     self.inventory_get,
                     self.signer_sign,
+                    self.signer_sign_batch,
                     self.signer_key,
                     *self.kv_read_subjects(self.inventory_bucket),
                     self.outbox_filter,
@@ -357,10 +363,14 @@ class NodeSubjects:
                     self.converger_spec,
                     self.converger_status,
                     *self.kv_read_subjects(self.inventory_bucket),
-                    # drains the outbox: read by sequence, delete after upstream's PubAck
+                    # drains the outbox through an ephemeral pull consumer of its own (created
+                    # without a name: the server refuses a durable there), pulled from and
+                    # deleted by its name; what upstream acknowledged is purged (up to a sequence)
                     f"$JS.API.STREAM.INFO.{self.outbox_stream}",
-                    f"$JS.API.STREAM.MSG.GET.{self.outbox_stream}",
-                    f"$JS.API.STREAM.MSG.DELETE.{self.outbox_stream}",
+                    f"$JS.API.CONSUMER.CREATE.{self.outbox_stream}",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{self.outbox_stream}.*",
+                    f"$JS.API.CONSUMER.DELETE.{self.outbox_stream}.*",
+                    f"$JS.API.STREAM.PURGE.{self.outbox_stream}",
                     # node conditions (NodeSpecRejected) go through the outbox too
                     self.outbox_subject("condition"),
                 ),

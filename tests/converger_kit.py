@@ -20,15 +20,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import msgspec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import Ed25519PrivateKey
 
 from services.converger.apply import Applier, ApplyResult
 from services.converger.domains import FakeDomains
-from services.converger.hostwriter import LocalHostWriter
+from services.converger.hostwriter import HostWriteError, LocalHostWriter
 from services.converger.model import ConvergerState, Observed, Plan, PlanConfig
 from services.converger.observe import ReleaseFacts, observe
 from services.converger.releases import ReleasesStore
-from services.converger.outbox import OutboxError
+from services.converger.outbox import OutboxError, check_event
 from services.converger.plan import plan
 from shared.slices import FakeSlices
 from services.converger.state import StateStore
@@ -92,6 +92,10 @@ class MemorySigner:
         body = ReportBody(node_id=self.node_id, boot_id=self.boot_id, event_id=event_id, time=datetime.now(timezone.utc), event=event)
         return sign_report(self.key, body)
 
+    async def sign_many(self, items: list[tuple[str, AttestedEvent]]) -> list[AttestedReport]:
+        self.batches = getattr(self, "batches", 0) + 1
+        return [await self.sign(event_id, event) for event_id, event in items]
+
 
 @dataclass
 class MemoryOutbox:
@@ -109,10 +113,27 @@ class MemoryOutbox:
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None:
         if self.fail:
             raise OutboxError("outbox: unreachable (test)")
+        check_event(event_type, payload)
         self.sends += 1
         if event_id not in self.events:
             self.events[event_id] = (event_type, payload)
             self.order.append(event_id)
+
+    async def publish_many(self, items: list[tuple[str, str, bytes]], acked=lambda _: None) -> list[OutboxError | None]:  # noqa: ANN001
+        """Like JetStream async publish: all sent in order, then the acks in order."""
+        self.waves = getattr(self, "waves", 0) + 1
+        results: list[OutboxError | None] = []
+        for item in items:
+            try:
+                await self.publish(*item)
+            except OutboxError as exc:
+                results.append(exc)
+                continue
+            results.append(None)
+        for item, err in zip(items, results):
+            if err is None:
+                acked(item)
+        return results
 
     def ids(self, event_type: str) -> list[str]:
         """Event ids of one type, in first-publish order."""
@@ -129,7 +150,7 @@ class MemoryOutbox:
         for i in self.order:
             t, p = self.events[i]
             if t in ("bound", "released"):
-                body = verify_report(ATTESTED_REPORT_CODEC.decode(p), signer.key.public_key())
+                body = verify_report(ATTESTED_REPORT_CODEC.decode(p), signer.key.verify_key)
                 assert body.event_id == i, (body.event_id, i)
                 out.append((t, i, body.event.allocation_id, body.event.generation))
         return out
@@ -141,8 +162,46 @@ class MemoryOutbox:
             if t == event_type:
                 from shared.schemas import ATTESTED_REPORT_CODEC
 
-                out.append(verify_report(ATTESTED_REPORT_CODEC.decode(p), signer.key.public_key()))
+                out.append(verify_report(ATTESTED_REPORT_CODEC.decode(p), signer.key.verify_key))
         return out
+
+
+class FaultyWriter:
+    """A HostWriter that raises HostWriteError from the methods named in `fail`."""
+
+    def __init__(self, inner: LocalHostWriter, fail: set[str] | None = None) -> None:
+        self.inner = inner
+        self.fail: set[str] = fail if fail is not None else set()
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        attr = getattr(self.inner, name)
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.calls.append(name)
+            if name in self.fail:
+                raise HostWriteError(f"{name}: injected failure")
+            return attr(*args, **kwargs)
+
+        return call
+
+    def _single(self, verb: str, kind: str) -> str:
+        return f"{verb}_{'cdi' if kind == 'cdi' else 'env'}"
+
+    def write_many(self, kind, contents, done=lambda _: None):  # noqa: ANN001, ANN201
+        """A batch fails for every hold when its single-file method is in `fail`."""
+        name = self._single("write", kind)
+        self.calls.append(name)
+        if name in self.fail:
+            return {c.allocation_id: HostWriteError(f"{name}: injected failure") for c in contents}
+        return self.inner.write_many(kind, contents, done)
+
+    def remove_many(self, kind, allocation_ids, done=lambda _: None):  # noqa: ANN001, ANN201
+        name = self._single("remove", kind)
+        self.calls.append(name)
+        if name in self.fail:
+            return {a: HostWriteError(f"{name}: injected failure") for a in allocation_ids}
+        return self.inner.remove_many(kind, allocation_ids, done)
 
 
 @dataclass
@@ -376,6 +435,17 @@ class Node:
 
     def slice_names(self) -> list[str]:
         return sorted(self.slices.list())
+
+
+def files_match(node: Node, s: NodeSpec) -> None:
+    """The hold files on disk are exactly the spec's: CDI spec and env file each, slices, no temp left."""
+    want = {a.allocation_id for a in s.devices}
+    assert set(node.holds()) == want
+    for a in s.devices:
+        assert node.env(a.allocation_id), a.allocation_id
+    assert node.slice_names() == sorted(a.allocation_id for a in s.devices if a.limits is not None)
+    assert list(node.cdi_dir.glob(".*tmp-*")) == []
+    assert list((node.run_dir / "allocations").glob(".*tmp-*")) == []
 
 
 def check_hold_invariants(node: Node, *, reported: bool = True, settled: bool = True) -> dict[str, str]:

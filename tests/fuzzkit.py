@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import Ed25519PrivateKey
 from hypothesis import strategies as st
 
 import shared.schemas as schemas
@@ -73,7 +73,10 @@ from shared.schemas import (
     ReportBody,
     RunningProcess,
     SectionStatus,
+    SignBatchReply,
+    SignBatchRequest,
     SignerKey,
+    SignItem,
     SignRequest,
     Slot,
     SpecAck,
@@ -129,8 +132,8 @@ def tag_values(tp: Any) -> list[str]:
 
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 #: deterministic keys (the fuzz needs valid signatures, not secret ones)
-NODE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-CP_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32, 64)))
+NODE_KEY = Ed25519PrivateKey(bytes(range(32)))
+CP_KEY = Ed25519PrivateKey(bytes(range(32, 64)))
 UUID = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 PCI = "0000:18:00.0"
 SLICE = slice_name("train-01")
@@ -220,6 +223,8 @@ SAMPLES: dict[str, object] = {
     "ATTESTED_REPORT_CODEC": sign_report(NODE_KEY, BODY),
     "NODE_EVENT_CODEC": BOUND,
     "SIGN_REQUEST_CODEC": SignRequest(purpose="attested-report", event_id="ev:bound:1", event=BOUND),
+    "SIGN_BATCH_REQUEST_CODEC": SignBatchRequest(purpose="attested-report", items=[SignItem(event_id="ev:bound:1", event=BOUND)]),
+    "SIGN_BATCH_REPLY_CODEC": SignBatchReply(reports=[sign_report(NODE_KEY, BODY)]),
     "SIGNER_KEY_CODEC": SignerKey(node_id="node-1", public_key=b"k" * 32, key_id=key_id(NODE_KEY), boot_id="boot-1"),
     "EMPTY_CODEC": Empty(),
     "SPEC_ACK_CODEC": SpecAck(generation=7, changed=True),

@@ -4,8 +4,11 @@ A bind records its intent (boot id stamped), then writes slice, CDI spec and
 env file, has the signer sign AllocationBound, puts it in the outbox and only
 then records completion. A release records intent (with everything its
 Released event needs, since the CDI spec is about to go), removes CDI spec and
-env file, stops the slice once empty, and reports. Every step can be run
-again after a crash and does the same thing, and every event keeps its id.
+env file, stops the slice once empty, and reports. A pass's binds and
+releases do this as one group (batch.py: one intent record, the files as
+groups, one sign request, pipelined publishing, one completion record).
+Every step can be run again after a crash and does the same thing, and every
+event keeps its id.
 
 A failed write or an unreachable signer/outbox is retryable: the step stops,
 no event for it is sent, the section reads PROGRESSING and the pass is tried
@@ -41,8 +44,6 @@ from .model import (
     WithdrawKubeHold,
     ConvergerState,
     EnsureSlice,
-    Intent,
-    Refusal,
     Plan,
     ReleaseHold,
     RemoveTemp,
@@ -54,6 +55,7 @@ from .model import (
     SwitchGpu,
     WriteEnv,
 )
+from .batch import Batch, GroupCommit, PassRun
 from .outbox import Outbox, OutboxError, Signer
 from .reaper import NoReaper, Reaper
 from .releases import PendingRelease, ReleasesStore
@@ -115,42 +117,33 @@ class Applier:
         self.clock = clock
 
     async def apply(self, plan: Plan, state: ConvergerState) -> ApplyResult:
-        """Run the steps; mutates and saves `state`. Publishes the section when it changes."""
+        """Run the steps; mutates and saves `state`. Publishes the section when it changes.
+
+        Releases, binds and Bound reports are collected and run as one batch
+        (batch.py) at the end, or before a driver switch, which must come
+        after them; every other step runs where the plan puts it.
+        """
         result = ApplyResult()
-        release_failed = False
-        unreported: set[str] = set()
-        #: kept holds whose slice or env file could not be put back in this pass:
-        #: no Bound for them until every file is in place (seed: "What a bind writes").
-        incomplete: set[str] = set()
+        run = PassRun()
         # A full outbox holds back new binds (their Bound could not be journaled);
         # releases and failure reports still go, into the headroom.
-        room = True
         if any(isinstance(s, BindHold) for s in plan.steps):
-            room = await self.outbox.has_room()
+            run.room = await self.outbox.has_room()
+        batch = Batch()
+        group = GroupCommit(self)
         for step in plan.steps:
-            if release_failed and isinstance(step, BindHold):
-                result.errors.append(f"{step.allocation_id}: not bound in this pass: a release before it failed")
+            if isinstance(step, (ReleaseHold, BindHold, ReportBound, ReportFailed)):
+                batch.add(step)
                 continue
-            if not room and isinstance(step, BindHold):
-                why = getattr(self.outbox, "error", "") or "the outbox is full (upstream not draining)"
-                result.errors.append(f"{step.allocation_id}: not bound in this pass: {why}")
-                continue
-            if isinstance(step, ReportBound) and step.allocation_id in incomplete:
-                result.errors.append(f"{step.allocation_id}: Bound not reported in this pass: its files are not all in place")
-                unreported.add(step.allocation_id)
-                continue
+            if isinstance(step, (SwitchGpu, RecordVfio)) and batch:
+                await group.run(batch, state, result, run)
+                batch = Batch()
             if isinstance(step, SwitchGpu):
-                if release_failed and step.target == VFIO_DRIVER:
+                if run.switch_held and step.target == VFIO_DRIVER:
                     log.warning("switch to vfio-pci held back: a release before it failed", pci=step.pci, why=step.why)
                     result.vfio_retry = True
                     continue
                 await self._switch(step, state, result)
-                continue
-            if isinstance(step, ReleaseHold) and step.allocation_id in unreported:
-                # Fix: the plan reports an interrupted bind's Bound before releasing
-                # it; if that report failed, a Released now would follow no Bound.
-                result.errors.append(f"{step.allocation_id}: not released in this pass: its Bound could not be reported")
-                release_failed = True
                 continue
             try:
                 await self._run(step, state)
@@ -158,12 +151,10 @@ class Applier:
             except (HostWriteError, OutboxError) as exc:
                 result.errors.append(f"{_alloc(step)}: {exc}")
                 log.warning("step failed; will retry", step=type(step).__name__, allocation_id=_alloc(step), error=str(exc))
-                if isinstance(step, ReleaseHold):
-                    release_failed = True
-                elif isinstance(step, ReportBound):
-                    unreported.add(step.allocation_id)
-                elif isinstance(step, (WriteEnv, EnsureSlice)):
-                    incomplete.add(step.allocation_id)
+                if isinstance(step, (WriteEnv, EnsureSlice)):
+                    run.incomplete.add(step.allocation_id)
+        # the last batch's completion record is written with the section status
+        completed = await group.run(batch, state, result, run, save=False) if batch else []
         section = plan.section
         if section is not None and result.errors:
             # the failures first (as the plan bounded them), then the errors, within the message's bound
@@ -174,9 +165,13 @@ class Applier:
             try:
                 await self._publish_section(section)
                 state.last_section = section
-                self.save_state(state)
             except OutboxError as exc:
                 result.errors.append(f"section status: {exc}")
+            self.save_state(state)
+        elif completed:
+            self.save_state(state)
+        for point in completed:
+            self.crash(point)
         return result
 
     async def _publish_section(self, section: SectionStatus) -> None:
@@ -188,8 +183,6 @@ class Applier:
     async def _run(self, step: Step, state: ConvergerState) -> None:
         if isinstance(step, RemoveTemp):
             self.writer.remove_temp(step.path)
-        elif isinstance(step, ReleaseHold):
-            await self._release(step, state)
         elif isinstance(step, StopSlice):
             if self.writer.stop_slice(step.allocation_id):
                 log.info("leftover slice stopped", allocation_id=step.allocation_id)
@@ -199,24 +192,6 @@ class Applier:
         elif isinstance(step, WriteEnv):
             self.writer.write_env(step.content)
             log.info("env file rewritten", allocation_id=step.allocation_id)
-        elif isinstance(step, BindHold):
-            await self._bind(step, state)
-        elif isinstance(step, ReportBound):
-            await self._report_bound(step.allocation_id, step.event_id, step.event, state)
-        elif isinstance(step, ReportFailed):
-            await self.outbox.publish("failed", step.event_id, encode(step.event))
-            state.reported_failures[step.allocation_id] = step.event.generation
-            state.refusals[step.allocation_id] = Refusal(
-                generation=step.event.generation, reason=step.event.reason, message=step.event.message
-            )
-            self.save_state(state)
-            log.warning(
-                "hold refused",
-                allocation_id=step.allocation_id,
-                reason=step.event.reason,
-                detail=step.event.message,
-                generation=step.event.generation,
-            )
         elif isinstance(step, WithdrawKubeHold):
             await self._withdraw(step)
         elif isinstance(step, ReportKubeRelease):
@@ -347,116 +322,6 @@ class Applier:
         (log.warning if condition.status == "True" else log.info)(
             "node condition", type=condition.type, status=condition.status, reason=condition.reason, detail=condition.message
         )
-
-    def _record(self, state: ConvergerState, intent: Intent) -> None:
-        state.intents[intent.allocation_id] = intent
-        self.save_state(state)
-
-    async def _bind(self, step: BindHold, state: ConvergerState) -> None:
-        content, event = step.content, step.event
-        self._record(
-            state,
-            Intent(
-                op="bind",
-                allocation_id=step.allocation_id,
-                reservation_id=event.reservation_id,
-                generation=event.generation,
-                devices=list(event.devices),
-                event_id=step.event_id,
-                boot_id=self.boot_id(),
-                started_at=self.clock(),
-                cgroup_parent=content.cgroup_parent,
-                sliced=bool(content.cgroup_parent),
-            ),
-        )
-        self.crash("bind.intent-recorded")
-        if content.cgroup_parent and content.limits is not None:
-            self.writer.apply_slice(step.allocation_id, content.limits)
-            self.crash("bind.slice-applied")
-        self.writer.write_cdi(content)
-        self.crash("bind.cdi-written")
-        try:
-            self.writer.write_env(content)
-        except HostWriteError:
-            if step.report:
-                # no CDI spec of a hold never reported without its env file: the next
-                # pass binds it afresh (or undoes the journaled bind unreported)
-                try:
-                    self.writer.remove_cdi(step.allocation_id)
-                except HostWriteError as exc:
-                    log.warning("CDI spec of a bind whose env file failed not removed", allocation_id=step.allocation_id, error=str(exc))
-            raise
-        self.crash("bind.env-written")
-        if not step.report:
-            state.intents.pop(step.allocation_id, None)
-            self.save_state(state)
-            log.info("hold files re-created (already reported Bound)", allocation_id=step.allocation_id)
-            return
-        await self._report_bound(step.allocation_id, step.event_id, event, state)
-        log.info("hold bound", allocation_id=step.allocation_id, devices=list(event.devices), cgroup_parent=event.cgroup_parent, event_id=step.event_id)
-
-    async def _report_bound(self, alloc: str, event_id: str, event, state: ConvergerState) -> None:  # noqa: ANN001
-        report = await self.signer.sign(event_id, event)
-        self.crash("bind.signed")
-        await self.outbox.publish("bound", event_id, encode(report))
-        self.crash("bind.published")
-        state.reported[alloc] = event_id
-        state.bound[alloc] = Intent(
-            op="bind",
-            allocation_id=alloc,
-            reservation_id=event.reservation_id,
-            generation=event.generation,
-            devices=list(event.devices),
-            event_id=event_id,
-            boot_id=self.boot_id(),
-            started_at=self.clock(),
-            cgroup_parent=event.cgroup_parent,
-            sliced=bool(event.cgroup_parent),
-        )
-        state.intents.pop(alloc, None)
-        self.save_state(state)
-        self.crash("bind.completed")
-
-    async def _release(self, step: ReleaseHold, state: ConvergerState) -> None:
-        alloc, event = step.allocation_id, step.event
-        existing = state.intents.get(alloc)
-        if step.report and (existing is None or existing.op != "release"):
-            self._record(
-                state,
-                Intent(
-                    op="release",
-                    allocation_id=alloc,
-                    reservation_id=event.reservation_id,
-                    generation=event.generation,
-                    devices=list(event.devices),
-                    event_id=step.event_id,
-                    boot_id=self.boot_id(),
-                    started_at=self.clock(),
-                    sliced=step.sliced,
-                ),
-            )
-            self.crash("release.intent-recorded")
-        self.writer.remove_cdi(alloc)
-        self.crash("release.cdi-removed")
-        self.writer.remove_env(alloc)
-        self.crash("release.env-removed")
-        if step.sliced and not self.writer.stop_slice(alloc):
-            log.info("slice kept: a workload still runs in it", allocation_id=alloc)
-        self.crash("release.slice-stopped")
-        if step.report:
-            report = await self.signer.sign(step.event_id, event)
-            self.crash("release.signed")
-            await self.outbox.publish("released", step.event_id, encode(report))
-            self.crash("release.published")
-            log.info("hold released", allocation_id=alloc, event_id=step.event_id)
-        else:
-            log.info("unreported bind undone", allocation_id=alloc)
-        state.reported.pop(alloc, None)
-        state.bound.pop(alloc, None)
-        state.intents.pop(alloc, None)
-        self.save_state(state)
-        if step.report:
-            self.crash("release.completed")
 
 
 def _alloc(step: Step) -> str:

@@ -4,6 +4,14 @@
 that point is reached) makes the process SIGKILL itself there, exactly like
 `kill -9` from outside, so the crash tests can hit every step, not a few.
 Unset, a crash point costs one comparison.
+
+A pass's binds and releases run as one batch (batch.py), so the points are
+the batch's boundaries: `*.intent-recorded`, `*.signed` and `*.completed`
+are passed once per batch (after its one journal write, its one sign
+request, its one completion record); the file points are passed once per
+file (`bind.cdi-written:2` is between the second and the third CDI spec of
+the batch), `*.published` once per acked event of a pipelined wave (the
+events after it may still be in flight).
 """
 
 from __future__ import annotations

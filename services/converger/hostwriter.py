@@ -30,13 +30,14 @@ import re
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 import nats
 import nats.errors
 from nats.aio.client import Client
 
-from shared.fsutil import TEMP_MARK, atomic_write, in_the_way, is_temp_name, occupant, remove_durably
+from shared.fsutil import TEMP_MARK, FileWrite, atomic_write, atomic_write_many, in_the_way, is_temp_name, occupant, remove_durably, remove_many
 from shared.holdfiles import ENV_SUBDIR, HoldContent, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
@@ -63,6 +64,12 @@ class HostWriteError(Exception):
     """A write the pass must retry (read-only dir, full disk, helper refusal, D-Bus)."""
 
 
+#: the two hold files a batch writes or removes.
+HoldFileKind = Literal["cdi", "allocation-env"]
+#: called with the allocation id once its file is in place (or gone): a crash point.
+Done = Callable[[str], None]
+
+
 class HostWriter(Protocol):
     def write_cdi(self, content: HoldContent) -> None: ...
     def remove_cdi(self, allocation_id: str) -> None: ...
@@ -71,6 +78,14 @@ class HostWriter(Protocol):
     def apply_slice(self, allocation_id: str, limits: Limits) -> None: ...
     def stop_slice(self, allocation_id: str) -> bool: ...
     def remove_temp(self, path: str) -> None: ...
+
+    def write_many(self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = ...) -> dict[str, HostWriteError]:
+        """Write one kind of hold file for many holds as one group; the error of each that failed."""
+        ...
+
+    def remove_many(self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = ...) -> dict[str, HostWriteError]:
+        """Remove one kind of hold file of many holds as one group; the error of each that failed."""
+        ...
 
 
 def _checked(allocation_id: str) -> str:
@@ -95,17 +110,22 @@ class LocalHostWriter:
         self.crash = crash
         self.vendor = VendorCache(self.cdi_dir)
 
+    @staticmethod
+    def _ready(path: Path) -> None:
+        """Make the file's directory; HostWriteError when something not ours is at its name
+        (a directory fails the rename, a FIFO or a device is someone else's): retried until
+        someone removes it. Raises OSError as mkdir and lstat do."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if in_the_way(mode):
+            raise HostWriteError(f"cannot write {path}: {occupant(path)} is in the way (bcd does not remove it; remove it to bind)")
+
     def _write(self, path: Path, data: bytes, point: str) -> None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                mode = os.lstat(path).st_mode
-            except FileNotFoundError:
-                mode = None
-            if mode is not None and in_the_way(mode):
-                # not ours to replace (a directory fails the rename, a FIFO or a
-                # device is someone else's): retried until someone removes it
-                raise HostWriteError(f"cannot write {path}: {occupant(path)} is in the way (bcd does not remove it; remove it to bind)")
+            self._ready(path)
             atomic_write(path, data, 0o644, before_rename=lambda: self.crash(point))
         except OSError as exc:
             raise HostWriteError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -151,6 +171,57 @@ class LocalHostWriter:
         if not is_temp_name(p.name) or p.parent not in (self.cdi_dir, self.run_dir / ENV_SUBDIR):
             raise HostWriteError(f"refusing to remove {path}: not a temp file of ours")
         self._remove(p)
+
+    def _path(self, kind: HoldFileKind, allocation_id: str) -> Path:
+        return cdi_path(self.cdi_dir, allocation_id) if kind == "cdi" else env_path(self.run_dir, allocation_id)
+
+    def write_many(self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+        """All temps, one concurrent fsync, the renames, one directory fsync (shared.fsutil.atomic_write_many)."""
+        errors: dict[str, HostWriteError] = {}
+        vendor = None
+        if kind == "cdi" and contents:
+            try:
+                vendor = self.vendor.get()
+            except VendorSpecError as exc:
+                return {c.allocation_id: HostWriteError(f"vendor CDI spec unreadable: {exc}") for c in contents}
+        files: list[FileWrite] = []
+        for c in contents:
+            try:
+                path = self._path(kind, c.allocation_id)
+                self._ready(path)
+            except HostWriteError as exc:
+                errors[c.allocation_id] = exc
+                continue
+            except OSError as exc:
+                errors[c.allocation_id] = HostWriteError(f"cannot write {path}: {exc.strerror or exc}")
+                continue
+            files.append(FileWrite(c.allocation_id, path, hold_file_bytes(kind, c, vendor), 0o644))
+        point = "bind.cdi-temp-written" if kind == "cdi" else "bind.env-temp-written"
+        try:
+            failed = atomic_write_many(files, after_temp=lambda _: self.crash(point), after_rename=lambda f: done(f.key))
+        except OSError as exc:  # the directory fsync: nothing of the batch is known to be durable
+            return {**errors, **{f.key: HostWriteError(f"cannot write {f.path}: {exc.strerror or exc}") for f in files}}
+        for f in files:
+            if f.key in failed:
+                errors[f.key] = HostWriteError(f"cannot write {f.path}: {failed[f.key].strerror or failed[f.key]}")
+        return errors
+
+    def remove_many(self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+        errors: dict[str, HostWriteError] = {}
+        paths: list[tuple[str, Path]] = []
+        for alloc in allocation_ids:
+            try:
+                paths.append((alloc, self._path(kind, alloc)))
+            except HostWriteError as exc:
+                errors[alloc] = exc
+        try:
+            failed = remove_many(paths, after_remove=done)
+        except OSError as exc:
+            return {**errors, **{a: HostWriteError(f"cannot remove {p}: {exc.strerror or exc}") for a, p in paths}}
+        for alloc, path in paths:
+            if alloc in failed:
+                errors[alloc] = HostWriteError(f"cannot remove {path}: {failed[alloc].strerror or failed[alloc]}")
+        return errors
 
 
 
@@ -346,8 +417,30 @@ class HelperHostWriter:
         body = HelperFileRemove(kind=kind, allocation_id=m["id"], temp_pid=int(m["pid"]))  # type: ignore[arg-type]
         self._call(f"temp file {p.name}", self.subjects.helper_file_remove, body)
 
+    def write_many(self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+        """One helper request per file (the helper writes each atomically)."""
+        write = self.write_cdi if kind == "cdi" else self.write_env
+        return _each([(c.allocation_id, lambda c=c: write(c)) for c in contents], done)
+
+    def remove_many(self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+        remove = self.remove_cdi if kind == "cdi" else self.remove_env
+        return _each([(a, lambda a=a: remove(a)) for a in allocation_ids], done)
+
     def close(self) -> None:
         self.transport.close()
+
+
+def _each(calls: Sequence[tuple[str, Callable[[], object]]], done: Done) -> dict[str, HostWriteError]:
+    """Run each (allocation id, call) in turn; the error of each that failed, `done` after each that did not."""
+    errors: dict[str, HostWriteError] = {}
+    for alloc, call_one in calls:
+        try:
+            call_one()
+        except HostWriteError as exc:
+            errors[alloc] = exc
+            continue
+        done(alloc)
+    return errors
 
 
 def writer_kind(mode: str, *, fake_host: bool, euid: int) -> str:
@@ -400,6 +493,7 @@ async def find_helper(nc: Client, subjects: NodeSubjects, timeout: float = 2.0) 
 
 __all__ = [
     "HostWriteError",
+    "HoldFileKind",
     "HostWriter",
     "LocalHostWriter",
     "cdi_path",

@@ -7,6 +7,12 @@ stream's duplicate window. An event counts as sent once JetStream acked it
 (the bus syncs every write: `sync_interval: always`); the bridge drains the
 stream upstream.
 
+A pass reports in batches: `BusSigner.sign_many` signs its reports in one
+`sign_batch` request (cut to stay far below the bus's max payload), and
+`JetStreamOutbox.publish_many` sends a wave of events in order without
+waiting for each PubAck in turn (JetStream async publish), then awaits the
+acks in order. The stream stores a connection's messages in the order sent.
+
 A node-bus JetStream with too little room for the stream's reservation
 (`--outbox-max-bytes`, 256 MiB by default; JetStream's own limit is 75% of
 the free space of its store unless `max_file_store` says otherwise) refuses
@@ -19,10 +25,12 @@ again before each pass.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.client import Client
@@ -31,7 +39,21 @@ from nats.js.errors import APIError, NotFoundError
 
 from shared import logs
 from shared.runtime import ServiceCallError, call
-from shared.schemas import ATTESTED_REPORT_CODEC, NODE_EVENT_CODEC, REPORT_BODY_CODEC, AttestedEvent, AttestedReport, BadMessage, SignRequest
+from shared.schemas import (
+    ATTESTED_REPORT_CODEC,
+    NODE_EVENT_CODEC,
+    REPORT_BODY_CODEC,
+    REPORT_PURPOSE,
+    SIGN_BATCH_MAX,
+    SIGN_BATCH_REPLY_CODEC,
+    AttestedEvent,
+    AttestedReport,
+    BadMessage,
+    SignBatchRequest,
+    SignItem,
+    SignRequest,
+)
+from shared.schemas import encode
 from shared.subjects import MSG_ID_HEADER, NodeSubjects
 
 EVENT_TYPE_HEADER = "Bcd-Event-Type"
@@ -75,12 +97,37 @@ def check_event(event_type: str, payload: bytes) -> None:
         raise OutboxError(f"outbox: a {tag} event journaled as {event_type}")
 
 
+#: what one batch sign request carries at most, encoded: far below the node bus's 1 MiB
+#: max payload, so the reply (each body base64'd and signed, ~1.4x) fits too.
+SIGN_BATCH_BYTES = 256 * 1024
+#: how long a pipelined publish waits for all its acks.
+ACK_TIMEOUT_S = 5.0
+#: how long a has_room reading well below the limits stands for the next ones.
+ROOM_VOUCHES_S = 5.0
+
+
 class Signer(Protocol):
     async def sign(self, event_id: str, event: AttestedEvent) -> AttestedReport: ...
+
+    async def sign_many(self, items: list[tuple[str, AttestedEvent]]) -> list[AttestedReport]:
+        """One report per (event id, event), in order; OutboxError when any could not be signed."""
+        ...
+
+
+#: one event of a pipelined publish: (event type, event id, payload).
+OutboxItem = tuple[str, str, bytes]
 
 
 class Outbox(Protocol):
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None: ...
+
+    async def publish_many(self, items: list[OutboxItem], acked: Callable[[OutboxItem], None] = ...) -> list[OutboxError | None]:
+        """Publish every item in order without waiting for each ack in turn; then wait for all.
+
+        The result has one entry per item: None when journaled, else why not.
+        `acked` is called for each acked item, in order (a crash point).
+        """
+        ...
 
     async def has_room(self) -> bool:
         """False when the outbox is full: new binds wait (retryable) until it drains."""
@@ -102,6 +149,51 @@ class BusSigner:
             )
         except (ServiceCallError, nats.errors.Error, TimeoutError) as exc:
             raise OutboxError(f"signer: {exc or type(exc).__name__}") from None
+
+    async def sign_many(self, items: list[tuple[str, AttestedEvent]]) -> list[AttestedReport]:
+        """As few `sign_batch` requests as the bounds allow (usually one per pass)."""
+        reports: list[AttestedReport] = []
+        for chunk in sign_chunks(items):
+            try:
+                reply = await call(
+                    self.nc,
+                    self.subjects.signer_sign_batch,
+                    SignBatchRequest(purpose=REPORT_PURPOSE, items=[SignItem(event_id=i, event=e) for i, e in chunk]),
+                    SIGN_BATCH_REPLY_CODEC,
+                    timeout=self.timeout,
+                )
+            except (ServiceCallError, nats.errors.Error, TimeoutError) as exc:
+                raise OutboxError(f"signer: {exc or type(exc).__name__}") from None
+            reports.extend(checked_reports(chunk, reply.reports))
+        return reports
+
+
+def sign_chunks(items: list[tuple[str, AttestedEvent]]) -> list[list[tuple[str, AttestedEvent]]]:
+    """Cut items into requests of at most SIGN_BATCH_MAX items and about SIGN_BATCH_BYTES each."""
+    chunks: list[list[tuple[str, AttestedEvent]]] = []
+    size = 0
+    for item in items:
+        n = len(encode(item[1])) + len(item[0]) + 64
+        if not chunks or len(chunks[-1]) >= SIGN_BATCH_MAX or size + n > SIGN_BATCH_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += n
+    return chunks
+
+
+def checked_reports(items: list[tuple[str, AttestedEvent]], reports: list[AttestedReport]) -> list[AttestedReport]:
+    """The signer's reports, one per item, each for its item's event id and event (else OutboxError)."""
+    if len(reports) != len(items):
+        raise OutboxError(f"signer: {len(reports)} reports for {len(items)} events")
+    for (event_id, event), report in zip(items, reports):
+        try:
+            body = REPORT_BODY_CODEC.decode(report.body)
+        except BadMessage as exc:
+            raise OutboxError(f"signer: the report for {event_id} does not decode: {exc}") from None
+        if body.event_id != event_id or body.event != event:
+            raise OutboxError(f"signer: the report for {event_id} is for another event ({body.event_id})")
+    return reports
 
 
 class JetStreamOutbox:
@@ -142,6 +234,10 @@ class JetStreamOutbox:
         self.warning = ""
         #: the outbox has no stream: the server refused even the floor, or "".
         self.error = ""
+        #: (messages, bytes, loop time) of the stream at the last has_room reading.
+        self._room_known: tuple[int, int, float] | None = None
+        #: (events, bytes) journaled since that reading.
+        self._since = (0, 0)
 
     def config(self, max_bytes: int | None = None) -> StreamConfig:
         return StreamConfig(
@@ -157,10 +253,25 @@ class JetStreamOutbox:
         )
 
     async def has_room(self) -> bool:
+        # The last reading vouches for a few seconds when it was below half the limits,
+        # counting what this converger journaled since: the outbox only grows by events
+        # (a few per pass from the other services) and shrinks as the bridge drains it.
+        known = self._room_known
+        if known is not None:
+            messages, size, at = known
+            if (
+                asyncio.get_running_loop().time() - at < ROOM_VOUCHES_S
+                and messages + self._since[0] + self.headroom < self.max_msgs // 2
+                and size + self._since[1] < self.max_bytes * 0.45
+            ):
+                return True
         try:
             info = await self.js.stream_info(self.subjects.outbox_stream)
         except (nats.errors.Error, TimeoutError):
+            self._room_known = None
             return False
+        self._room_known = (info.state.messages, info.state.bytes, asyncio.get_running_loop().time())
+        self._since = (0, 0)
         return info.state.messages + self.headroom < self.max_msgs and info.state.bytes < self.max_bytes * 0.9
 
     async def ensure(self) -> None:
@@ -277,9 +388,69 @@ class JetStreamOutbox:
                 headers={MSG_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type},
             )
         except (nats.errors.Error, TimeoutError) as exc:
-            if self.error:
-                raise OutboxError(self.error) from None
-            raise OutboxError(f"outbox: {exc or type(exc).__name__}") from None
+            raise self._error(exc) from None
+        self._since = (self._since[0] + 1, self._since[1] + len(payload))
+
+    def _error(self, exc: BaseException) -> OutboxError:
+        if self.error:
+            return OutboxError(self.error)
+        return OutboxError(f"outbox: {exc or type(exc).__name__}")
+
+    async def publish_many(self, items: list[OutboxItem], acked: Callable[[OutboxItem], None] = lambda _: None) -> list[OutboxError | None]:
+        """JetStream async publish: every item sent in order on the one connection (so the
+        stream stores them in that order), then the acks awaited together, within ACK_TIMEOUT_S."""
+        results: list[OutboxError | None] = [None] * len(items)
+        futures: list[asyncio.Future[Any] | None] = []
+        for k, (event_type, event_id, payload) in enumerate(items):
+            try:
+                check_event(event_type, payload)
+                fut = await self.js.publish_async(
+                    self.subjects.outbox_subject(event_type),
+                    payload,
+                    wait_stall=ACK_TIMEOUT_S,
+                    headers={MSG_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type},
+                )
+            except OutboxError as exc:
+                results[k] = exc
+                fut = None
+            except (nats.errors.Error, TimeoutError) as exc:
+                results[k] = self._error(exc)
+                fut = None
+            futures.append(fut)
+        # the acks in order, each as it comes (a crash point after the k-th sees
+        # later ones still in flight), all within one deadline
+        deadline = asyncio.get_running_loop().time() + ACK_TIMEOUT_S
+        for k, fut in enumerate(futures):
+            if fut is None:
+                continue
+            left = deadline - asyncio.get_running_loop().time()
+            if not fut.done() and left > 0:
+                await asyncio.wait([fut], timeout=left)
+            if not fut.done():
+                fut.cancel()  # its done-callback frees the async publish's slot
+                results[k] = OutboxError(f"outbox: no ack within {ACK_TIMEOUT_S:g}s")
+            elif fut.cancelled():
+                results[k] = OutboxError("outbox: publish cancelled")
+            elif fut.exception() is not None:
+                results[k] = self._error(fut.exception())  # type: ignore[arg-type]
+            else:
+                self._since = (self._since[0] + 1, self._since[1] + len(items[k][2]))
+                acked(items[k])
+        return results
 
 
-__all__ = ["EVENT_TYPE_HEADER", "ATTESTED_TYPES", "OutboxError", "check_event", "Signer", "Outbox", "BusSigner", "JetStreamOutbox", "MIN_OUTBOX_BYTES", "INSUFFICIENT_STORAGE"]
+__all__ = [
+    "EVENT_TYPE_HEADER",
+    "ATTESTED_TYPES",
+    "OutboxError",
+    "OutboxItem",
+    "check_event",
+    "Signer",
+    "Outbox",
+    "BusSigner",
+    "JetStreamOutbox",
+    "sign_chunks",
+    "checked_reports",
+    "MIN_OUTBOX_BYTES",
+    "INSUFFICIENT_STORAGE",
+]

@@ -27,7 +27,11 @@ from .bus import (
     HoldSummary,
     OrphanQuery,
     OrphanReply,
+    SIGN_BATCH_MAX,
+    SignBatchReply,
+    SignBatchRequest,
     SignerKey,
+    SignItem,
     SignRequest,
     SpecAck,
     HelperDevice,
@@ -62,6 +66,9 @@ REPORT_BODY_CODEC: Codec[ReportBody] = Codec(ReportBody, max_bytes=256 * 1024)
 ATTESTED_REPORT_CODEC: Codec[AttestedReport] = Codec(AttestedReport, max_bytes=512 * 1024)
 NODE_EVENT_CODEC: Codec[NodeEvent] = Codec(NodeEvent, max_bytes=256 * 1024)  # type: ignore[arg-type]
 SIGN_REQUEST_CODEC: Codec[SignRequest] = Codec(SignRequest, max_bytes=256 * 1024)
+#: a batch is at most the node bus's max payload (1 MiB); the converger keeps requests far below it.
+SIGN_BATCH_REQUEST_CODEC: Codec[SignBatchRequest] = Codec(SignBatchRequest, max_bytes=1024 * 1024)
+SIGN_BATCH_REPLY_CODEC: Codec[SignBatchReply] = Codec(SignBatchReply, max_bytes=1024 * 1024)
 SIGNER_KEY_CODEC: Codec[SignerKey] = Codec(SignerKey, max_bytes=4096)
 EMPTY_CODEC: Codec[Empty] = Codec(Empty, max_bytes=4096)
 SPEC_ACK_CODEC: Codec[SpecAck] = Codec(SpecAck, max_bytes=4096)
@@ -133,6 +140,12 @@ __all__ = [  # noqa: PLE0604
     "ORPHAN_QUERY_CODEC",
     "ORPHAN_REPLY_CODEC",
     "SignRequest",
+    "SIGN_BATCH_MAX",
+    "SignItem",
+    "SignBatchRequest",
+    "SignBatchReply",
+    "SIGN_BATCH_REQUEST_CODEC",
+    "SIGN_BATCH_REPLY_CODEC",
     "SwitchRequest",
     "SwitchReply",
     "ClaimKind",

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .common import END, AtomId, Condition, EventId, Id, KeyId, Name, PciAddress, Text
-from .events import AttestedEvent, SectionStatus
+from .events import AttestedEvent, AttestedReport, SectionStatus
 from .inventory import Gpu
 
 
@@ -22,6 +22,34 @@ class SignRequest(msgspec.Struct, frozen=True, kw_only=True):
     purpose: Annotated[str, msgspec.Meta(max_length=64)]
     event_id: EventId
     event: AttestedEvent
+
+
+#: the most reports one batch sign request asks for (the converger cuts a pass's
+#: reports into requests of at most this many, and of a bounded size).
+SIGN_BATCH_MAX = 256
+
+
+class SignItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One report body to sign: the signer stamps node id, boot id and time itself."""
+
+    event_id: EventId
+    event: AttestedEvent
+
+
+class SignBatchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask the signer for one AttestedReport per item, in item order (one request per pass).
+
+    The whole batch is refused when `purpose` is one the signer does not sign.
+    """
+
+    purpose: Annotated[str, msgspec.Meta(max_length=64)]
+    items: Annotated[list[SignItem], msgspec.Meta(max_length=SIGN_BATCH_MAX)]
+
+
+class SignBatchReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The reports of a SignBatchRequest, one per item and in its order."""
+
+    reports: Annotated[list[AttestedReport], msgspec.Meta(max_length=SIGN_BATCH_MAX)]
 
 
 class SignerKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -386,6 +414,10 @@ __all__ = [
     "GpuRequest",
     "GpuReply",
     "SignRequest",
+    "SIGN_BATCH_MAX",
+    "SignItem",
+    "SignBatchRequest",
+    "SignBatchReply",
     "SignerKey",
     "Empty",
     "SpecAck",

@@ -79,7 +79,7 @@ def test_bcd_bus_shows_the_endpoints_the_outbox_kv_and_the_monitoring_view(node)
     assert spec["num_requests"] >= 1 and spec["average_processing_time"] > 0 and spec["num_errors"] == 0
     holder = bus["services"]["converger"]["endpoints"]["holder"]
     assert holder["subject"] == s.converger_holder and holder["num_errors"] >= 1 and holder["last_error"]
-    assert bus["services"]["signer"]["endpoints"]["sign"]["num_requests"] >= 1  # the Bound was signed
+    assert bus["services"]["signer"]["endpoints"]["sign_batch"]["num_requests"] >= 1  # the Bound was signed (with the pass's other reports)
     assert set(info["services"]) <= set(bus["services"])
 
     # the outbox drained; the inventory bucket holds the inventory

@@ -189,6 +189,26 @@ def expected_files(node: Node, allocs: set[str]) -> None:
     assert not leftovers, leftovers
 
 
+async def killed_at(node: Node, point: str, before: NodeSpec | None, spec: NodeSpec) -> NodeSpec:
+    """Converge `before` (if any) cleanly; push `spec` to a converger that SIGKILLs itself at
+    `point`; start it again and wait until `spec` converged. Returns `spec`."""
+    if before is not None:
+        sp = node.start_converger()
+        await node.bus.wait_service("converger")
+        await node.push(before)
+        await node.wait_section(before.generation, "CONVERGED")
+        assert sp.stop() == 0
+    sp = node.start_converger(BCD_CONVERGER_CRASH_AT=point)
+    await node.bus.wait_service("converger")
+    await node.push(spec)
+    code = await asyncio.to_thread(sp.wait, 30)
+    assert code == -9, f"converger did not die at {point}: exit {code}\n{sp.log()[-2000:]}"
+    node.start_converger()
+    await node.bus.wait_service("converger")
+    await node.wait_section(spec.generation, "CONVERGED")
+    return spec
+
+
 @pytest.mark.parametrize("point", BIND_POINTS + RELEASE_POINTS)
 async def test_kill_9_at_every_step_then_restart_loses_and_repeats_nothing(node, point):
     """Gen 1 binds `keep` and `gone`; gen 2 releases `gone` and binds `new`.
@@ -196,26 +216,7 @@ async def test_kill_9_at_every_step_then_restart_loses_and_repeats_nothing(node,
     bind_point = point.startswith("bind.")
     gen1 = NodeSpec(node_id="node-1", generation=1, devices=[assignment("keep", GPU[0], cpus="0-3"), assignment("gone", GPU[1], memory_bytes=1 << 30)])
     gen2 = NodeSpec(node_id="node-1", generation=2, devices=[assignment("keep", GPU[0], cpus="0-3"), assignment("new", GPU[2], cpus="4-7")])
-    if bind_point:
-        sp = node.start_converger(BCD_CONVERGER_CRASH_AT=point)
-        await node.bus.wait_service("converger")
-        await node.push(gen1)
-    else:
-        sp = node.start_converger()
-        await node.bus.wait_service("converger")
-        await node.push(gen1)
-        await node.wait_section(1, "CONVERGED")
-        assert sp.stop() == 0
-        sp = node.start_converger(BCD_CONVERGER_CRASH_AT=point)
-        await node.bus.wait_service("converger")
-        await node.push(gen2)
-    code = await asyncio.to_thread(sp.wait, 30)
-    assert code == -9, f"converger did not die at {point}: exit {code}\n{sp.log()[-2000:]}"
-
-    node.start_converger()
-    await node.bus.wait_service("converger")
-    final = gen1 if bind_point else gen2
-    await node.wait_section(final.generation, "CONVERGED")
+    final = await killed_at(node, point, None if bind_point else gen1, gen1 if bind_point else gen2)
     expected_files(node, {a.allocation_id for a in final.devices})
 
     events = await node.outbox()
@@ -225,6 +226,54 @@ async def test_kill_9_at_every_step_then_restart_loses_and_repeats_nothing(node,
     released = await node.reports("released")
     assert sorted(b.event.allocation_id for b in bound) == (["gone", "keep"] if bind_point else ["gone", "keep", "new"])
     assert [r.event.allocation_id for r in released] == ([] if bind_point else ["gone"])
+
+
+#: kill -9 inside a batch of three releases and three binds: between two files, after
+#: the batch sign, after some acks of a pipelined wave (the rest still in flight).
+MID_BATCH = [
+    "release.intent-recorded",
+    "release.cdi-removed:2",
+    "release.env-removed:3",
+    "release.slice-stopped:2",
+    "release.signed",
+    "release.published:2",
+    "bind.cdi-temp-written:2",
+    "bind.cdi-written:2",
+    "bind.env-written:3",
+    "bind.signed",
+    "bind.published:1",
+    "bind.published:2",
+    "bind.completed",
+]
+
+
+@pytest.mark.parametrize("point", MID_BATCH)
+async def test_kill_9_inside_a_batch_then_restart_sends_each_event_once(node, point):
+    """Gen 1 binds r1..r3 (r1 sliced) and k1; gen 2 moves r1..r3's GPUs to b1..b3 in one batch."""
+    gen1 = NodeSpec(
+        node_id="node-1",
+        generation=1,
+        devices=[assignment("r1", GPU[0], cpus="0-1"), assignment("r2", GPU[1]), assignment("r3", GPU[2]), assignment("k1", GPU[3])],
+    )
+    gen2 = NodeSpec(
+        node_id="node-1",
+        generation=2,
+        devices=[assignment("k1", GPU[3]), assignment("b1", GPU[0], cpus="2-3"), assignment("b2", GPU[1]), assignment("b3", GPU[2])],
+    )
+    await killed_at(node, point, gen1, gen2)
+    expected_files(node, {"k1", "b1", "b2", "b3"})
+    events = await node.outbox()
+    ids = [i for _, i, _ in events]
+    assert len(ids) == len(set(ids)), "an event id appears twice in the outbox"
+    hold_events = [(t, i) for t, i, _ in events if t in ("bound", "released")]
+    assert sorted(i for t, i in hold_events if t == "released") == [f"node-1.r{k}.released.g2" for k in (1, 2, 3)]
+    assert sorted(i for t, i in hold_events if t == "bound") == sorted(
+        [*(f"node-1.r{k}.bound.g1" for k in (1, 2, 3)), "node-1.k1.bound.g1", *(f"node-1.b{k}.bound.g2" for k in (1, 2, 3))]
+    )
+    # each GPU's Released is in the outbox before the Bound that takes it
+    order = [i for _, i in hold_events]
+    for k in (1, 2, 3):
+        assert order.index(f"node-1.r{k}.released.g2") < order.index(f"node-1.b{k}.bound.g2")
 
 
 async def test_reboot_recreates_env_and_slices_without_new_bound(node, host_file):

@@ -186,4 +186,4 @@ async def test_srv_ping_finds_every_running_service(node_bus, host_file):
         "bcd.node-1.inventory.gpu",
     }
     stats = json.loads((await nc.request("$SRV.STATS.signer", b"", timeout=2)).data)
-    assert {e["name"] for e in stats["endpoints"]} == {"sign", "key"}
+    assert {e["name"] for e in stats["endpoints"]} == {"sign", "sign_batch", "key"}

@@ -13,10 +13,14 @@ import pytest
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
+    SIGN_BATCH_MAX,
+    SIGN_BATCH_REPLY_CODEC,
     SIGNER_KEY_CODEC,
     AllocationBound,
     AllocationReleased,
     Empty,
+    SignBatchRequest,
+    SignItem,
     SignRequest,
     encode,
 )
@@ -168,3 +172,39 @@ async def test_serves_metrics_on_loopback_and_logs_json_lines(signer):
     lines = [json.loads(line) for line in signer.services[-1].log().splitlines() if line.strip()]
     assert {"ts", "level", "service", "msg"} <= set(lines[0])
     assert any(entry["msg"] == "signed" and entry["event_id"] == "ev-m" for entry in lines)
+
+
+async def test_sign_batch_signs_each_body_in_order_stamped_by_the_signer(signer):
+    subjects = NodeSubjects(signer.node_id)
+    nc = await signer.connect("converger")
+    key = await call(nc, subjects.signer_key, Empty(), SIGNER_KEY_CODEC)
+    events = [bound(f"alloc_{i:02d}", gen=i) for i in range(1, 41)]
+    events.append(AllocationReleased(allocation_id="alloc_01", reservation_id="rsv_01", generation=41, devices=events[0].devices))
+    items = [SignItem(event_id=f"ev-{i}", event=e) for i, e in enumerate(events)]
+    reply = await call(nc, subjects.signer_sign_batch, SignBatchRequest(purpose="attested-report", items=items), SIGN_BATCH_REPLY_CODEC)
+    assert len(reply.reports) == len(items)
+    for item, report in zip(items, reply.reports):
+        body = verify_report(report, key.public_key)
+        assert (body.event_id, body.event) == (item.event_id, item.event)
+        assert body.node_id == "node-1" and body.boot_id == BOOT_ID and report.key_id == key.key_id
+    empty = await call(nc, subjects.signer_sign_batch, SignBatchRequest(purpose="attested-report", items=[]), SIGN_BATCH_REPLY_CODEC)
+    assert empty.reports == []
+
+
+async def test_sign_batch_refuses_other_purposes_and_oversized_batches_whole(signer):
+    subjects = NodeSubjects(signer.node_id)
+    nc = await signer.connect("converger")
+    items = [SignItem(event_id="ev-1", event=bound())]
+    with pytest.raises(ServiceCallError) as refused:
+        await call(nc, subjects.signer_sign_batch, SignBatchRequest(purpose="node-spec", items=items), SIGN_BATCH_REPLY_CODEC)
+    assert refused.value.code == "403" and "node-spec" in refused.value.description
+    too_many = {"purpose": "attested-report", "items": [json.loads(encode(items[0]))] * (SIGN_BATCH_MAX + 1)}
+    with pytest.raises(ServiceCallError) as big:
+        await call(nc, subjects.signer_sign_batch, json.dumps(too_many).encode(), SIGN_BATCH_REPLY_CODEC)
+    assert big.value.code == "400" and "$.items" in big.value.description
+    # a node id or boot id in the request is no field of it: the signer stamps its own
+    key = await call(nc, subjects.signer_key, Empty(), SIGNER_KEY_CODEC)
+    forged = {"purpose": "attested-report", "items": [{**json.loads(encode(items[0])), "node_id": "node-2", "boot_id": "other"}]}
+    reply = await call(nc, subjects.signer_sign_batch, json.dumps(forged).encode(), SIGN_BATCH_REPLY_CODEC)
+    body = verify_report(reply.reports[0], key.public_key)
+    assert (body.node_id, body.boot_id) == ("node-1", BOOT_ID)

@@ -18,6 +18,9 @@ from tests.blocking import within_deadline
 
 from shared.fsutil import (
     FileTooLarge,
+    FileWrite,
+    atomic_write_many,
+    remove_many,
     NotRegularFile,
     RefusedFile,
     atomic_write,
@@ -163,3 +166,70 @@ def test_atomic_write_replaces_a_symlink_not_its_target(tmp_path: Path) -> None:
     atomic_write(target, b"new\n")
     assert not target.is_symlink() and target.read_bytes() == b"new\n"
     assert victim.read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def test_atomic_write_many_writes_every_file_with_its_mode(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "old").write_bytes(b"old")
+    files = [FileWrite(f"k{i}", tmp_path / ("a" if i % 2 else "b") / f"f{i}", f"data {i}".encode() * 100, 0o640) for i in range(40)]
+    files.append(FileWrite("old", tmp_path / "a" / "old", b"new", 0o600))
+    renamed: list[str] = []
+    assert atomic_write_many(files, after_rename=lambda f: renamed.append(f.key)) == {}
+    assert renamed == [f.key for f in files]
+    for f in files:
+        assert f.path.read_bytes() == f.data
+        assert f.path.stat().st_mode & 0o777 == f.mode
+    assert not [p for p in tmp_path.rglob(".*") if ".tmp-" in p.name]
+
+
+def test_atomic_write_many_one_failure_leaves_the_others_and_no_temp(tmp_path: Path) -> None:
+    (tmp_path / "dir-in-the-way").mkdir()
+    (tmp_path / "dir-in-the-way" / "x").write_text("x")
+    files = [
+        FileWrite("ok1", tmp_path / "ok1", b"1"),
+        FileWrite("bad", tmp_path / "dir-in-the-way", b"2"),  # the rename onto a non-empty directory fails
+        FileWrite("missing-dir", tmp_path / "nope" / "f", b"3"),  # the temp cannot be created
+        FileWrite("ok2", tmp_path / "ok2", b"4"),
+    ]
+    errors = atomic_write_many(files)
+    assert set(errors) == {"bad", "missing-dir"}
+    assert isinstance(errors["bad"], OSError) and errors["missing-dir"].errno == errno.ENOENT
+    assert (tmp_path / "ok1").read_bytes() == b"1" and (tmp_path / "ok2").read_bytes() == b"4"
+    assert (tmp_path / "dir-in-the-way").is_dir()
+    assert not [p for p in tmp_path.rglob(".*") if ".tmp-" in p.name]
+
+
+class Killed(BaseException):
+    pass
+
+
+def test_atomic_write_many_killed_between_files_shows_old_or_whole_new(tmp_path: Path) -> None:
+    for i in range(4):
+        (tmp_path / f"f{i}").write_bytes(b"old")
+    files = [FileWrite(f"f{i}", tmp_path / f"f{i}", b"new" * 1000) for i in range(4)]
+    seen: list[str] = []
+
+    def kill_after_two(f: FileWrite) -> None:
+        seen.append(f.key)
+        if len(seen) == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        atomic_write_many(files, after_rename=kill_after_two)
+    assert [(tmp_path / f"f{i}").read_bytes() for i in range(4)] == [b"new" * 1000] * 2 + [b"old"] * 2
+    # the temps of the files not renamed yet are what a crash leaves behind, for the next pass to remove
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == [f".f2.tmp-{os.getpid()}", f".f3.tmp-{os.getpid()}"]
+
+
+def test_remove_many_counts_missing_as_removed_and_reports_failures(tmp_path: Path) -> None:
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "d").mkdir()
+    gone: list[str] = []
+    errors = remove_many([("a", tmp_path / "a"), ("missing", tmp_path / "missing"), ("d", tmp_path / "d")], after_remove=gone.append)
+    assert set(errors) == {"d"} and isinstance(errors["d"], OSError)
+    assert not (tmp_path / "a").exists() and (tmp_path / "d").is_dir()
+    assert gone == ["a", "missing"]

@@ -28,6 +28,8 @@ from shared.schemas import (
     NODE_EVENT_CODEC,
     NODE_SPEC_CODEC,
     REPORT_BODY_CODEC,
+    SIGN_BATCH_REPLY_CODEC,
+    SIGN_BATCH_REQUEST_CODEC,
     SIGN_REQUEST_CODEC,
     SIGNED_NODE_SPEC_CODEC,
     SIGNER_KEY_CODEC,
@@ -59,6 +61,9 @@ from shared.schemas import (
     SectionStatus,
     SignedNodeSpec,
     SignerKey,
+    SignBatchReply,
+    SignBatchRequest,
+    SignItem,
     SignRequest,
     encode,
 )
@@ -166,10 +171,16 @@ SAMPLES: list[tuple[str, object, object]] = [
     ("GpuChanged", GpuChanged, GPU_CHANGED),
     *[("NodeEvent", UPSTREAM_TYPES["NodeEvent"], e) for e in EVENTS.values()],
     ("SignRequest", SignRequest, SignRequest(purpose="attested-report", event_id="ev:1", event=BOUND)),
+    (
+        "SignBatchRequest",
+        SignBatchRequest,
+        SignBatchRequest(purpose="attested-report", items=[SignItem(event_id="ev:1", event=BOUND), SignItem(event_id="ev:2", event=RELEASED)]),
+    ),
+    ("SignBatchReply", SignBatchReply, SignBatchReply(reports=[AttestedReport(key_id=KEY_ID, body=encode(BODY), signature=b"s" * 64)])),
     ("SignerKey", SignerKey, SignerKey(node_id="node-1", public_key=b"k" * 32, key_id=KEY_ID, boot_id="b")),
     ("Empty", Empty, Empty()),
 ]
-BUS_TYPES = {"SignRequest", "SignerKey", "Empty"}
+BUS_TYPES = {"SignRequest", "SignBatchRequest", "SignBatchReply", "SignerKey", "Empty"}
 
 
 def test_samples_cover_every_upstream_and_bus_type() -> None:
@@ -620,6 +631,8 @@ def test_size_limit_counts_encoded_bytes_not_characters() -> None:
         (ATTESTED_REPORT_CODEC, 512 * 1024),
         (NODE_EVENT_CODEC, 256 * 1024),
         (SIGN_REQUEST_CODEC, 256 * 1024),
+        (SIGN_BATCH_REQUEST_CODEC, 1024 * 1024),
+        (SIGN_BATCH_REPLY_CODEC, 1024 * 1024),
         (SIGNER_KEY_CODEC, 4096),
         (EMPTY_CODEC, 4096),
     ],
@@ -710,6 +723,12 @@ OTHER_BAD = [
         {"purpose": "p" * 65, "event_id": "e", "event": json.loads(encode(BOUND))},
         "`$.purpose`",
         id="sign-request-purpose-long",
+    ),
+    pytest.param(
+        SIGN_BATCH_REQUEST_CODEC,
+        {"purpose": "attested-report", "items": [{"event_id": "e", "event": json.loads(encode(BOUND))}] * 257},
+        "`$.items`",
+        id="sign-batch-too-many",
     ),
 ]
 

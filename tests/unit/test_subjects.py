@@ -143,6 +143,7 @@ def test_node_subjects_are_frozen() -> None:
 PERMS: dict[str, Permissions] = {user: S.permissions(user) for user in NODE_BUS_USERS}
 KV_PUT = f"$KV.{S.inventory_bucket}.gpus"
 KV_STREAM = f"KV_{S.inventory_bucket}"
+OUTBOX = S.outbox_stream
 
 
 def test_users_are_the_services_and_the_operator() -> None:
@@ -169,6 +170,7 @@ READERS = {"converger", "gateway_bridge", "cli"}
 #: who may publish to each subject: every row is a decision (DESIGN 2).
 PUBLISH_MATRIX = [
     pytest.param(S.signer_sign, {"converger"}, id="signer.sign"),
+    pytest.param(S.signer_sign_batch, {"converger"}, id="signer.sign_batch"),
     pytest.param(S.signer_key, {"converger", "gateway_bridge", "cli"}, id="signer.key"),
     pytest.param(S.subject("signer", "other"), set(), id="signer.other"),
     pytest.param(
@@ -205,6 +207,23 @@ PUBLISH_MATRIX = [
         {"inventory", *READERS},
         id="inventory-kv-direct-get",
     ),
+    # the outbox's JetStream API: the converger makes it; the bridge alone reads it through an
+    # ephemeral consumer of its own and purges what upstream acknowledged; the operator looks
+    pytest.param(f"$JS.API.STREAM.INFO.{OUTBOX}", {"converger", "gateway_bridge", "cli"}, id="outbox-info"),
+    pytest.param(f"$JS.API.STREAM.CREATE.{OUTBOX}", {"converger"}, id="outbox-create"),
+    pytest.param(f"$JS.API.STREAM.DELETE.{OUTBOX}", set(), id="outbox-delete"),
+    pytest.param(f"$JS.API.STREAM.PURGE.{OUTBOX}", {"gateway_bridge"}, id="outbox-purge"),
+    pytest.param(f"$JS.API.STREAM.MSG.GET.{OUTBOX}", set(), id="outbox-msg-get"),
+    pytest.param(f"$JS.API.STREAM.MSG.DELETE.{OUTBOX}", set(), id="outbox-msg-delete"),
+    pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}", {"gateway_bridge"}, id="outbox-consumer-create"),
+    pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}.named", set(), id="outbox-consumer-create-named"),
+    pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}.named.{S.outbox_subject('bound')}", set(), id="outbox-consumer-create-filtered"),
+    pytest.param(f"$JS.API.CONSUMER.DURABLE.CREATE.{OUTBOX}.named", set(), id="outbox-consumer-durable-create"),
+    pytest.param(f"$JS.API.CONSUMER.MSG.NEXT.{OUTBOX}.abc", {"gateway_bridge"}, id="outbox-consumer-next"),
+    pytest.param(f"$JS.API.CONSUMER.DELETE.{OUTBOX}.abc", {"gateway_bridge"}, id="outbox-consumer-delete"),
+    pytest.param(f"$JS.API.CONSUMER.INFO.{OUTBOX}.abc", set(), id="outbox-consumer-info"),
+    pytest.param(f"$JS.API.CONSUMER.CREATE.{NodeSubjects('n2').outbox_stream}", set(), id="other-node-outbox-consumer-create"),
+    pytest.param(f"$JS.API.STREAM.PURGE.{NodeSubjects('n2').outbox_stream}", set(), id="other-node-outbox-purge"),
     pytest.param("$SRV.PING", {"cli"}, id="srv-ping"),
     pytest.param("$SRV.INFO.signer", {"cli"}, id="srv-info"),
     pytest.param("bcd.n2.signer.sign", set(), id="other-node-sign"),
@@ -260,6 +279,7 @@ def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> Non
     ("subject", "allowed"),
     [
         pytest.param(S.signer_sign, {"signer"}, id="signer.sign"),
+        pytest.param(S.signer_sign_batch, {"signer"}, id="signer.sign_batch"),
         pytest.param(S.inventory_get, {"inventory"}, id="inventory.get"),
         pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "cli"}, id="inventory.changed"),
         pytest.param(S.subject("vfio_switcher", "switch"), {"vfio_switcher"}, id="vfio_switcher.switch"),

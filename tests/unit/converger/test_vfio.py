@@ -28,7 +28,7 @@ from services.converger.switcher import BusSwitcher, NoSwitcher, SwitchUnavailab
 from services.converger.vfio import VfioPlan, card_claims, plan_vfio, switched_targets
 from shared.schemas import Condition, GpuClaim, Inventory, InstanceGpus, NodeSpec, SwitchRequest
 
-from tests.converger_kit import GPU, FakeSwitcher, Node, fast_dir, hold, host_copy, host_inventory, spec, with_status
+from tests.converger_kit import GPU, FakeSwitcher, FaultyWriter, Node, fast_dir, hold, host_copy, host_inventory, spec, with_status
 
 G = GPU
 PCI = {0: "0000:18:00.0", 1: "0000:2a:00.0", 4: "0000:9a:00.0", 6: "0000:ba:00.0"}
@@ -474,20 +474,7 @@ async def test_a_failed_release_holds_back_the_switch_to_vfio(root: Path) -> Non
     node = Node(root)
     await node.converge(spec(1, hold("a1", G[0])))
     fail = {"remove_cdi"}
-    inner = node.writer
-
-    class Faulty:
-        def __getattr__(self, name: str):  # noqa: ANN204
-            attr = getattr(inner, name)
-
-            def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-                if name in fail:
-                    raise HostWriteError(f"{name}: injected failure")
-                return attr(*args, **kwargs)
-
-            return call
-
-    node.applier.writer = Faulty()  # type: ignore[assignment]
+    node.applier.writer = FaultyWriter(node.writer, fail)  # type: ignore[assignment]
     s = spec(2, instances=[vm("vm-a", PCI[0])])
     p, r = await node.converge(s)
     assert vfio_steps(p) == [to_vfio(PCI[0], "vm-a")]

@@ -1,0 +1,375 @@
+"""Group commit: a pass's releases, binds and Bound reports applied as one batch.
+
+The promises of a single bind or release (apply.py) hold for every hold of
+the batch; what changes is how many fsyncs and round trips they cost:
+
+1. one journal write (one fsync) records the intent of every release and
+   bind of the batch, before any side effect;
+2. the releases' CDI specs go, then their env files (all unlinks, then one
+   directory fsync each), then their slices stop;
+3. unless a release failed, the binds' slices are applied, then their CDI
+   specs and then their env files written as groups (all temps, one
+   concurrent fsync, the renames, one directory fsync:
+   `shared.fsutil.atomic_write_many`);
+4. one `sign_batch` request signs every report of the batch;
+5. the Released events are published as one pipelined wave and their acks
+   awaited; only when every one of them is in the outbox do the Bound events
+   follow, as a second wave (a control plane sees a GPU's Released before
+   the Bound that takes it), then the AllocationFailed events;
+6. one journal write records completion (with the section status, for the
+   pass's last batch).
+
+A crash anywhere replays to the same result with the same event ids: an
+intent without its side effects is planned again (or undone), a hold whose
+files are all there is reported with the event id its intent recorded (a
+second copy is dropped by the outbox's duplicate window), a release whose
+files are gone is reported again. A Bound of a hold that is also released in
+this batch (a bind interrupted after its CDI spec, no longer wanted) goes out
+first, in a wave of its own, before anything of the batch is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shared import logs
+from shared.holdfiles import HoldContent
+from shared.schemas import AllocationBound, AttestedEvent, encode
+
+from .hostwriter import HostWriteError
+from .model import BindHold, ConvergerState, Intent, Refusal, ReleaseHold, ReportBound, ReportFailed
+from .outbox import OutboxError, OutboxItem
+
+if TYPE_CHECKING:
+    from .apply import Applier, ApplyResult
+
+log = logs.get_logger("bcd.converger.apply")
+
+
+@dataclass
+class PassRun:
+    """What one apply() has learnt so far, shared by its batches and its single steps."""
+
+    #: a reported release failed: no bind (and no switch to vfio-pci) in this pass.
+    release_failed: bool = False
+    #: a release, or the undo of an unreported bind, failed: no switch to vfio-pci.
+    switch_held: bool = False
+    #: allocations whose Bound could not be reported in this pass.
+    unreported: set[str] = field(default_factory=set)
+    #: kept holds whose slice or env file could not be put back: no Bound for them yet.
+    incomplete: set[str] = field(default_factory=set)
+    #: the outbox has room for new binds.
+    room: bool = True
+
+
+@dataclass
+class Batch:
+    """Batchable steps collected in plan order until the next flush."""
+
+    releases: list[ReleaseHold] = field(default_factory=list)
+    binds: list[BindHold] = field(default_factory=list)
+    reports: list[ReportBound] = field(default_factory=list)
+    #: AllocationFailed events: published after the Bounds (upstream.md: releases, binds, failures).
+    failures: list[ReportFailed] = field(default_factory=list)
+
+    def add(self, step: ReleaseHold | BindHold | ReportBound | ReportFailed) -> None:
+        if isinstance(step, ReleaseHold):
+            self.releases.append(step)
+        elif isinstance(step, BindHold):
+            self.binds.append(step)
+        elif isinstance(step, ReportFailed):
+            self.failures.append(step)
+        else:
+            self.reports.append(step)
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.binds or self.reports or self.failures)
+
+
+class GroupCommit:
+    """Runs a Batch for an Applier (its writer, signer, outbox, journal and crash points)."""
+
+    def __init__(self, applier: Applier) -> None:
+        self.a = applier
+
+    def _intent(self, op: str, alloc: str, event: AttestedEvent, event_id: str, *, cgroup_parent: str = "", sliced: bool = False) -> Intent:
+        return Intent(
+            op=op,  # type: ignore[arg-type]
+            allocation_id=alloc,
+            reservation_id=event.reservation_id,
+            generation=event.generation,
+            devices=list(event.devices),
+            event_id=event_id,
+            boot_id=self.a.boot_id(),
+            started_at=self.a.clock(),
+            cgroup_parent=cgroup_parent,
+            sliced=sliced,
+        )
+
+    def _fail(self, result: ApplyResult, alloc: str, what: str, exc: Exception, step: str) -> None:
+        result.errors.append(f"{alloc}: {what}{exc}")
+        log.warning("step failed; will retry", step=step, allocation_id=alloc, error=str(exc))
+
+    async def _report(self, items: list[tuple[str, str, AttestedEvent]]) -> tuple[list[bytes] | None, str]:
+        """Sign (type, event id, event) items in one go: their payloads, or None and why not."""
+        if not items:
+            return [], ""
+        try:
+            reports = await self.a.signer.sign_many([(event_id, event) for _, event_id, event in items])
+        except OutboxError as exc:
+            return None, str(exc)
+        return [encode(r) for r in reports], ""
+
+    async def _publish(self, items: list[OutboxItem], point: str = "") -> list[OutboxError | None]:
+        if not items:
+            return []
+        return await self.a.outbox.publish_many(items, acked=(lambda _: self.a.crash(point)) if point else (lambda _: None))
+
+    def _completed_bound(self, state: ConvergerState, alloc: str, event_id: str, event: AllocationBound) -> None:
+        state.reported[alloc] = event_id
+        state.bound[alloc] = self._intent("bind", alloc, event, event_id, cgroup_parent=event.cgroup_parent, sliced=bool(event.cgroup_parent))
+        state.intents.pop(alloc, None)
+
+    async def run(self, batch: Batch, state: ConvergerState, result: ApplyResult, run: PassRun, *, save: bool = True) -> list[str]:
+        """Apply the batch; returns the completion crash points still to pass (when `save` is
+        False the caller writes the completion record, with the section, and passes them)."""
+        a = self.a
+        released_allocs = {s.allocation_id for s in batch.releases}
+        pre = [s for s in batch.reports if s.allocation_id in released_allocs]
+        kept_reports = [s for s in batch.reports if s.allocation_id not in released_allocs]
+
+        # 0. the Bound of an interrupted bind released in this batch goes out before its Released
+        skip_release: set[str] = set()
+        if pre:
+            payloads, why = await self._report([("bound", s.event_id, s.event) for s in pre])
+            outcome: list[OutboxError | None] = (
+                await self._publish([("bound", s.event_id, p) for s, p in zip(pre, payloads)], "bind.published")
+                if payloads is not None
+                else [OutboxError(why)] * len(pre)
+            )
+            for s, err in zip(pre, outcome):
+                if err is None:
+                    self._completed_bound(state, s.allocation_id, s.event_id, s.event)
+                    continue
+                self._fail(result, s.allocation_id, "", err, "ReportBound")
+                run.unreported.add(s.allocation_id)
+                # a Released now would follow no Bound
+                result.errors.append(f"{s.allocation_id}: not released in this pass: its Bound could not be reported")
+                skip_release.add(s.allocation_id)
+                run.release_failed = run.switch_held = True
+
+        releases = [s for s in batch.releases if s.allocation_id not in skip_release]
+        binds: list[BindHold] = []
+        for s in batch.binds:
+            if run.release_failed:
+                result.errors.append(f"{s.allocation_id}: not bound in this pass: a release before it failed")
+            elif not run.room:
+                why = getattr(a.outbox, "error", "") or "the outbox is full (upstream not draining)"
+                result.errors.append(f"{s.allocation_id}: not bound in this pass: {why}")
+            else:
+                binds.append(s)
+        kept_reports = [s for s in kept_reports if not _held_back(s, run, result)]
+
+        # 1. one journal write: every intent of the batch before any side effect
+        before = {s.allocation_id: state.intents.get(s.allocation_id) for s in binds}
+        recorded = False
+        for s in releases:
+            existing = state.intents.get(s.allocation_id)
+            if s.report and (existing is None or existing.op != "release"):
+                state.intents[s.allocation_id] = self._intent("release", s.allocation_id, s.event, s.event_id, sliced=s.sliced)
+                recorded = True
+        for s in binds:
+            c = s.content
+            state.intents[s.allocation_id] = self._intent("bind", s.allocation_id, s.event, s.event_id, cgroup_parent=c.cgroup_parent, sliced=bool(c.cgroup_parent))
+            recorded = True
+        if recorded:
+            a.save_state(state)
+        if any(s.report for s in releases):
+            a.crash("release.intent-recorded")
+        if binds:
+            a.crash("bind.intent-recorded")
+
+        # 2. the releases' files and slices
+        gone = self._release_files(releases, result, run)
+
+        # 3. the binds' files, unless a release failed
+        placed: list[BindHold] = []
+        # binds that never started keep the journal as it was; one that failed half-way
+        # keeps its intent (the next pass finishes or undoes it)
+        not_run: list[BindHold] = []
+        if binds and run.release_failed:
+            for s in binds:
+                result.errors.append(f"{s.allocation_id}: not bound in this pass: a release before it failed")
+            not_run = binds
+        elif binds:
+            placed = self._bind_files(binds, result)
+
+        # 4. one signature request for every report
+        rel_items = [("released", s.event_id, s.event) for s in gone if s.report]
+        bind_items = [("bound", s.event_id, s.event) for s in placed if s.report]
+        kept_items = [("bound", s.event_id, s.event) for s in kept_reports]
+        payloads, why = await self._report([*rel_items, *bind_items, *kept_items])
+        if rel_items:
+            a.crash("release.signed")
+        if bind_items or kept_items:
+            a.crash("bind.signed")
+
+        # 5. Released first, all of them in the outbox; then the Bounds
+        published_rel: set[str] = set()
+        published_bound: set[str] = set()
+        if payloads is None:
+            for _, event_id, event in [*rel_items, *bind_items, *kept_items]:
+                self._fail(result, event.allocation_id, "", OutboxError(why), "report")
+                run.unreported.add(event.allocation_id)
+            if rel_items:
+                run.release_failed = run.switch_held = True
+        else:
+            n_rel = len(rel_items)
+            outcome = await self._publish([(t, i, p) for (t, i, _), p in zip(rel_items, payloads[:n_rel])], "release.published")
+            for (_, event_id, event), err in zip(rel_items, outcome):
+                if err is None:
+                    published_rel.add(event.allocation_id)
+                    log.info("hold released", allocation_id=event.allocation_id, event_id=event_id)
+                else:
+                    self._fail(result, event.allocation_id, "", err, "ReleaseHold")
+                    run.release_failed = run.switch_held = True
+            wave = [*zip(kept_items, payloads[n_rel + len(bind_items) :])]
+            if run.release_failed:
+                # a Bound of this batch may take a GPU whose Released is not out: next pass
+                for _, event_id, event in bind_items:
+                    result.errors.append(f"{event.allocation_id}: Bound not reported in this pass: a release before it failed")
+                    run.unreported.add(event.allocation_id)
+            else:
+                wave = [*zip(bind_items, payloads[n_rel : n_rel + len(bind_items)]), *wave]
+            outcome = await self._publish([(t, i, p) for (t, i, _), p in wave], "bind.published")
+            for ((_, event_id, event), _p), err in zip(wave, outcome):
+                if err is None:
+                    published_bound.add(event.allocation_id)
+                else:
+                    self._fail(result, event.allocation_id, "", err, "ReportBound")
+                    run.unreported.add(event.allocation_id)
+        if batch.failures:
+            # after the Bounds; plain events, not signed, not held back by a failed release
+            outcome = await self._publish([("failed", s.event_id, encode(s.event)) for s in batch.failures])
+            for s, err in zip(batch.failures, outcome):
+                if err is not None:
+                    self._fail(result, s.allocation_id, "", err, "ReportFailed")
+                    continue
+                e = s.event
+                state.reported_failures[s.allocation_id] = e.generation
+                state.refusals[s.allocation_id] = Refusal(generation=e.generation, reason=e.reason, message=e.message)
+                result.done += 1
+                log.warning("hold refused", allocation_id=s.allocation_id, reason=e.reason, detail=e.message, generation=e.generation)
+
+        # 6. one completion record
+        for s in gone:
+            if s.report and s.allocation_id not in published_rel:
+                continue  # stays journaled as a release: reported again next pass
+            state.reported.pop(s.allocation_id, None)
+            state.bound.pop(s.allocation_id, None)
+            state.intents.pop(s.allocation_id, None)
+            result.done += 1
+            if not s.report:
+                log.info("unreported bind undone", allocation_id=s.allocation_id)
+        for s in placed:
+            if not s.report:
+                state.intents.pop(s.allocation_id, None)
+                result.done += 1
+                log.info("hold files re-created (already reported Bound)", allocation_id=s.allocation_id)
+            elif s.allocation_id in published_bound:
+                self._completed_bound(state, s.allocation_id, s.event_id, s.event)
+                result.done += 1
+                log.info("hold bound", allocation_id=s.allocation_id, devices=list(s.event.devices), cgroup_parent=s.event.cgroup_parent, event_id=s.event_id)
+        for s in kept_reports:
+            if s.allocation_id in published_bound:
+                self._completed_bound(state, s.allocation_id, s.event_id, s.event)
+                result.done += 1
+        for s in not_run:
+            prev = before.get(s.allocation_id)
+            if prev is None:
+                state.intents.pop(s.allocation_id, None)
+            else:
+                state.intents[s.allocation_id] = prev
+        result.done += len(pre) - len(skip_release)
+        points = [*(["release.completed"] if any(s.report for s in gone) else []), *(["bind.completed"] if placed or kept_reports or pre else [])]
+        if save:
+            a.save_state(state)
+            for point in points:
+                a.crash(point)
+            return []
+        return points
+
+    def _release_files(self, releases: list[ReleaseHold], result: ApplyResult, run: PassRun) -> list[ReleaseHold]:
+        """CDI specs, then env files, then slices; the releases whose files are all gone."""
+        w, crash = self.a.writer, self.a.crash
+        if not releases:
+            return []
+
+        def failed(s: ReleaseHold, exc: Exception) -> None:
+            self._fail(result, s.allocation_id, "", exc, "ReleaseHold")
+            if s.report:
+                run.release_failed = True
+            run.switch_held = True
+
+        left = list(releases)
+        for kind, point in (("cdi", "release.cdi-removed"), ("allocation-env", "release.env-removed")):
+            errors = w.remove_many(kind, [s.allocation_id for s in left], done=lambda _, p=point: crash(p))  # type: ignore[arg-type]
+            for s in left:
+                if s.allocation_id in errors:
+                    failed(s, errors[s.allocation_id])
+            left = [s for s in left if s.allocation_id not in errors]
+        gone = []
+        for s in left:
+            try:
+                if s.sliced and not w.stop_slice(s.allocation_id):
+                    log.info("slice kept: a workload still runs in it", allocation_id=s.allocation_id)
+            except HostWriteError as exc:
+                failed(s, exc)
+                continue
+            crash("release.slice-stopped")
+            gone.append(s)
+        return gone
+
+    def _bind_files(self, binds: list[BindHold], result: ApplyResult) -> list[BindHold]:
+        """Slices, then CDI specs, then env files; the binds whose files are all in place."""
+        w, crash = self.a.writer, self.a.crash
+        left: list[BindHold] = []
+        for s in binds:
+            c = s.content
+            if c.cgroup_parent and c.limits is not None:
+                try:
+                    w.apply_slice(s.allocation_id, c.limits)
+                except HostWriteError as exc:
+                    self._fail(result, s.allocation_id, "", exc, "BindHold")
+                    continue
+                crash("bind.slice-applied")
+            left.append(s)
+        by_alloc: dict[str, HoldContent] = {s.allocation_id: s.content for s in left}
+        errors = w.write_many("cdi", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.cdi-written"))
+        for s in left:
+            if s.allocation_id in errors:
+                self._fail(result, s.allocation_id, "", errors[s.allocation_id], "BindHold")
+        left = [s for s in left if s.allocation_id not in errors]
+        errors = w.write_many("allocation-env", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.env-written"))
+        if errors:
+            # no CDI spec of a hold never reported without its env file: the next pass binds
+            # it afresh (or undoes the journaled bind unreported)
+            undo = [s.allocation_id for s in left if s.allocation_id in errors and s.report]
+            for alloc, exc in w.remove_many("cdi", undo).items():
+                log.warning("CDI spec of a bind whose env file failed not removed", allocation_id=alloc, error=str(exc))
+            for s in left:
+                if s.allocation_id in errors:
+                    self._fail(result, s.allocation_id, "", errors[s.allocation_id], "BindHold")
+        return [s for s in left if s.allocation_id not in errors]
+
+
+def _held_back(step: ReportBound, run: PassRun, result: ApplyResult) -> bool:
+    if step.allocation_id in run.incomplete:
+        result.errors.append(f"{step.allocation_id}: Bound not reported in this pass: its files are not all in place")
+        run.unreported.add(step.allocation_id)
+        return True
+    return False
+
+
+__all__ = ["PassRun", "Batch", "GroupCommit"]
