@@ -10,10 +10,25 @@ Three loops, each surviving an unreachable upstream on its own:
   until the converger acknowledges it and is handed over again every
   HANDOVER_RETRY_S while the converger does not answer; an older one is
   refused, never handed over after a newer;
-- records: put Hello and the Inventory into `bcd_nodes` / `bcd_inventory`;
+- records: put Hello and the Inventory into `bcd_nodes` / `bcd_inventory`: an
+  inventory change puts the inventory only (the Hello too when its adapter, all
+  the Hello takes from it, changed); the Hello goes again when the converger says
+  its status changed, on a reconnect and with the periodic re-put of both;
 - outbox: forward the node-bus outbox to `BCD_EVENTS` in sequence order with
-  `Nats-Msg-Id`, deleting a local message only after upstream's PubAck. While
-  upstream is away the outbox grows on disk; nothing is dropped.
+  `Nats-Msg-Id`, up to FORWARD_WINDOW events in flight. An ephemeral pull
+  consumer without acks (`OutboxReader`) keeps a lingering pull request at the
+  server, so an event is delivered as soon as it is stored, with its stream
+  sequence; it is published at once on the one upstream connection while fewer
+  than FORWARD_WINDOW wait for their PubAck (a sliding window, no round trip of
+  its own), and a Bound never while a Released before it is unacknowledged.
+  A local message is taken out only after upstream's PubAck, in the background:
+  the acknowledged stretch is purged up to its end in one request
+  (`OutboxPurger`, tried again until it goes). The first unacknowledged one
+  and all after it are read again from the outbox (a new consumer from its
+  sequence) and sent again (upstream drops the repeats by `Nats-Msg-Id`), one
+  at a time until one succeeds. A new process starts at the first message
+  still in the outbox. While upstream is away the outbox grows on disk, the
+  bridge holds at most two windows; nothing is dropped.
 It waits for buckets and streams that do not exist yet and never creates them.
 No message and no peer's reply stops a loop: each iteration runs under a
 `LoopGuard` (logged, backed off, carried on), and what the bridge puts
@@ -24,6 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,7 +50,8 @@ from typing import Any
 import nats
 import nats.errors
 from nats.aio.client import Client
-from nats.js.errors import APIError, NotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NoStreamResponseError, NotFoundError
 from prometheus_client import Counter, Gauge
 
 from shared.eventids import condition_id
@@ -85,6 +105,23 @@ NODE_SPEC_REJECTED = "NodeSpecRejected"
 HANDOVER_TIMEOUT_S = 2.0
 #: while the converger does not take the newest spec, it is handed over again this often.
 HANDOVER_RETRY_S = 0.5
+#: outbox events sent upstream before the first of them must be acknowledged: a
+#: generation's events travel in a few round trips, not three per event.
+FORWARD_WINDOW = 64
+#: a PubAck is waited for this long after its publish (publish_async futures have no
+#: timeout of their own); what is not acked by then is sent again.
+ACK_TIMEOUT_S = 5.0
+#: the outbox consumer's pull request asks the server for heartbeats this often while it waits ...
+PULL_HEARTBEAT_S = 1.0
+#: ... and is made again this often (the server answers 408 when it expires).
+PULL_EXPIRES_S = 30.0
+#: the server drops the bridge's consumer after this long without a pull request.
+CONSUMER_INACTIVE_S = 60.0
+
+
+def _header_bytes(headers: dict[str, str]) -> int:
+    """What headers add to a message's size: a server's max_payload counts them, nats-py's check does not."""
+    return len(b"NATS/1.0\r\n\r\n") + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
 
 
 def capabilities(privileged: bool, bindings: list[str], adapter: str) -> list[str]:
@@ -97,6 +134,316 @@ def capabilities(privileged: bool, bindings: list[str], adapter: str) -> list[st
     if adapter == "nvidia":
         caps.append("nvml")
     return caps
+
+
+@dataclass(frozen=True)
+class OutboxMsg:
+    """One outbox message as the bridge's consumer delivered it."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    #: the incarnation of the stream it was read from: it is deleted from that one only.
+    epoch: int
+
+
+@dataclass
+class _InFlight:
+    msg: OutboxMsg
+    event_type: str
+    event_id: str
+    future: asyncio.Future[Any]
+    #: past it without a PubAck, it counts as not acknowledged.
+    deadline: float
+
+
+def _description(headers: dict[Any, str]) -> str:
+    """A status message's Description (nats-py keys it by an enum member equal to the string)."""
+    return next((str(v) for k, v in headers.items() if k == "Description"), "")
+
+
+def _ack_error(fut: asyncio.Future[Any]) -> BaseException | None:
+    """Why a publish_async future is not a PubAck (None: it is); taking it, so none is logged as never retrieved."""
+    if fut.cancelled():
+        return asyncio.TimeoutError(f"no PubAck within {ACK_TIMEOUT_S}s")
+    return fut.exception()
+
+
+async def _settle(flight: deque[_InFlight], loop: asyncio.AbstractEventLoop) -> None:
+    """Wait for what is in flight (each until its deadline); what has no PubAck by then is cancelled."""
+    pending = [s.future for s in flight if not s.future.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=max(0.0, max(s.deadline for s in flight) - loop.time()))
+    for s in flight:
+        # nothing else times them out; a late PubAck for a cancelled one is ignored
+        s.future.cancel()
+        _ack_error(s.future)
+
+
+class OutboxReader:
+    """The outbox as the node-bus server stores it: an ephemeral pull consumer that takes no acks.
+
+    One pull request for up to `window` messages (lingering PULL_EXPIRES_S,
+    with idle heartbeats) waits at the server whenever fewer than `window`
+    delivered messages wait here, so a message is delivered the moment it is
+    stored, with its stream sequence in its metadata, and no more than two
+    windows are ever held in memory (while upstream is away the outbox grows
+    on disk, not here). The consumer never moves back by itself: `rewind(seq)`
+    makes a new one from `seq` (what the bridge forwards again after a
+    failure is read again, so a message an operator took out is not sent). A
+    consumer lost (a node-bus restart, no heartbeat for 3 x
+    PULL_HEARTBEAT_S, a 409 Consumer Deleted) is made again after the last
+    message delivered; a new process, and a stream made again (another
+    creation time), start at the first message still in the stream.
+    """
+
+    def __init__(self, nc: Client, stream: str, filter_subject: str, window: int, log: Any) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=5)
+        self.stream = stream
+        self.filter_subject = filter_subject
+        self.window = window
+        self.log = log
+        self.buffer: deque[OutboxMsg] = deque()
+        #: the stream sequence to read from next (None: the stream's first).
+        self.next_seq: int | None = None
+        #: incremented when the stream is found made again
+        self.epoch = 0
+        self.created: datetime | None = None
+        self.consumer: str | None = None
+        self.sub: Any = None
+        self.inbox = ""
+        self.token = 0
+        #: messages the outstanding pull request may still deliver (0: none outstanding).
+        self.requested = 0
+        #: when the server last said anything to the consumer's inbox (or a request went).
+        self.heard = 0.0
+        self.lost = True
+        self._arrival: asyncio.Future[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.sub is not None and not self.lost
+
+    async def open(self) -> None:
+        """A new consumer from `next_seq` (NotFoundError while there is no stream)."""
+        await self.close()
+        info = await self.js.stream_info(self.stream)
+        state = info.state
+        made_again = (self.created is not None and info.created is not None and info.created != self.created) or (
+            self.next_seq is not None and self.next_seq > state.last_seq + 1
+        )
+        if made_again:
+            # what was delivered from the old one still goes upstream, but is not deleted from this one
+            self.log.warning("the outbox stream was made again; reading it from its start", first_seq=state.first_seq)
+            self.epoch += 1
+            self.next_seq = None
+        self.created = info.created
+        self.token += 1
+        token = self.token
+
+        async def on_msg(msg: Any) -> None:
+            if token == self.token:
+                await self._on_msg(msg)
+
+        self.inbox = self.nc.new_inbox()
+        self.sub = await self.nc.subscribe(self.inbox, cb=on_msg)
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            filter_subject=self.filter_subject,
+            inactive_threshold=CONSUMER_INACTIVE_S,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        if self.next_seq is None:
+            config.deliver_policy = DeliverPolicy.ALL
+        else:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self.next_seq
+        try:
+            self.consumer = (await self.js.add_consumer(self.stream, config=config)).name
+        except BaseException:
+            await self.close()
+            raise
+        self.lost = False
+        self.requested = 0
+        await self._request()
+
+    async def take(self, limit: int) -> list[OutboxMsg]:
+        """Up to `limit` delivered messages, in stream order, without waiting."""
+        out = [self.buffer.popleft() for _ in range(min(limit, len(self.buffer)))]
+        await self._request()
+        return out
+
+    def arrival(self) -> asyncio.Future[None]:
+        """Done when the consumer delivers something (or needs looking at)."""
+        if self._arrival is None or self._arrival.done():
+            self._arrival = asyncio.get_running_loop().create_future()
+            if self.buffer or not self.ready:
+                self._arrival.set_result(None)
+        return self._arrival
+
+    def rewind(self, seq: int) -> None:
+        """Read again from `seq` on: what was delivered from it on is dropped, a new consumer made."""
+        self.token += 1  # nothing the old consumer still delivers lands in the buffer
+        self.buffer.clear()
+        self.next_seq = seq
+        self.requested = 0
+        self.lost = True
+
+    def check(self) -> None:
+        """A pull request the server has said nothing about for 3 heartbeats: the consumer is lost."""
+        if self.ready and self.requested and time.monotonic() - self.heard > 3 * PULL_HEARTBEAT_S:
+            self.log.warning("the outbox consumer went silent; making it again", next_seq=self.next_seq)
+            self.lost = True
+
+    async def close(self) -> None:
+        self.token += 1
+        self.requested = 0
+        self.lost = True
+        sub, self.sub = self.sub, None
+        name, self.consumer = self.consumer, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if name is not None:
+            # in the background, so a reopen never waits for it; the server drops
+            # it after CONSUMER_INACTIVE_S anyway
+            task = asyncio.create_task(self._delete_consumer(name))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _delete_consumer(self, name: str) -> None:
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await self.js.delete_consumer(self.stream, name)
+
+    async def _request(self) -> None:
+        if not self.ready or self.requested > 0 or len(self.buffer) >= self.window:
+            return
+        body = {"batch": self.window, "expires": int(PULL_EXPIRES_S * 1e9), "idle_heartbeat": int(PULL_HEARTBEAT_S * 1e9)}
+        self.requested = self.window
+        self.heard = time.monotonic()
+        # a request that does not go (the bus is away) is seen by `check` as silence
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}", json.dumps(body).encode(), reply=self.inbox)
+
+    def _wake(self) -> None:
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+
+    async def _on_msg(self, msg: Any) -> None:
+        self.heard = time.monotonic()
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status is None:
+            try:
+                seq = msg.metadata.sequence.stream
+            except (AttributeError, IndexError, ValueError, TypeError):
+                return  # not a JetStream delivery
+            self.buffer.append(OutboxMsg(seq, msg.subject, msg.data or b"", dict(headers), self.epoch))
+            self.next_seq = seq + 1
+            self.requested -= 1
+            self._wake()
+        elif status == "100":
+            return  # idle heartbeat
+        elif status in ("404", "408"):
+            self.requested = 0  # the request expired: another one
+        elif status == "409" and "deleted" not in _description(headers).lower():
+            self.requested = 0  # e.g. a leadership change: ask again
+        else:
+            # 409 Consumer Deleted, 503 no responders (no such consumer): make it again
+            self.log.info("the outbox consumer is gone; making it again", status=status, next_seq=self.next_seq)
+            self.lost = True
+            self._wake()
+            return
+        if self.requested <= 0:
+            self.requested = 0
+            await self._request()
+
+
+class OutboxPurger:
+    """Takes forwarded messages out of the outbox in the background, so the next window never waits for it.
+
+    Upstream acknowledges the outbox in order, so what is forwarded is always
+    everything before one sequence (the stream holds nothing the consumer does
+    not read): one purge up to it (`{"seq": N}` keeps N and all after) takes a
+    whole window in one request and one disk sync, where a delete each would
+    cost one of each per message (1000 deletes took ~2 s on the test machine's
+    bus, which syncs every write, slowing the converger's own appends). A purge that fails is tried again, backing off, or covered by the
+    next; a bridge stopped before it forwards that stretch again after its
+    restart (upstream drops the repeats by `Nats-Msg-Id`). What was read from a
+    stream since made again is never purged from the new one.
+    """
+
+    def __init__(self, nc: Client, stream: str, reader: OutboxReader, log: Any) -> None:
+        self.nc = nc
+        self.stream = stream
+        self.reader = reader
+        self.log = log
+        #: everything below it (in `epoch`) is acknowledged upstream ...
+        self.upto = 0
+        self.epoch = 0
+        #: ... and everything below this is purged already.
+        self.purged = 0
+        self.wake = asyncio.Event()
+
+    def add(self, msg: OutboxMsg) -> None:
+        """`msg` and everything before it are acknowledged upstream."""
+        if msg.epoch != self.reader.epoch:
+            return  # read from a stream made again since
+        if msg.epoch != self.epoch:
+            self.epoch, self.upto, self.purged = msg.epoch, 0, 0
+        self.upto = max(self.upto, msg.seq + 1)
+        self.wake.set()
+
+    async def run(self) -> None:
+        guard = LoopGuard(self.log, "outbox purge")
+        backoff = 0.5
+        while True:
+            if self.purged >= self.upto:
+                await self.wake.wait()
+            self.wake.clear()
+            async with guard:
+                backoff = await self._purge(backoff)
+
+    async def _purge(self, backoff: float) -> float:
+        """One purge up to `upto`; the backoff for the next failure."""
+        epoch, upto = self.epoch, self.upto
+        if upto <= self.purged:
+            return backoff
+        if epoch != self.reader.epoch:
+            self.purged = upto  # the stream was made again: nothing of the old one is purged from it
+            return 0.5
+        # never an empty request: that would purge the whole stream
+        assert upto >= 2
+        try:
+            msg = await self.nc.request(f"$JS.API.STREAM.PURGE.{self.stream}", json.dumps({"seq": upto}).encode(), timeout=5)
+            reply = json.loads(msg.data)
+            if "error" in reply and reply["error"].get("code") != 404:
+                raise nats.errors.Error(f"{reply['error'].get('description', 'purge refused')} ({reply['error'].get('err_code')})")
+        except (nats.errors.Error, asyncio.TimeoutError, ValueError) as exc:
+            self.log.warning(
+                "taking forwarded events out of the outbox failed; trying again", below_seq=upto, error=describe(exc), retry_in_s=backoff
+            )
+            await asyncio.sleep(backoff)
+            self.wake.set()
+            return min(backoff * 2, 5.0)
+        if self.epoch == epoch:
+            self.purged = max(self.purged, upto)
+        return 0.5
+
+    async def flush(self, timeout: float) -> None:
+        """At the stop (its task is gone): the last purge, if it goes within `timeout`."""
+
+        async def last() -> None:
+            backoff = 0.1
+            while self.purged < self.upto:
+                backoff = await self._purge(backoff)
+
+        with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
+            await asyncio.wait_for(last(), timeout)
 
 
 class BridgeApp(ServiceApp):
@@ -130,6 +477,10 @@ class BridgeApp(ServiceApp):
         self.rejection_unknown = True
         self.started_at = datetime.now(timezone.utc)
         self.waiting: set[str] = set()
+        #: the inventory adapter the last Hello was made with (what the Hello takes from the inventory).
+        self.hello_adapter: str | None = None
+        self.reader: OutboxReader | None = None
+        self.purger: OutboxPurger | None = None
 
     def options(self) -> list[Option]:
         return [
@@ -176,7 +527,9 @@ class BridgeApp(ServiceApp):
         @guarded(ctx.log, "inventory notice")
         async def on_inventory(msg: Any) -> None:
             self.inventory = INVENTORY_CODEC.decode(msg.data)
-            self.mark_records()
+            # the inventory record only: the Hello takes just the adapter from it (its nvml
+            # capability), so it is put again only when that changed
+            self.mark_records(hello=self.inventory.adapter != self.hello_adapter, inventory=True)
 
         async def on_outbox(_: Any) -> None:
             self.outbox_wake.set()
@@ -184,7 +537,7 @@ class BridgeApp(ServiceApp):
         async def on_converger_changed(_: Any) -> None:
             # the converger found (or lost) the root helper: the Hello's capabilities change now;
             # a converger that speaks again takes the spec that waits for it now, too
-            self.mark_records()
+            self.mark_records(hello=True, inventory=False)
             if self.pending is not None:
                 self.spec_wake.set()
 
@@ -430,17 +783,21 @@ class BridgeApp(ServiceApp):
         assert self.up is not None
         try:
             await self.up.jetstream(timeout=5).publish(subject, payload)
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, NoStreamResponseError):
+            # nats-py 2.16's JetStream publish raises the latter for a missing bucket
             self._waiting_for(what)
             return False
         self._found(what)
         return True
 
-    def mark_records(self) -> None:
-        """Hello and inventory need (re-)putting: a change, a reconnect, or the periodic re-put."""
-        self.hello_dirty.set()
-        self.inventory_dirty.set()
-        self.records_wake.set()
+    def mark_records(self, *, hello: bool = True, inventory: bool = True) -> None:
+        """Hello and/or inventory need (re-)putting: a change, a reconnect (both), or the periodic re-put (both)."""
+        if hello:
+            self.hello_dirty.set()
+        if inventory:
+            self.inventory_dirty.set()
+        if hello or inventory:
+            self.records_wake.set()
 
     async def records_loop(self) -> None:
         self.mark_records()
@@ -450,23 +807,36 @@ class BridgeApp(ServiceApp):
             self.records_wake.clear()
             async with guard:
                 try:
+                    # each flag is cleared before its put and set again when it did not go:
+                    # a change noticed during the put is not lost
                     if self.hello_dirty.is_set():
-                        hello = await self.hello()
-                        if hello is not None and await self._put(
-                            f"$KV.{UPSTREAM_NODES_BUCKET}.{self.opts.node_id}", HELLO_CODEC.encode_valid(hello), "KV bucket bcd_nodes"
-                        ):
-                            self.hello_dirty.clear()
+                        self.hello_dirty.clear()
+                        put = False
+                        try:
+                            hello = await self.hello()
+                            put = hello is not None and await self._put(
+                                f"$KV.{UPSTREAM_NODES_BUCKET}.{self.opts.node_id}", HELLO_CODEC.encode_valid(hello), "KV bucket bcd_nodes"
+                            )
+                        finally:
+                            if not put:
+                                self.hello_dirty.set()
+                        if put and hello is not None:
                             self.hello_published.set()
                             self.log.info("hello published", capabilities=hello.capabilities, boot_id=hello.boot_id, key_id=hello.key_id)
                     if self.inventory_dirty.is_set():
-                        if self.inventory is None:
-                            await self._fetch_inventory()
-                        if self.inventory is not None and await self._put(
-                            f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{self.opts.node_id}",
-                            INVENTORY_CODEC.encode_valid(self.inventory),
-                            "KV bucket bcd_inventory",
-                        ):
-                            self.inventory_dirty.clear()
+                        self.inventory_dirty.clear()
+                        put = False
+                        try:
+                            if self.inventory is None:
+                                await self._fetch_inventory()
+                            put = self.inventory is not None and await self._put(
+                                f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{self.opts.node_id}",
+                                INVENTORY_CODEC.encode_valid(self.inventory),
+                                "KV bucket bcd_inventory",
+                            )
+                        finally:
+                            if not put:
+                                self.inventory_dirty.set()
                 except (nats.errors.Error, asyncio.TimeoutError, ServiceCallError) as exc:
                     self.log.warning("publishing node records failed; retrying", error=describe(exc))
             # something left to put: retry in a second; else wait for a change or the periodic re-put
@@ -496,6 +866,7 @@ class BridgeApp(ServiceApp):
         if self.inventory is None:
             await self._fetch_inventory()
         adapter = self.inventory.adapter if self.inventory is not None else ""
+        self.hello_adapter = adapter
         self.signer = key
         return Hello(
             node_id=self.opts.node_id,
@@ -510,60 +881,153 @@ class BridgeApp(ServiceApp):
     # ------------------------------------------------------------------ outbox
 
     async def outbox_loop(self) -> None:
+        """Forward the outbox upstream: a sliding window of up to FORWARD_WINDOW publishes in flight."""
         js = self.ctx.nc.jetstream(timeout=5)
         stream = self.ctx.subjects.outbox_stream
-        cursor = 0
-        backoff = 0.5
         # a control plane verifies a report against the node's Hello: none goes
         # upstream before the Hello (with this boot's key and boot id) is there
         await self.hello_published.wait()
+        assert self.up is not None
+        # one context for the loop's life: publish_async subscribes its reply inbox on
+        # its first publish, and the connection re-subscribes it after a reconnect
+        up_js = self.up.jetstream(timeout=5)
+        reader = self.reader = OutboxReader(self.ctx.nc, stream, self.ctx.subjects.outbox_filter, FORWARD_WINDOW, self.log)
+        purger = self.purger = OutboxPurger(self.ctx.nc, stream, reader, self.log)
+        purging = asyncio.create_task(purger.run(), name="bridge.outbox-purge")
+        loop = asyncio.get_running_loop()
         guard = LoopGuard(self.log, "outbox loop")
-        while not self.ctx.stopping.is_set():
-            await self.up_connected.wait()
-            async with guard:
-                try:
-                    # the first message at or after the cursor (earlier ones are deleted)
-                    msg = await js.get_msg(stream, seq=max(cursor, 1), subject=self.ctx.subjects.outbox_filter, next=True)
-                except NotFoundError:
-                    # empty (or the converger has not created it yet)
-                    await self._update_depth(js, stream)
-                    self.outbox_wake.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.outbox_wake.wait(), self.opts.outbox_poll)
-                    continue
-                except (nats.errors.Error, asyncio.TimeoutError, APIError) as exc:
-                    self.log.warning("outbox unreadable; retrying", error=str(exc) or type(exc).__name__)
-                    await asyncio.sleep(1)
-                    continue
-                event_type = msg.subject.rsplit(".", 1)[-1]
-                headers = dict(msg.headers or {})
-                event_id = headers.get(MSG_ID_HEADER, f"{self.opts.node_id}.seq{msg.seq}")
-                try:
-                    assert self.up is not None
-                    await self.up.jetstream(timeout=5).publish(
-                        upstream_event(self.opts.node_id, event_type), msg.data or b"", headers={MSG_ID_HEADER: event_id}
-                    )
-                except nats.errors.NoRespondersError:
-                    self._waiting_for("stream BCD_EVENTS")
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                except (nats.errors.Error, asyncio.TimeoutError, APIError, ValueError) as exc:
-                    self.m_forward_errors.inc()
-                    self.log.warning("forwarding an event failed; it stays in the outbox", event_id=event_id, error=str(exc) or type(exc).__name__)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    await self._update_depth(js, stream)
-                    continue
-                self._found("stream BCD_EVENTS")
-                backoff = 0.5
-                self.m_forwarded.labels(type=event_type).inc()
-                try:
-                    await js.delete_msg(stream, msg.seq)
-                except NotFoundError:
-                    pass
-                cursor = msg.seq + 1
-                self.log.debug("event forwarded", event_id=event_id, type=event_type)
+        #: read from the outbox, not published yet (what waits behind a Released in flight)
+        held: deque[OutboxMsg] = deque()
+        #: published, their PubAcks awaited, in outbox order
+        flight: deque[_InFlight] = deque()
+        window, backoff = FORWARD_WINDOW, 0.5
+        try:
+            while not self.ctx.stopping.is_set():
+                if not flight:
+                    await self.up_connected.wait()
+                async with guard:
+                    if not reader.ready and not flight:
+                        # cleared before the open: an event journaled during it wakes the wait at once
+                        self.outbox_wake.clear()
+                        try:
+                            await reader.open()
+                        except NotFoundError:
+                            # the converger has not created the stream yet
+                            with contextlib.suppress(asyncio.TimeoutError):
+                                await asyncio.wait_for(self.outbox_wake.wait(), self.opts.outbox_poll)
+                            continue
+                        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                            self.log.warning("outbox unreadable; retrying", error=describe(exc))
+                            await asyncio.sleep(1)
+                            continue
+                    room = window - len(held) - len(flight)
+                    if room > 0 and reader.ready:
+                        held.extend(await reader.take(room))
+                    refused = await self._send(up_js, held, flight, window)
+                    if not flight:
+                        if refused is None:
+                            # idle (held is empty: with nothing in flight, the head of held always goes or is refused)
+                            # (the depth gauge is depth_loop's: no round trip here stands between an event and its forward)
+                            done, _ = await asyncio.wait({reader.arrival()}, timeout=min(self.opts.outbox_poll, PULL_HEARTBEAT_S))
+                            if not done:
+                                reader.check()
+                            continue
+                        msg, event_id, exc = refused
+                        reader.rewind(msg.seq)
+                        held.clear()
+                        window = 1
+                        backoff = await self._forward_failed(js, stream, event_id, exc, backoff)
+                        continue
+                    # wait for the oldest PubAck; also for new messages while they could go at once
+                    head = flight[0]
+                    waits: set[asyncio.Future[Any]] = {head.future}
+                    if refused is None and not held and len(flight) < window and reader.ready:
+                        waits.add(reader.arrival())
+                    await asyncio.wait(waits, timeout=max(0.0, head.deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+                    failed: tuple[_InFlight, BaseException] | None = None
+                    while flight and flight[0].future.done():
+                        sent = flight.popleft()
+                        exc = _ack_error(sent.future)
+                        if exc is not None:
+                            failed = (sent, exc)
+                            break
+                        self._found("stream BCD_EVENTS")
+                        backoff, window = 0.5, FORWARD_WINDOW
+                        self.m_forwarded.labels(type=sent.event_type).inc()
+                        self.log.debug("event forwarded", event_id=sent.event_id, type=sent.event_type)
+                        purger.add(sent.msg)
+                    if failed is None and flight and loop.time() >= flight[0].deadline:
+                        sent = flight.popleft()
+                        sent.future.cancel()
+                        failed = (sent, asyncio.TimeoutError(f"no PubAck within {ACK_TIMEOUT_S}s"))
+                    if failed is None:
+                        continue
+                    # it and everything after it go again (upstream drops the repeats by
+                    # Nats-Msg-Id), read again from the outbox, one at a time until one goes
+                    # through: a message upstream refuses is retried alone, so the window
+                    # behind it is not sent ahead of it again and again
+                    await _settle(flight, loop)
+                    flight.clear()
+                    held.clear()
+                    sent, exc = failed
+                    reader.rewind(sent.msg.seq)
+                    window = 1
+                    backoff = await self._forward_failed(js, stream, sent.event_id, exc, backoff)
+        finally:
+            for sent in flight:
+                sent.future.cancel()
+            purging.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await purging
+
+    async def _send(
+        self, up_js: Any, held: deque[OutboxMsg], flight: deque[_InFlight], window: int
+    ) -> tuple[OutboxMsg, str, BaseException] | None:
+        """Publish from the head of `held` what may go now, in order, without waiting for PubAcks.
+
+        Returns the message it could not publish (it stays at the head), its
+        event id and why; None when all went or the rest waits for the
+        window, for a Released in flight or for an empty flight.
+        """
+        assert self.up is not None
+        deadline = asyncio.get_running_loop().time() + ACK_TIMEOUT_S
+        while held and len(flight) < window:
+            msg = held[0]
+            event_type = msg.subject.rsplit(".", 1)[-1]
+            event_id = msg.headers.get(MSG_ID_HEADER, f"{self.opts.node_id}.seq{msg.seq}")
+            if event_type == "bound" and any(s.event_type == "released" for s in flight):
+                # a Bound may take a GPU a Released before it frees: it goes only once every
+                # Released before it is acked, so not even a refusal of one message in flight
+                # lets a control plane see the Bound first
+                return None
+            headers = {MSG_ID_HEADER: event_id}
+            try:
+                subject = upstream_event(self.opts.node_id, event_type)
+                size = len(msg.data) + _header_bytes(headers)
+                if size > self.up.max_payload:
+                    if flight:
+                        return None  # it goes once nothing is in flight: nothing behind it goes first
+                    # the server would close the connection on it, losing what follows
+                    raise ValueError(f"{size} bytes with headers exceed upstream's max_payload of {self.up.max_payload}")
+                fut = await up_js.publish_async(subject, msg.data, headers=headers)
+            except (nats.errors.Error, ValueError) as exc:
+                return msg, event_id, exc
+            held.popleft()
+            # publish_async futures have no timeout of their own
+            flight.append(_InFlight(msg, event_type, event_id, fut, deadline))
+        return None
+
+    async def _forward_failed(self, js: Any, stream: str, event_id: str, exc: BaseException, backoff: float) -> float:
+        """Say why, wait `backoff`; the next one."""
+        if isinstance(exc, (nats.errors.NoRespondersError, NoStreamResponseError)):
+            self._waiting_for("stream BCD_EVENTS")
+            await asyncio.sleep(backoff)
+            return min(backoff * 2, 5.0)
+        self.m_forward_errors.inc()
+        self.log.warning("forwarding an event failed; it stays in the outbox", event_id=event_id, error=str(exc) or type(exc).__name__)
+        await asyncio.sleep(backoff)
+        await self._update_depth(js, stream)
+        return min(backoff * 2, 5.0)
 
     async def _update_depth(self, js: Any, stream: str) -> None:
         try:
@@ -619,6 +1083,14 @@ class BridgeApp(ServiceApp):
                 await stop
 
     async def close(self, ctx: ServiceContext) -> None:
+        # what upstream acknowledged is deleted now if it can be (else forwarded again
+        # after the restart, and dropped upstream); the consumer goes with it
+        if self.purger is not None:
+            await self.purger.flush(2.0)
+        if self.reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.reader.close(), 1.0)
+                await asyncio.wait_for(asyncio.gather(*self.reader._background, return_exceptions=True), 1.0)
         if self.up is not None and not self.up.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.up.close(), 3)

@@ -25,7 +25,7 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.js.api import StorageType
 
@@ -301,7 +301,7 @@ async def test_node_reads_only_its_own_spec(upstream, cp_env):
 
     msg = await nc.request(upstream_spec_get_subject("node-1"), b"", timeout=2)
     signed = SIGNED_NODE_SPEC_CODEC.decode(msg.data)
-    assert verify_node_spec(signed, [cp.key.public_key()]).node_id == "node-1"
+    assert verify_node_spec(signed, [cp.key.verify_key]).node_id == "node-1"
 
     with pytest.raises(nats.errors.TimeoutError):
         await nc.request(upstream_spec_get_subject("node-2"), b"", timeout=1)
@@ -634,25 +634,218 @@ async def test_a_kill_between_state_and_log_line_loses_no_log_line(upstream, cp_
     assert again.reservations()["rsv-whole"].state == "active"
 
 
-async def test_a_control_plane_killed_with_an_event_unacked_applies_it_before_the_later_ones(upstream, cp_env, node1, tmp_path):
-    """A kill with a fetched, unacked Bound: the next instance must not apply the Released after it first."""
+def _ordered_events() -> list[tuple[str, object, str]]:
+    """Six events of node-1 whose order shows in the end state: (type, event, event id)."""
+    def rel(alloc: str, rsv: str, gen: int) -> AllocationReleased:
+        return AllocationReleased(allocation_id=alloc, reservation_id=rsv, generation=gen, devices=[GPU0])
+
+    return [
+        ("bound", bound("whole", "rsv-whole", 1), "node-1.whole.bound.g1"),
+        ("bound", bound("second", "rsv-second", 1), "node-1.second.bound.g1"),
+        ("released", rel("whole", "rsv-whole", 2), "node-1.whole.released.g2"),
+        ("released", rel("second", "rsv-second", 2), "node-1.second.released.g2"),
+        ("bound", bound("whole", "rsv-whole", 3), "node-1.whole.bound.g3"),
+        ("released", rel("whole", "rsv-whole", 4), "node-1.whole.released.g4"),
+    ]
+
+
+async def _publish_all(node: SimNode, events: list[tuple[str, object, str]]) -> None:
+    for etype, ev, eid in events:
+        await node.publish(etype, node.report(ev, eid), eid)
+
+
+def _assert_applied_once_in_order(cp: ControlPlane, events: list[tuple[str, object, str]], state_dir: Path) -> None:
+    assert [e.event_id for e in cp.events()] == [eid for _, _, eid in events]  # each once, in stream order
+    r = cp.reservations()
+    assert (r["rsv-whole"].state, r["rsv-whole"].generation, r["rsv-whole"].event_id) == ("released", 4, "node-1.whole.released.g4")
+    assert (r["rsv-second"].state, r["rsv-second"].generation) == ("released", 2)
+    state = json.loads((state_dir / STATE_FILE).read_text())
+    assert {eid for _, _, eid in events} <= set(state["processed"])
+    logged = [json.loads(x) for x in (state_dir / EVENTS_FILE).read_text().splitlines()]
+    applied = [x["event_id"] for x in logged if x["outcome"] == "applied"]
+    assert applied == [eid for _, _, eid in events]  # one applied line per event, in order
+
+
+async def test_a_control_plane_killed_with_events_unacked_applies_them_before_the_later_ones(upstream, cp_env, node1, tmp_path):
+    """A kill holding part of a batch (one acked, two not) while later events queue up:
+    the next instance applies the unacked ones first, each once, then the later ones."""
     cp, _ = cp_env
+    events = _ordered_events()
     # the durable consumer exists, as after an earlier run
     async with consuming(cp):
         pass
-    await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
-    released = AllocationReleased(allocation_id="whole", reservation_id="rsv-whole", generation=2, devices=[GPU0])
-    await node1.publish("released", node1.report(released, "node-1.whole.released.g2"), "node-1.whole.released.g2")
-    # the "killed" instance: fetched the Bound as the consumer and died before acking it
+    await _publish_all(node1, events[:3])
+    # the "killed" instance: fetched the three as the consumer, saved and acked only the first
     nc = await upstream.connect(CONTROLPLANE_USER)
     psub = await nc.jetstream().pull_subscribe_bind("controlplane", stream="BCD_EVENTS")
-    [taken] = await psub.fetch(1, timeout=5)
-    assert taken.subject.endswith(".bound")
+    taken = await psub.fetch(3, timeout=5)
+    assert [m.headers[MSG_ID_HEADER] for m in taken] == [eid for _, _, eid in events[:3]]
+    again_first = ControlPlane(cp.nc, cp.key, tmp_path / "cp", out=None)
+    again_first._write_records(again_first._commit([await again_first._judge(taken[0])]))
+    await taken[0].ack()
+    await nc.flush()
     await nc.close()
+    # later events arrive while no control plane runs (within max_ack_pending of the dead one)
+    await _publish_all(node1, events[3:])
 
     again = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None, fetch_timeout=0.2)
     await again.ensure_upstream()
+    started = time.monotonic()
     async with consuming(again):
-        await eventually(lambda: len(again.events()) == 2, timeout=30, what="both events applied")
-    assert [e.type for e in again.events()] == ["bound", "released"]
-    assert again.reservations()["rsv-whole"].state == "released"
+        await eventually(lambda: len(again.events()) == 6, timeout=30, what="all events applied")
+    # no wait for ack_wait: the consumer was reset to its ack floor
+    assert time.monotonic() - started < 5
+    _assert_applied_once_in_order(again, events, tmp_path / "cp")
+    assert again.duplicates() == []
+    consumer = await again.js.consumer_info(UPSTREAM_EVENTS_STREAM, CONSUMER_NAME)
+    assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
+
+
+class _Killed(BaseException):
+    """The process dies here (a BaseException: no `except Exception` of the consumer stops it)."""
+
+
+@pytest.mark.parametrize(
+    ("crash", "duplicates"),
+    [
+        ("before the state write", []),
+        ("between the state write and the log lines", []),
+        ("between the log lines and the acks", ["node-1.whole.bound.g1", "node-1.second.bound.g1", "node-1.whole.released.g2"]),
+        ("mid-acks", ["node-1.second.bound.g1", "node-1.whole.released.g2"]),
+    ],
+)
+async def test_a_control_plane_killed_mid_batch_applies_every_event_once_in_order(
+    upstream, cp_env, node1, tmp_path, monkeypatch, crash, duplicates
+):
+    """The real consumer, killed at each point of a batch of three while three more queue behind it."""
+    import bcd.controlplane as cpmod
+    from nats.aio.msg import Msg
+
+    cp, _ = cp_env
+    events = _ordered_events()
+    first_id = events[0][2].encode()
+    async with consuming(cp):
+        pass
+    await _publish_all(node1, events[:3])
+
+    real_write = cpmod.atomic_write
+
+    def state_write(path, data, *args, **kwargs):
+        if crash == "before the state write" and first_id in data:
+            raise _Killed
+        real_write(path, data, *args, **kwargs)
+        if crash == "between the state write and the log lines" and first_id in data:
+            raise _Killed
+
+    monkeypatch.setattr(cpmod, "atomic_write", state_write)
+    if crash == "between the log lines and the acks":
+        real_records = cp._write_records
+
+        def write_records(records):
+            real_records(records)
+            raise _Killed
+
+        monkeypatch.setattr(cp, "_write_records", write_records)
+    if crash == "mid-acks":
+        real_ack = Msg.ack
+        acked: list[str] = []
+
+        async def ack(self):
+            if acked:
+                raise _Killed
+            acked.append(self.subject)
+            await real_ack(self)
+
+        monkeypatch.setattr(Msg, "ack", ack)
+
+    stopping = asyncio.Event()
+    with pytest.raises(_Killed):
+        await asyncio.wait_for(cp.run(stopping), 20)
+    await cp.nc.close()
+    monkeypatch.undo()
+    await _publish_all(node1, events[3:])
+
+    again = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None, fetch_timeout=0.2)
+    await again.ensure_upstream()
+    started = time.monotonic()
+    async with consuming(again):
+        await eventually(lambda: len(again.events()) == 6 and len(again.duplicates()) == len(duplicates), timeout=30, what="all events")
+    assert time.monotonic() - started < 5
+    _assert_applied_once_in_order(again, events, tmp_path / "cp")
+    assert [d.event_id for d in again.duplicates()] == duplicates
+    consumer = await again.js.consumer_info(UPSTREAM_EVENTS_STREAM, CONSUMER_NAME)
+    assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
+
+
+async def test_queued_events_are_one_batch_one_state_write(upstream, cp_env, node1, tmp_path, monkeypatch):
+    """Events waiting when the consumer looks are judged together: one state.json write, then the acks;
+    a second copy of an event in the same batch is a duplicate, not a second applied line."""
+    import bcd.controlplane as cpmod
+
+    cp, out = cp_env
+    events = _ordered_events()
+    async with consuming(cp):
+        await node1.publish("section", encode(SectionStatus(section="devices", state="CONVERGED", observed_generation=1)), "s1")
+        await eventually(lambda: len(cp.events()) == 1, what="a first event")
+    assert await cp.node_hello("node-1") is not None  # its boot id saved now, not in the batch
+    await _publish_all(node1, events)
+    etype, ev, eid = events[0]
+    await node1.publish(etype, node1.report(ev, eid), None)  # a replay past the stream's dedupe window
+    writes: list[int] = []
+    real_write = cpmod.atomic_write
+
+    def counting(path, data, *args, **kwargs):
+        if Path(path).name == STATE_FILE:
+            writes.append(len(data))
+        real_write(path, data, *args, **kwargs)
+
+    monkeypatch.setattr(cpmod, "atomic_write", counting)
+    async with consuming(cp):
+        await eventually(lambda: len(cp.events()) == 7 and len(cp.duplicates()) == 1, what="the batch")
+    assert len(writes) == 1
+    assert [e.event_id for e in cp.events()[1:]] == [e for _, _, e in events]
+    assert cp.duplicates()[0].event_id == eid
+    assert [line.split()[2] for line in out.getvalue().splitlines()[1:]] == [t for t, _, _ in events] + ["bound"]
+    consumer = await cp.js.consumer_info(UPSTREAM_EVENTS_STREAM, CONSUMER_NAME)
+    assert consumer.num_ack_pending == 0 and consumer.config.max_ack_pending == cpmod.EVENT_BATCH
+
+
+async def test_a_gpu_event_costs_no_state_write_and_is_still_deduplicated_across_a_restart(upstream, cp_env, node1, tmp_path):
+    """A GpuChanged moves nothing in state.json: no write for it; its events.jsonl line remembers it (issue 13)."""
+    from shared.schemas import GpuChanged, PhysicalGPUStatus
+
+    cp, _ = cp_env
+    state_file = tmp_path / "cp" / STATE_FILE
+    gpu = encode(GpuChanged(pci_address="0000:18:00.0", phase="Ready", management_state="Managed", status=PhysicalGPUStatus(phase="Ready")))
+    async with consuming(cp):
+        await node1.publish("section", encode(SectionStatus(section="devices", state="CONVERGED", observed_generation=1)), "s1")
+        await eventually(lambda: len(cp.events()) == 1, what="section")
+        before = state_file.stat()
+        # no Nats-Msg-Id: the stream keeps both copies, the control plane names them by content
+        await node1.publish("gpu", gpu, None)
+        await eventually(lambda: len(cp.events()) == 2, what="gpu event")
+        after = state_file.stat()
+        await node1.publish("gpu", gpu, None)
+        await eventually(lambda: len(cp.duplicates()) == 1, what="duplicate")
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)  # not rewritten for it
+    assert cp.events()[-1].type == "gpu" and cp.events()[-1].outcome == "applied"
+    gpu_id = cp.events()[-1].event_id
+    assert gpu_id.startswith("node-1.gpu.sha256-") and gpu_id not in json.loads(state_file.read_text())["processed"]
+    assert cp.duplicates()[0].event_id == gpu_id
+
+    # restarted: the log line still makes a replay a duplicate
+    again = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None, fetch_timeout=0.2)
+    await again.ensure_upstream()
+    async with consuming(again):
+        await node1.publish("gpu", gpu, None)
+        await eventually(lambda: len(again.duplicates()) == 2, what="duplicate after a restart")
+    assert [e.event_id for e in again.events() if e.type == "gpu"] == [gpu_id]
+
+    # killed before its line was written: the redelivery is applied, and writes the line
+    (tmp_path / "cp" / EVENTS_FILE).write_bytes(b"")
+    third = ControlPlane(await upstream.connect(CONTROLPLANE_USER), cp.key, tmp_path / "cp", out=None, fetch_timeout=0.2)
+    await third.ensure_upstream()
+    async with consuming(third):
+        await node1.publish("gpu", gpu, None)
+        await eventually(lambda: len(third.events()) == 1, what="line restored")
+    assert third.events()[0].event_id == gpu_id and third.duplicates() == []

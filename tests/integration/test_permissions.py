@@ -285,7 +285,7 @@ async def _connect(url: str, user: str, password: str) -> Client:
 async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embedded_bus, tmp_path) -> None:
     """Even an unrestricted NODE user publishing `bcd.events.…` or `$KV.bcd_nodes.…` reaches
     nothing upstream: on one server the two accounts share no subject."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from shared.signing import Ed25519PrivateKey
 
     from bcd.controlplane import ControlPlane
 
@@ -332,6 +332,78 @@ async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embe
             await admin.jetstream().stream_info(UPSTREAM_EVENTS_STREAM)
     finally:
         for nc in (cp_nc, bridge_up, admin):
+            await nc.close()
+
+
+async def test_the_bridge_drains_the_outbox_with_exactly_its_permissions(embedded_bus) -> None:
+    """The bridge's outbox reader and purger, as the gateway_bridge user on the production
+    permissions: its ephemeral pull consumer is made, pulled from (deliveries, heartbeats) and
+    deleted, the forwarded stretch purged, without one permission violation; the server
+    refuses it a durable consumer on the one create subject it may use."""
+    from services.converger.outbox import JetStreamOutbox
+    from services.gateway_bridge.service import OutboxPurger, OutboxReader
+    from shared import logs
+    from shared.subjects import MSG_ID_HEADER
+
+    server, passwords = embedded_bus
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    bridge = await nats.connect(
+        server.url,
+        user="gateway_bridge",
+        password=passwords["gateway_bridge"],
+        inbox_prefix=inbox_prefix("gateway_bridge").encode(),
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    converger = await _connect(server.url, "converger", passwords["converger"])
+    admin = await _connect(server.url, "admin", passwords["admin"])
+    stream = S.outbox_stream
+    log = logs.get_logger("test.outbox")
+    try:
+        await JetStreamOutbox(converger, S, min_bytes=1024 * 1024, max_bytes=16 * 1024 * 1024).ensure()
+        for i in range(5):
+            await converger.jetstream().publish(S.outbox_subject("section"), b"{}", headers={MSG_ID_HEADER: f"probe-{i}"})
+        reader = OutboxReader(bridge, stream, S.outbox_filter, 64, log)
+        await reader.open()
+        got = []
+        while len(got) < 5:
+            await asyncio.wait_for(reader.arrival(), 5)
+            got += await reader.take(64)
+        assert [(m.seq, m.headers[MSG_ID_HEADER]) for m in got] == [(i + 1, f"probe-{i}") for i in range(5)]
+        # a message journaled now is delivered on the waiting pull request
+        await converger.jetstream().publish(S.outbox_subject("bound"), b"{}", headers={MSG_ID_HEADER: "probe-live"})
+        await asyncio.wait_for(reader.arrival(), 5)
+        live = await reader.take(64)
+        assert [(m.seq, m.subject) for m in live] == [(6, S.outbox_subject("bound"))]
+        await asyncio.sleep(2.5)  # idle heartbeats come in; the consumer is not taken for lost
+        reader.check()
+        assert reader.ready
+
+        purger = OutboxPurger(bridge, stream, reader, log)
+        purger.add(got[2])
+        await purger.flush(5)
+        state = (await admin.jetstream().stream_info(stream)).state
+        assert (state.first_seq, state.messages) == (4, 3)
+
+        consumers = [c.name for c in await admin.jetstream().consumers_info(stream)]
+        assert consumers == [reader.consumer]
+        await reader.close()
+        await asyncio.gather(*reader._background)
+        assert await admin.jetstream().consumers_info(stream) == []
+
+        # the one create subject it may use makes ephemeral consumers only
+        durable = {"stream_name": stream, "config": {"durable_name": "bridge", "ack_policy": "none", "deliver_policy": "all"}}
+        reply = json.loads((await bridge.request(f"$JS.API.CONSUMER.CREATE.{stream}", json.dumps(durable).encode(), timeout=5)).data)
+        assert "error" in reply, reply
+        assert await admin.jetstream().consumers_info(stream) == []
+        await bridge.flush()
+        assert not errors, errors
+    finally:
+        for nc in (bridge, converger, admin):
             await nc.close()
 
 

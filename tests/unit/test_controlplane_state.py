@@ -159,7 +159,7 @@ def test_processed_ids_are_capped_oldest_first():
 
 
 def test_boot_ids_accumulate():
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from shared.signing import Ed25519PrivateKey
 
     k = Ed25519PrivateKey.generate()
 
@@ -200,6 +200,25 @@ def test_store_drops_a_failed_transaction(tmp_path):
             raise RuntimeError("boom")
     assert store.state.nodes["node-1"].last_generation == 1
     assert StateStore(tmp_path).state.nodes["node-1"].last_generation == 1
+
+
+def test_store_drops_a_change_it_could_not_write(tmp_path, monkeypatch):
+    """A full disk at the write: the change is not kept in memory either (a retry must not take it for saved)."""
+    import bcd.controlplane as cpmod
+
+    store = StateStore(tmp_path)
+    with store.transaction() as st:
+        st.node("node-1").last_generation = 1
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cpmod, "atomic_write", full)
+    with pytest.raises(OSError):
+        with store.transaction() as st:
+            remember_processed(st, "e1", T0)
+    assert "e1" not in store.refresh().processed
+    assert store.state.nodes["node-1"].last_generation == 1
 
 
 def test_store_refuses_a_corrupt_file(tmp_path):
