@@ -2,9 +2,11 @@
 
     .venv/bin/python bench/e2e.py [--gens N] [--sizes 1,8,64] [--keep]
 
-What one sample is: the time from calling `bcd.controlplane.put_spec_file`
-(connect upstream as `controlplane`, sign, put into `bcd_nodespecs`) until
-every AllocationBound of that generation has been
+What one sample is: the time from the KV put of the signed spec into
+`bcd_nodespecs` (made by a `bcd.controlplane.ControlPlane` over one
+control-plane connection kept open for the whole run, as a real control plane
+keeps its connection; `PutResult.put_at`) until every AllocationBound of that
+generation has been
 
 - `stream`:   acknowledged by upstream JetStream (the bench watches `BCD_EVENTS`
               through its own ephemeral consumer as the control-plane user and
@@ -12,6 +14,13 @@ every AllocationBound of that generation has been
 - `verified`: applied by the running reference control plane (a line in
               `<state>/controlplane/events.jsonl` with outcome applied,
               verified true; the file is polled every 2 ms).
+
+The old definition - from calling `bcd.controlplane.put_spec_file`, which
+connects upstream, loads the control plane's state and event log, ensures the
+buckets, signs and puts, every time - is measured too, in a second round of
+generations per size after the first (sizes in `--old-sizes`, 1 and 8 by
+default: it costs a second round), so figures before and after this change
+compare.
 
 Sizes 1 and 8 run on examples/hosts/h200x8.json (24 atoms). Size 64 runs on a
 copy of it with 32 more cards of 4 slots each, written to the temp dir. Every
@@ -56,11 +65,11 @@ import msgspec  # noqa: E402
 import nats  # noqa: E402
 import nats.errors  # noqa: E402
 import nats.js.errors  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+from shared.signing import Ed25519PrivateKey  # noqa: E402
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig  # noqa: E402
 
 from bcd.client import NodeInfo  # noqa: E402
-from bcd.controlplane import EVENTS_FILE, EventRecord, put_spec_file  # noqa: E402
+from bcd.controlplane import EVENTS_FILE, ControlPlane, EventRecord, PutResult, load_or_create_cp_key, put_spec_file  # noqa: E402
 from bcd.nodebus import NatsServer  # noqa: E402
 from bcd.supervisor import die_with_parent  # noqa: E402
 from shared.eventids import bound_id  # noqa: E402
@@ -316,6 +325,8 @@ class RunningNode:
         self.hello: Hello | None = None
         self.inventory: Inventory | None = None
         self.watch = Watch()
+        #: the control plane the bench puts through, over `nc` (kept open for the run).
+        self.cp: ControlPlane | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
 
@@ -376,6 +387,9 @@ class RunningNode:
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, description="bench/e2e watcher"),
         )
         await self.nc.flush()
+        key, _ = load_or_create_cp_key(Path(self.info.controlplane_dir))
+        self.cp = ControlPlane(self.nc, key, Path(self.info.controlplane_dir), out=None)
+        await self.cp.ensure_upstream()
         self._tasks.append(asyncio.create_task(self._tail_cp_log()))
         return time.perf_counter() - t0
 
@@ -442,16 +456,21 @@ class RunningNode:
                 self.watch.changed.set()
             await asyncio.sleep(POLL_S)
 
-    async def put(self, spec: bytes) -> int:
+    async def put(self, spec: bytes) -> PutResult:
+        """Sign and put over the kept connection (what a running control plane does)."""
+        assert self.cp is not None
+        return await self.cp.put_spec(spec)
+
+    async def put_old(self, spec: bytes) -> PutResult:
+        """The old definition's put: `put_spec_file` (connect, load state and event log, ensure, sign, put, close)."""
         assert self.info is not None
-        result = await put_spec_file(
+        return await put_spec_file(
             self.info.upstream_url or self.info.nats_url,
             CONTROLPLANE_USER,
             Path(self.info.creds_dir) / f"{CONTROLPLANE_USER}.password",
             Path(self.info.controlplane_dir),
             spec,
         )
-        return result.generation
 
     async def wait_for(self, predicate, timeout: float = GEN_TIMEOUT_S) -> bool:  # noqa: ANN001
         deadline = time.monotonic() + timeout
@@ -493,6 +512,9 @@ class RunningNode:
 class SizeResult:
     size: int
     host: str
+    #: the old definition: samples from calling put_spec_file (else from the KV put over the kept connection).
+    old: bool = False
+    #: how long the put call took (put_spec over the kept connection; put_spec_file when `old`).
     put: list[float] = field(default_factory=list)
     stream: list[float] = field(default_factory=list)
     verified: list[float] = field(default_factory=list)
@@ -503,20 +525,25 @@ class SizeResult:
     not_converged: int = 0
 
 
-async def run_size(node: RunningNode, size: int, gens: int, host_name: str) -> SizeResult:
+async def run_size(node: RunningNode, size: int, gens: int, host_name: str, *, old: bool = False) -> SizeResult:
     assert node.inventory is not None
     atoms = independent_atoms(node.inventory)
     if len(atoms) < 2 * size:
         raise RuntimeError(f"{host_name}: {len(atoms)} independent atoms, {2 * size} needed")
-    sets = {"a": atoms[:size], "b": atoms[size : 2 * size]}
-    res = SizeResult(size=size, host=host_name)
+    # the old round's allocations are new ones too: its warm-up binds again what the round before left bound
+    a, b = ("oa", "ob") if old else ("a", "b")
+    sets = {a: atoms[:size], b: atoms[size : 2 * size]}
+    res = SizeResult(size=size, host=host_name, old=old)
     w = node.watch
     for i in range(gens + 1):  # i == 0: warm-up (binds A), not counted
-        label = "a" if i % 2 == 0 else "b"
+        label = a if i % 2 == 0 else b
         spec = spec_json(size, label, sets[label])
-        t0 = time.perf_counter()
-        gen = await node.put(spec)
+        t_call = time.perf_counter()
+        result = await (node.put_old(spec) if old else node.put(spec))
         t_put = time.perf_counter()
+        gen = result.generation
+        # the sample starts at the call (old definition) or at the KV put itself
+        t0 = t_call if old else result.put_at
         want = [bound_id(NODE, f"s{size}-{label}-{k:02d}", gen) for k in range(size)]
         ok = await node.wait_for(lambda: all(e in w.stream_bound for e in want) and all(e in w.cp_bound for e in want))
         # let the node settle (its section for this generation is upstream) before the next put
@@ -529,7 +556,7 @@ async def run_size(node: RunningNode, size: int, gens: int, host_name: str) -> S
         if not settled or w.sections[gen][0] != "CONVERGED":
             res.not_converged += 1
         res.generations.append(gen)
-        res.put.append(t_put - t0)
+        res.put.append(t_put - t_call)
         res.stream.append(max(w.stream_bound[e] for e in want) - t0)
         res.verified.append(max(w.cp_bound[e] for e in want) - t0)
     res.converger_pass = converger_passes(node.state / "logs" / "converger.log", res.generations)
@@ -569,7 +596,9 @@ async def amain(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bcd-bench-e2e-"))
     print("bcd end to end: spec put -> every Bound verified upstream")
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, temp dir {tmp}")
+    old_sizes = {int(s) for s in args.old_sizes.split(",") if s}
     results: list[SizeResult] = []
+    old_results: list[SizeResult] = []
     startups: list[tuple[str, float]] = []
     integrity: list[str] = []
     nodes: list[RunningNode] = []
@@ -600,6 +629,14 @@ async def amain(args: argparse.Namespace) -> None:
                 r = await run_size(node, size, gens, host_name)
                 results.append(r)
                 print(f"  ... size {size:>2}: {len(r.verified)} generations in {time.perf_counter() - t:.1f} s", flush=True)
+            for size in group_sizes:
+                if size not in old_sizes:
+                    continue
+                gens = args.gens or DEFAULT_GENS.get(size, 10)
+                t = time.perf_counter()
+                r = await run_size(node, size, gens, host_name, old=True)
+                old_results.append(r)
+                print(f"  ... size {size:>2}, old definition: {len(r.verified)} generations in {time.perf_counter() - t:.1f} s", flush=True)
             w = node.watch
             if w.rejected_by_bench:
                 integrity.append(f"{host_name}: {len(w.rejected_by_bench)} Bound reports failed the bench's check: {w.rejected_by_bench[:3]}")
@@ -622,9 +659,37 @@ async def amain(args: argparse.Namespace) -> None:
     for name, t in startups:
         print(f"  {name}: {t:.1f} s")
     print(
-        "\nlatency per generation, ms (each releases the previous set and binds `n` new holds;\n"
-        "p99 is nearest-rank, i.e. the worst sample at these counts):"
+        "\nlatency per generation, ms, from the KV put over the control plane's kept connection (each\n"
+        "releases the previous set and binds `n` new holds; p99 is nearest-rank, i.e. the worst sample\n"
+        "at these counts):"
     )
+    latency_table(results, floor)
+    print(
+        "\n`put` ControlPlane.put_spec returned (reserve the generation in state.json, sign, KV put, record\n"
+        "the spec; over the kept connection), from its call; `stream` the last Bound is in BCD_EVENTS\n"
+        "(PubAck'd upstream, signature checked by the bench); `verified` the last Bound is applied and\n"
+        "verified in the control plane's events.jsonl; both from the KV put (PutResult.put_at). `pass` is\n"
+        "a duration, not from the put: the converger's pass for that generation (its log, \"spec accepted\"\n"
+        "-> pass end, ms resolution).\n"
+        "per hold at p50, verified / n:",
+        ", ".join(f"n={r.size}: {pct(r.verified, 50) / r.size * 1e3:.1f} ms" for r in results if r.verified),
+    )
+    if old_results:
+        print("\nthe old definition, in the same run (a second round of generations): from calling put_spec_file")
+        latency_table(old_results, floor)
+        print(
+            "`put` put_spec_file returned (connect, load state and event log, ensure buckets, sign, KV put,\n"
+            "close); `stream` and `verified` from its call.\n"
+            "per hold at p50, (verified - put) / n:",
+            ", ".join(f"n={r.size}: {(pct(r.verified, 50) - pct(r.put, 50)) / r.size * 1e3:.1f} ms" for r in old_results if r.verified),
+        )
+    print("\nintegrity (informational):")
+    for line in integrity:
+        print(f"  {line}")
+    print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
+
+
+def latency_table(results: list[SizeResult], floor: Floor) -> None:
     print(
         f"{'n':>3} {'gens':>4} {'put p50':>8} {'pass p50':>8} {'stream p50':>10} {'p99':>8} {'verified p50':>12} {'p99':>8}"
         f" {'FLOOR(n)':>9} {'stream/FLOOR':>12} {'verified/FLOOR':>14}  host"
@@ -642,24 +707,17 @@ async def amain(args: argparse.Namespace) -> None:
         )
         if r.timeouts or r.not_converged:
             print(f"      ({r.timeouts} generations timed out, {r.not_converged} did not report CONVERGED)")
-    print(
-        "\nfrom the put: `put` put_spec_file returned (connect, sign, KV put); `stream` the last Bound is in\n"
-        "BCD_EVENTS (PubAck'd upstream, signature checked by the bench); `verified` the last Bound is applied\n"
-        "and verified in the control plane's events.jsonl. `pass` is a duration, not from the put: the\n"
-        "converger's pass for that generation (its log, \"spec accepted\" -> pass end, ms resolution).\n"
-        "per hold at p50, (verified - put) / n:",
-        ", ".join(f"n={r.size}: {(pct(r.verified, 50) - pct(r.put, 50)) / r.size * 1e3:.1f} ms" for r in results if r.verified),
-    )
-    print("\nintegrity (informational):")
-    for line in integrity:
-        print(f"  {line}")
-    print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--gens", type=int, default=0, help="counted generations per size (default 20)")
     parser.add_argument("--sizes", default="1,8,64", help="assignments per generation, comma-separated")
+    parser.add_argument(
+        "--old-sizes",
+        default="1,8",
+        help="sizes also measured the old way, from calling put_spec_file (a second round each; '' for none)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (state, logs) for a look afterwards")
     args = parser.parse_args()
     # put_spec_file's connection logs its own close as "disconnected from upstream"

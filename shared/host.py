@@ -7,9 +7,11 @@ can "reboot" a node by editing one field.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
-from shared.fsutil import read_regular
+from shared.fsutil import Remembered, read_regular
 from shared.schemas.codec import bounded_json_loads
 
 BOOT_ID_PATH = "sys/kernel/random/boot_id"
@@ -23,10 +25,35 @@ class HostFactError(Exception):
     """A host fact could not be read; the text names the file."""
 
 
+#: path -> what the fake host file read to, and the file then (shared.holdfiles.Remembered):
+#: the boot id is asked for every intent and every signature, the file rarely changes.
+_HOST_FILES: dict[str, Any] = {}
+
+
+def read_host_file(fake_host: Path) -> Any:
+    """The fake host description file, decoded (JSON); read again only when the file changed.
+
+    Raises OSError or ValueError like reading it does.
+    """
+    key = os.fspath(fake_host)
+    try:
+        st: os.stat_result | None = os.lstat(key)
+    except OSError:
+        st = None
+    memo = _HOST_FILES.get(key)
+    if memo is not None and memo.vouches(st):
+        return memo.value
+    data = read_regular(fake_host, max_bytes=HOST_FILE_MAX_BYTES)
+    value = bounded_json_loads(data, HOST_FILE_MAX_BYTES, str(fake_host))
+    if st is not None:
+        _HOST_FILES[key] = Remembered.of(st, data, value)
+    return value
+
+
 def read_boot_id(proc_root: Path = Path("/proc"), fake_host: Path | None = None) -> str:
     if fake_host is not None:
         try:
-            value = bounded_json_loads(read_regular(fake_host, max_bytes=HOST_FILE_MAX_BYTES), HOST_FILE_MAX_BYTES, str(fake_host)).get("boot_id", "")
+            value = read_host_file(fake_host).get("boot_id", "")
         except (OSError, ValueError, AttributeError) as exc:
             raise HostFactError(f"{fake_host}: cannot read boot_id ({exc})") from None
         if not isinstance(value, str) or not value:
@@ -39,4 +66,4 @@ def read_boot_id(proc_root: Path = Path("/proc"), fake_host: Path | None = None)
         raise HostFactError(f"{path}: {exc.strerror}") from None
 
 
-__all__ = ["HostFactError", "read_boot_id", "BOOT_ID_PATH", "HOST_FILE_MAX_BYTES"]
+__all__ = ["HostFactError", "read_boot_id", "read_host_file", "BOOT_ID_PATH", "HOST_FILE_MAX_BYTES"]

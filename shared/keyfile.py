@@ -14,10 +14,13 @@ import os
 import stat
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nacl.signing import SigningKey
 
+from shared.ed25519der import DerError, private_key_from_pem, private_key_pem
 from shared.fsutil import fsync_dir
+
+#: the private key type (PyNaCl's; see shared.signing).
+Ed25519PrivateKey = SigningKey
 
 
 class KeyFileError(Exception):
@@ -50,18 +53,18 @@ def load_or_create_key(path: Path, owner: str = "this process") -> tuple[Ed25519
             raise KeyFileError(f"{path}: owned by uid {st.st_uid}, not by {owner} (uid {os.geteuid()})")
         data = f.read(64 * 1024)  # a PEM Ed25519 key is ~120 bytes
     try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except ValueError as exc:
-        raise KeyFileError(f"{path}: not a PEM private key ({exc})") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{path}: not an Ed25519 key")
-    return key, False
+        seed = private_key_from_pem(data)
+    except DerError as exc:
+        if str(exc).startswith("key is not Ed25519"):
+            raise KeyFileError(f"{path}: not an Ed25519 key ({str(exc)[len('key is not Ed25519 ') :].strip('()')})") from None
+        raise KeyFileError(f"{path}: {exc}") from None
+    return SigningKey(seed), False
 
 
 def _create(path: Path, owner: str) -> Ed25519PrivateKey:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    key = SigningKey.generate()
+    pem = private_key_pem(bytes(key))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:

@@ -21,19 +21,22 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import nats
 from nats.micro.service import Service, ServiceConfig
 from nats.aio.client import Client
 from nats.micro.request import Request, ServiceError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
-from prometheus_client.exposition import start_http_server
 
 from shared import logs
 from shared.schemas import BadMessage, Codec, encode
 from shared.schemas.codec import SchemaViolation
 from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix
+
+if TYPE_CHECKING:
+    # imported where a service starts (`serve`): the CLI and the supervisor, which
+    # import this module for METRICS_PORTS, `call` and the options, expose no metrics
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 VERSION = "0.1.0"
 
@@ -352,6 +355,8 @@ class LoopGuard:
 
 
 def _metrics(service: str, node_id: str, registry: CollectorRegistry) -> tuple[Counter, Histogram, Gauge]:
+    from prometheus_client import Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     info = Gauge("bcd_service_info", "Static facts of this service", ["service", "version", "node_id"], registry=registry)
@@ -401,6 +406,9 @@ async def connect(opts: argparse.Namespace, name: str, log: logs.StructLogger, c
 
 
 async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import start_http_server
+
     log = logs.get_logger(f"bcd.{app.name}")
     registry = CollectorRegistry()
     requests, latency, connected = _metrics(app.name, opts.node_id, registry)

@@ -92,17 +92,30 @@ def vendor_cdi_from_json(data: bytes, path: str) -> VendorCdi:
     )
 
 
-def read_vendor_cdi(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> VendorCdi | None:
-    """The vendor spec `<cdi_dir>/<filename>`; None when there is none."""
+def read_vendor_cdi_bytes(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> bytes | None:
+    """The bytes of the vendor spec `<cdi_dir>/<filename>`, not decoded; None when there is none."""
     path = Path(cdi_dir) / filename
     try:
         # never a FIFO, a device or a symlink, never more than the cap (read_regular)
-        data = read_regular(path, max_bytes=VENDOR_CDI_MAX_BYTES)
+        return read_regular(path, max_bytes=VENDOR_CDI_MAX_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise VendorSpecError(f"{path}: cannot read ({exc.strerror})") from None
-    return vendor_cdi_from_json(data, str(path))
 
 
-__all__ = ["VENDOR_CDI_FILE", "VENDOR_CDI_MAX_BYTES", "VendorSpecError", "VendorCdi", "vendor_cdi_from_json", "read_vendor_cdi"]
+def read_vendor_cdi(cdi_dir: Path | str, filename: str = VENDOR_CDI_FILE) -> VendorCdi | None:
+    """The vendor spec `<cdi_dir>/<filename>`; None when there is none."""
+    data = read_vendor_cdi_bytes(cdi_dir, filename)
+    return None if data is None else vendor_cdi_from_json(data, str(Path(cdi_dir) / filename))
+
+
+__all__ = [
+    "VENDOR_CDI_FILE",
+    "VENDOR_CDI_MAX_BYTES",
+    "VendorSpecError",
+    "VendorCdi",
+    "vendor_cdi_from_json",
+    "read_vendor_cdi_bytes",
+    "read_vendor_cdi",
+]

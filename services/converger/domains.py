@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from shared.fsutil import read_regular
-from shared.host import HOST_FILE_MAX_BYTES
+from shared.host import read_host_file
 from shared.schemas import PCI_RE
-from shared.schemas.codec import bounded_json_loads
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class FakeDomains:
 
     def running(self) -> list[RunningDomain]:
         try:
-            raw = bounded_json_loads(read_regular(self.host_file, max_bytes=HOST_FILE_MAX_BYTES), HOST_FILE_MAX_BYTES, "host file").get("domains", [])
+            raw = read_host_file(self.host_file).get("domains", [])
         except (OSError, ValueError, AttributeError) as exc:
             raise DomainsError(f"{self.host_file}: cannot read domains ({exc})") from None
         out = []

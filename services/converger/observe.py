@@ -11,12 +11,21 @@ env file that is not a regular file (a FIFO, a symlink - never followed -, a
 directory, a device) or is larger than its cap is not read; it is reported
 once in the log and in `DiskView.problems` (the converger's status), and
 skipped. Nothing here can block a pass.
+
+Reading again what did not change is skipped, never what did: a hold file
+is parsed again only when its bytes differ from the last read of that name,
+and not even read while it is the same settled file (`shared.holdfiles`
+`Remembered`: same device, inode, size, mtime and ctime, its ctime a second
+old at that read); the vendor spec goes through one `VendorCache` per CDI
+directory (the same rules). A file changed from outside is always seen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,10 +33,10 @@ from pathlib import Path
 
 from shared import logs
 from shared.fsutil import RefusedFile, is_temp_name, occupant, read_regular
-from shared.holdfiles import HOLD_FILE_MAX_BYTES, HoldOnDisk, NotAHold, parse_hold
+from shared.holdfiles import HOLD_FILE_MAX_BYTES, HoldOnDisk, NotAHold, Remembered, VendorCache, parse_hold, remembered_value
 from shared.schemas import Inventory, NodeSpec
 from shared.slices import SliceError, Slices
-from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi
+from shared.vendorcdi import VendorCdi, VendorSpecError
 
 from .domains import Domains, DomainsError
 from .model import ConvergerState, Observed
@@ -90,9 +99,45 @@ def _temp_file(path: Path, view: DiskView, warned: set[str] | None) -> None:
     _once(warned, f"refused:{path}", "named like a bcd temp file but not a regular file: left alone", file=str(path), what=what)
 
 
+#: CDI directory -> hold file name -> its last read (parsed); what the last listing showed only.
+_HOLDS_READ: dict[str, dict[str, Remembered[HoldOnDisk]]] = {}
+#: CDI directory -> the cache its vendor spec is read through.
+_VENDOR: dict[str, VendorCache] = {}
+
+
+def vendor_cache(cdi_dir: Path) -> VendorCache:
+    key = str(cdi_dir)
+    cache = _VENDOR.get(key)
+    if cache is None:
+        cache = _VENDOR.setdefault(key, VendorCache(Path(cdi_dir)))
+    return cache
+
+
+def _hold(path: Path, name: str, prior: Remembered[HoldOnDisk] | None, seen: dict[str, Remembered[HoldOnDisk]], view: DiskView, warned: set[str] | None) -> HoldOnDisk | None:
+    """The hold in `path` (None: gone or refused); read only when it may have changed, parsed only when it did."""
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except OSError:
+        st = None  # read_regular says what it is
+    if prior is not None and prior.vouches(st):
+        seen[name] = prior
+        return prior.value
+    data = _read(path, HOLD_FILE_MAX_BYTES, "a hold", view, warned)
+    if data is None:
+        return None
+    hold = remembered_value(prior, data)
+    if hold is None:
+        hold = parse_hold(name, data)
+    if st is not None and stat.S_ISREG(st.st_mode):
+        seen[name] = Remembered.of(st, data, hold, now=time.time())
+    return hold
+
+
 def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None) -> DiskView:
     view = DiskView()
     cdi_dir, env_dir = Path(cdi_dir), Path(run_dir) / "allocations"
+    known = _HOLDS_READ.get(str(cdi_dir), {})
+    seen: dict[str, Remembered[HoldOnDisk]] = {}
     for name in _names(cdi_dir):
         path = cdi_dir / name
         if is_temp_name(name) and name.startswith(".bcd-"):
@@ -101,16 +146,17 @@ def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None) -
         if not (name.startswith("bcd-") and name.endswith(".json")):
             continue
         try:
-            data = _read(path, HOLD_FILE_MAX_BYTES, "a hold", view, warned)
-            if data is None:
+            hold = _hold(path, name, known.get(name), seen, view, warned)
+            if hold is None:
                 view.foreign.append(name)
                 continue
-            hold = parse_hold(name, data)
         except (NotAHold, OSError) as exc:
             view.foreign.append(name)
             _once(warned, name, "not a bcd hold; leaving it alone", file=str(path), reason=str(exc))
             continue
         view.holds[hold.allocation_id] = hold
+    # replaced whole (threads read the disk at once: the last listing wins, entries stay consistent)
+    _HOLDS_READ[str(cdi_dir)] = seen
     for name in _names(env_dir):
         path = env_dir / name
         if is_temp_name(name):
@@ -170,7 +216,7 @@ def observe(
     releases = releases or ReleaseFacts()
     vendor: VendorCdi | None
     try:
-        vendor = read_vendor_cdi(cdi_dir)
+        vendor = vendor_cache(cdi_dir).get()
     except VendorSpecError as exc:
         # the CDI write refuses it too (retryable): no new hold is bound until it reads
         _once(warned, f"vendor:{exc}", "vendor CDI spec unreadable; new holds are not bound until it reads (retried)", error=str(exc))

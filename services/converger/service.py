@@ -79,7 +79,7 @@ from .reaper import BusReaper
 from .releases import PendingRelease, ReleasesStore
 from .state import StateStore
 from .switcher import BusSwitcher
-from .vfio import card_claims
+from .vfio import card_claims, planner_view
 
 
 class ConvergerApp(ServiceApp):
@@ -101,6 +101,8 @@ class ConvergerApp(ServiceApp):
         self.claims_sent: tuple | None = None
         #: the VFIO notes of the last pass (logged again only at DEBUG).
         self.vfio_noted: set[str] = set()
+        #: the holds on disk as read right after the last pass (None: not read by it).
+        self.holds_after_pass: dict[str, HoldOnDisk] | None = None
 
     def options(self) -> list[Option]:
         return [
@@ -212,8 +214,11 @@ class ConvergerApp(ServiceApp):
                 ctx.log.warning("ignoring a bad inventory message", error=str(exc))
                 return
             if self.inventory is None or inv.revision != self.inventory.revision:
-                self.inventory = inv
-                self.loop.trigger("inventory changed")
+                before, self.inventory = self.inventory, inv
+                # a claims change (our own pass's) rewrites only what the planner does not
+                # read: the next pass sees the new inventory, but none runs for it alone
+                if before is None or planner_view(before) != planner_view(inv):
+                    self.loop.trigger("inventory changed")
 
         @guarded(ctx.log, "freed notice")
         async def on_freed(msg: Any) -> None:
@@ -324,9 +329,10 @@ class ConvergerApp(ServiceApp):
             system_reserve_bytes=self.opts.system_reserve_bytes,
         )
 
-    def _card_claims(self, inv: Inventory) -> list[GpuClaim]:
-        """Every card's claims, read now: holds on disk, intents, releasing.json, spec, domains."""
-        holds = self._holds()
+    def _card_claims(self, inv: Inventory, holds: dict[str, HoldOnDisk] | None = None) -> list[GpuClaim]:
+        """Every card's claims, read now: holds on disk (or as just read), intents, releasing.json, spec, domains."""
+        if holds is None:
+            holds = self._holds()
         pending, unreadable = self.releases.peek()
         return card_claims(
             inventory=inv,
@@ -351,14 +357,14 @@ class ConvergerApp(ServiceApp):
             return HolderReply(held=False, gpu=gpu.pci_address)
         return HolderReply(held=True, kind=first.kind, holder=first.holder, gpu=gpu.pci_address)
 
-    async def _claims_now(self) -> Claims | None:
+    async def _claims_now(self, holds: dict[str, HoldOnDisk] | None = None) -> Claims | None:
         inv = self.inventory
         if inv is None:
             await self._fetch_inventory()
             inv = self.inventory
         if inv is None:
             return None
-        claims = await asyncio.to_thread(self._card_claims, inv)
+        claims = await asyncio.to_thread(self._card_claims, inv, holds)
         return Claims(
             claims=claims,
             vfio=sorted(self.state.vfio),
@@ -372,12 +378,13 @@ class ConvergerApp(ServiceApp):
             raise Refused("no inventory yet: claims cannot be matched to cards", code="503")
         return c
 
-    async def _publish_claims(self) -> None:
+    async def _publish_claims(self, holds: dict[str, HoldOnDisk] | None = None) -> None:
         """Publish the claims when they changed since the last publication (and the first time)."""
-        c = await self._claims_now()
+        c = await self._claims_now(holds)
         if c is None:
             return
-        key = (c.claims, c.vfio, c.generation)
+        # a new generation with the same claims is nothing new for the inventory
+        key = (c.claims, c.vfio)
         if key == self.claims_sent:
             return
         try:
@@ -403,8 +410,10 @@ class ConvergerApp(ServiceApp):
         """One pass, then the claims if they changed; returns True when something is left to retry."""
         if self.helper_writer is not None and not self.privileged and await self._look_for_helper():
             await self._become_privileged()
+        self.holds_after_pass = None
         retry = await self._pass(reason)
-        await self._publish_claims()
+        # the hold directories as the pass left them, read once for the metric and the claims
+        await self._publish_claims(self.holds_after_pass)
         return retry
 
     async def _pass(self, reason: str) -> bool:
@@ -467,7 +476,7 @@ class ConvergerApp(ServiceApp):
             if section is not None:
                 self.m_section.clear()
                 self.m_section.labels(state=section.state).set(1)
-            holds_now = await asyncio.to_thread(self._holds)
+            holds_now = self.holds_after_pass = await asyncio.to_thread(self._holds)
             self.m_holds.clear()
             for binding in ("BINDING_HOLD", "BINDING_KUBERNETES"):
                 self.m_holds.labels(binding=binding).set(sum(1 for h in holds_now.values() if h.binding == binding))

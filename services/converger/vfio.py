@@ -38,10 +38,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
+
+import msgspec
 
 from shared.schemas import Condition, GpuClaim, Inventory, NodeSpec
-from shared.schemas.inventory import RECONFIGURING_REASONS, Gpu
+from shared.schemas.inventory import RECONFIGURING_REASONS, Gpu, PhysicalGPUStatus
 
 from .model import Observed, RecordVfio, Step, SwitchGpu
 
@@ -72,6 +74,40 @@ def excluded(gpu: Gpu) -> bool:
         return True
     managed = _condition(gpu, "Managed")
     return managed is not None and managed.reason in EXCLUDED_REASONS
+
+
+#: the card conditions a pass reads (besides Managed, read only for an exclusion).
+PASS_CONDITIONS = frozenset({"Reclaim", "Reconfiguring"})
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def planner_view(inventory: Inventory) -> Inventory:
+    """The inventory as a pass reads it: without what a claims change alone rewrites.
+
+    The inventory derives managementState, the Managed condition and the phase
+    from the converger's claims, and stamps every change with a revision and a
+    time; a pass reads a card's managementState and Managed reason only as
+    "excluded or not" (`excluded`), its Reclaim and Reconfiguring conditions,
+    and everything else of the inventory but the running processes. Two
+    inventories whose views are equal plan alike.
+    """
+    gpus = []
+    for g in inventory.gpus:
+        st = g.status
+        binding = st.driver_binding
+        state = binding.management_state if binding.management_state == "Excluded" else "Unknown"
+        conditions = [
+            c for c in st.conditions if c.type in PASS_CONDITIONS or (c.type == "Managed" and c.reason in EXCLUDED_REASONS)
+        ]
+        gpus.append(
+            msgspec.structs.replace(
+                g,
+                status=PhysicalGPUStatus(
+                    driver_binding=msgspec.structs.replace(binding, management_state=state), conditions=conditions
+                ),
+            )
+        )
+    return msgspec.structs.replace(inventory, revision=0, observed_at=_EPOCH, gpus=gpus, processes=[])
 
 
 def reclaim_in_progress(gpu: Gpu) -> bool:
@@ -265,6 +301,8 @@ def card_claims(
 
 
 __all__ = [
+    "planner_view",
+    "PASS_CONDITIONS",
     "VFIO_DRIVER",
     "NATIVE",
     "RECLAIM",

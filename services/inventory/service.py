@@ -12,7 +12,10 @@ Every scan is followed by an evaluation of each card's PhysicalGPU status
 (`converger.claims`, asked at every evaluation; no answer reads
 Indeterminate), the operator's exclusions and reclaims (endpoint `gpu`), the
 vfio_switcher's result notices (`vfio_switcher.result`) and the timers those
-rules need. The tracker's state is kept in `<data_dir>/inventory/gpus.json`.
+rules need. A claims notice (`converger.claims_changed`, sent whenever a pass
+changed the claims) changes no hardware: it is evaluated against the last
+scan, not a new one (a driver switch comes with its own notice, and rescan).
+The tracker's state is kept in `<data_dir>/inventory/gpus.json`.
 Every change of a card's phase, managementState or a condition's status or
 reason goes upstream as a `gpu` event through the node-bus outbox
 (`Nats-Msg-Id` = a deterministic event id); events the outbox did not take
@@ -87,6 +90,8 @@ class InventoryApp(ServiceApp):
         self.tracker: GpuTracker | None = None
         self.store: GpuStateStore | None = None
         self.last_scan = 0.0
+        #: the last successful scan, before its evaluation (what a claims notice is evaluated against).
+        self.last_base: Inventory | None = None
         #: the last claims lookup failed (logged once per outage).
         self.claims_failing = False
         #: the outbox did not take the last event (logged once per outage).
@@ -206,7 +211,9 @@ class InventoryApp(ServiceApp):
             except BadMessage as exc:
                 ctx.log.warning("ignoring an undecodable claims notice", error=str(exc))
                 return
-            await self._refresh_logged(ctx, "claims changed", claims=claims)
+            # the host did not change with the claims: no rescan (the last scan is at most
+            # --rescan-interval old; a switch's notice rescans)
+            await self._refresh_logged(ctx, "claims changed", claims=claims, rescan=False)
 
         @guarded(ctx.log, "switch result")
         async def on_switch(msg: Msg) -> None:
@@ -248,25 +255,33 @@ class InventoryApp(ServiceApp):
     # ------------------------------------------------------------------ work
 
     async def scan_and_publish(
-        self, ctx: ServiceContext, reason: str, *, claims: Claims | None = None, switch: SwitchReply | None = None
+        self,
+        ctx: ServiceContext,
+        reason: str,
+        *,
+        claims: Claims | None = None,
+        switch: SwitchReply | None = None,
+        rescan: bool = True,
     ) -> Inventory:
         """Scan, evaluate every card's PhysicalGPU status, publish on change, send the GPU events.
 
         `claims` given (a claims_changed notice) are used as they are;
         otherwise the converger is asked. `switch` is the switcher's notice
-        that caused this scan.
+        that caused this scan. `rescan=False` evaluates the last scan again
+        (a scan happens when there is none yet).
         """
         async with self.lock:
             if claims is None:
                 claims = await self._fetch_claims(ctx)
-            base = await self._scan(ctx, reason)
+            scanned = rescan or self.last_base is None
+            base = await self._scan(ctx, reason) if scanned else self.last_base
             if base is None:
                 assert self.current is not None
                 return self.current
             if switch is not None:
                 assert self.tracker is not None
                 self.tracker.note_switch(switch)
-            return await self._evaluate_and_publish(ctx, base, claims, reason, switch=switch)
+            return await self._evaluate_and_publish(ctx, base, claims, reason, switch=switch, scanned=scanned)
 
     async def _refresh_logged(self, ctx: ServiceContext, reason: str, **kw: Any) -> None:
         try:
@@ -317,11 +332,20 @@ class InventoryApp(ServiceApp):
         finally:
             self.m_scan_seconds.observe(time.perf_counter() - started)
             self.last_scan = time.monotonic()
-        return msgspec.structs.replace(inv, adapter=ctx.opts.adapter)
+        self.last_base = msgspec.structs.replace(inv, adapter=ctx.opts.adapter)
+        return self.last_base
 
     async def _evaluate_and_publish(
-        self, ctx: ServiceContext, base: Inventory, claims: Claims | None, reason: str, *, switch: SwitchReply | None = None
+        self,
+        ctx: ServiceContext,
+        base: Inventory,
+        claims: Claims | None,
+        reason: str,
+        *,
+        switch: SwitchReply | None = None,
+        scanned: bool = True,
     ) -> Inventory:
+        """`scanned`: `base` is a scan made for this evaluation (counted in bcd_inventory_scans)."""
         tracker = self.tracker
         assert tracker is not None
         revision = self.current.revision if self.current else 0
@@ -346,7 +370,7 @@ class InventoryApp(ServiceApp):
         inv = result.inventory
         key = inventory_content_key(inv)
         if self.current is not None and key == self.content_key:
-            self.m_scans.labels(outcome="unchanged").inc()
+            self._count_scan(scanned, "unchanged")
             inv = self.current
             if self.observed_revision != inv.revision:
                 # after a restart the last inventory comes from KV: the gauges start from it
@@ -359,14 +383,14 @@ class InventoryApp(ServiceApp):
             except SchemaViolation as exc:
                 # what the host reported does not fit the schema: the peers keep the last
                 # good inventory rather than get one they cannot decode
-                self.m_scans.labels(outcome="invalid").inc()
+                self._count_scan(scanned, "invalid")
                 ctx.log.error("inventory not published: it breaks its own schema", reason=reason, error=str(exc))
                 await self._flush_events(ctx)
                 return self.current if self.current is not None else inv
             await self.kv.put(ctx.opts.node_id, payload)
             await ctx.nc.publish(ctx.subjects.inventory_changed, payload)
             self.current, self.content_key = inv, key
-            self.m_scans.labels(outcome="changed").inc()
+            self._count_scan(scanned, "changed")
             self._observe(inv)
             ctx.log.info(
                 "inventory published",
@@ -379,6 +403,11 @@ class InventoryApp(ServiceApp):
         await self._flush_events(ctx)
         self.wake.set()
         return inv
+
+    def _count_scan(self, scanned: bool, outcome: str) -> None:
+        """bcd_inventory_scans counts scans: an evaluation of the last scan again (a claims notice) is not one."""
+        if scanned:
+            self.m_scans.labels(outcome=outcome).inc()
 
     def _save(self, ctx: ServiceContext, *, strict: bool = False) -> None:
         """Write gpus.json when the tracker's state changed; errors are logged (raised when strict)."""

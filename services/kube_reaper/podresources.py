@@ -4,7 +4,9 @@ The kubelet serves `v1.PodResourcesLister` on a unix socket (default
 /var/lib/kubelet/pod-resources/kubelet.sock). Each List opens its own channel:
 after a kubelet restart the socket is a new file, and a long-lived channel
 could sit in gRPC's reconnect backoff for minutes while the kubelet is back.
-Every call has a deadline.
+Every call has a deadline. grpc and the generated protobuf modules are
+imported on the first List that finds the socket, so a node without a kubelet
+never loads them (about 10 MiB per process).
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-
-import grpc
-import grpc.aio
+from typing import TYPE_CHECKING
 
 from .ports import PodDevice, SourceUnreachable
-from .proto import podresources_v1_pb2 as pb
-from .proto import podresources_v1_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from .proto import podresources_v1_pb2 as pb
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 #: the kubelet's answer grows with pods x devices; dcgm-exporter allows 16 MiB too.
@@ -61,6 +62,11 @@ class KubeletPodResources:
     async def list_devices(self) -> list[PodDevice]:
         if not self.socket.exists():
             raise SourceUnreachable(f"kubelet pod-resources socket {self.socket} does not exist")
+        import grpc.aio
+
+        from .proto import podresources_v1_pb2 as pb
+        from .proto import podresources_v1_pb2_grpc as pb_grpc
+
         options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES), ("grpc.enable_http_proxy", 0)]
         async with grpc.aio.insecure_channel(self.target, options=options) as channel:
             stub = pb_grpc.PodResourcesListerStub(channel)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-from shared.keyfile import KeyFileError
+from shared.keyfile import Ed25519PrivateKey, KeyFileError
 from shared.keyfile import load_or_create_key as _load_or_create
 
 

@@ -42,6 +42,7 @@ from shared.schemas import (
     SpecAck,
     encode,
 )
+from shared.signing import sign as sign_with_purpose
 from shared.signing import key_id, sign_node_spec, signed_message
 from shared.subjects import CONTROLPLANE_USER, SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix, upstream_node_user
 
@@ -179,7 +180,7 @@ async def test_a_deep_value_in_the_spec_bucket_is_refused_and_the_bridge_takes_t
 
     # a validly signed spec with a deep unknown field: refused after the signature check, not a crash
     payload = b'{"node_id":"node-1","generation":7,"x":' + DEEP_OBJECT + b"}"
-    signed = SignedNodeSpec(spec=payload, key_id=key_id(node.cp_key), signature=node.cp_key.sign(signed_message(NODE_SPEC_PURPOSE, payload)))
+    signed = SignedNodeSpec(spec=payload, key_id=key_id(node.cp_key), signature=sign_with_purpose(node.cp_key, NODE_SPEC_PURPOSE, payload))
     await node.put_raw(encode(signed))
     await wait_until(lambda: len(rejected()) >= 2 and "spec: message: nested" in rejected()[-1]["reason"], 20, "the signed deep spec's rejection")
 

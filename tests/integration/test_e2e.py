@@ -22,7 +22,7 @@ from collections import Counter
 import msgspec
 import nats
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import Ed25519PrivateKey
 
 from bcd.controlplane import EventRecord
 from bcd.nodebus import NatsServer, prepare_node_bus

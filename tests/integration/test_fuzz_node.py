@@ -84,6 +84,7 @@ from shared.schemas import (
     encode,
 )
 from shared.schemas.events import NODE_SPEC_PURPOSE
+from shared.signing import sign as sign_with_purpose
 from shared.signing import key_id, sign_node_spec, signed_message, unsigned_node_spec, verify_node_spec
 from shared.subjects import (
     CONTROLPLANE_USER,
@@ -431,7 +432,7 @@ async def fuzz_endpoints(clients: dict[str, Client], endpoints: list[tuple[str, 
 
 
 def signed_by(key: Any, payload: bytes) -> bytes:
-    return encode(SignedNodeSpec(spec=payload, key_id=key_id(key), signature=key.sign(signed_message(NODE_SPEC_PURPOSE, payload))))
+    return encode(SignedNodeSpec(spec=payload, key_id=key_id(key), signature=sign_with_purpose(key, NODE_SPEC_PURPOSE, payload)))
 
 
 def spec_bucket_values(cp_key: Any) -> list[tuple[str, bytes]]:
@@ -467,7 +468,7 @@ def spec_bucket_values(cp_key: Any) -> list[tuple[str, bytes]]:
 def bridge_outcome(value: bytes, cp_key: Any) -> str:
     """What the bridge must do with a bucket value: "rejected", or "no-op" (the applied spec again)."""
     try:
-        spec = verify_node_spec(SIGNED_NODE_SPEC_CODEC.decode(value), [cp_key.public_key()])
+        spec = verify_node_spec(SIGNED_NODE_SPEC_CODEC.decode(value), [cp_key.verify_key])
     except Exception:  # noqa: BLE001
         return "rejected"
     if spec.node_id != NODE_ID or spec.generation < CURRENT.spec.generation:

@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import sign as sign_with_purpose
+from shared.signing import Ed25519PrivateKey
 
 from shared import logs
 from shared.runtime import LoopGuard, guarded
@@ -204,12 +205,12 @@ def test_bounded_decoder_keeps_msgspec_errors_and_adds_its_own() -> None:
 def test_a_validly_signed_spec_with_a_deep_unknown_field_is_refused_not_a_crash() -> None:
     key = Ed25519PrivateKey.generate()
     payload = b'{"node_id":"node-1","generation":5,"x":' + objects(20_000) + b"}"
-    signed = SignedNodeSpec(spec=payload, key_id=key_id(key), signature=key.sign(signed_message(NODE_SPEC_PURPOSE, payload)))
+    signed = SignedNodeSpec(spec=payload, key_id=key_id(key), signature=sign_with_purpose(key, NODE_SPEC_PURPOSE, payload))
     wire = encode(signed)
     assert len(wire) < SIGNED_NODE_SPEC_CODEC.max_bytes
     envelope = SIGNED_NODE_SPEC_CODEC.decode(wire)  # the envelope itself is shallow
     with pytest.raises(VerificationError, match="spec: message: nested deeper than 64 levels"):
-        verify_node_spec(envelope, [key.public_key()])
+        verify_node_spec(envelope, [key.verify_key])
 
 
 def test_file_readers_refuse_a_deep_file_with_their_own_errors(tmp_path) -> None:

@@ -40,6 +40,7 @@ from services.inventory.gpustate import GpuState, decode_state, encode_state
 from shared.holdfiles import HoldOnDisk, NotAHold, hold_file_bytes, parse_hold
 from shared.schemas import BadMessage, Codec, NodeSpec, SignedNodeSpec
 from shared.schemas.events import NODE_SPEC_PURPOSE
+from shared.signing import sign as sign_with_purpose
 from shared.signing import VerificationError, sign_node_spec, signed_message, verify_node_spec
 from shared.slices import FakeSlices, SliceError
 from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi, vendor_cdi_from_json
@@ -206,7 +207,7 @@ def test_the_other_decoders_accept_their_valid_inputs(tmp_path: Path) -> None:
     assert isinstance(VENDOR, VendorCdi)
     (tmp_path / "host.json").write_text(json.dumps(HOST_DOC))
     assert isinstance(load_host_file(tmp_path / "host.json"), FakeHost)
-    assert verify_node_spec(sign_node_spec(CP_KEY, SPEC), [CP_KEY.public_key()]) == SPEC
+    assert verify_node_spec(sign_node_spec(CP_KEY, SPEC), [CP_KEY.verify_key]) == SPEC
 
 
 # parse_hold: what the converger reads back from the CDI dir (anyone who can write there can put it there)
@@ -285,11 +286,11 @@ def test_a_deep_or_huge_host_file_is_refused_with_a_reason(tmp_path: Path) -> No
 
 # a signed NodeSpec whose inner spec is garbage: the signature checks out, the spec must still be refused cleanly
 
-KEYS = [CP_KEY.public_key()]
+KEYS = [CP_KEY.verify_key]
 
 
 def signed(payload: bytes) -> SignedNodeSpec:
-    return SignedNodeSpec(spec=payload, key_id=sign_node_spec(CP_KEY, SPEC).key_id, signature=CP_KEY.sign(signed_message(NODE_SPEC_PURPOSE, payload)))
+    return SignedNodeSpec(spec=payload, key_id=sign_node_spec(CP_KEY, SPEC).key_id, signature=sign_with_purpose(CP_KEY, NODE_SPEC_PURPOSE, payload))
 
 
 @FUZZ_MORE

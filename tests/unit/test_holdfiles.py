@@ -780,3 +780,17 @@ def test_the_inventory_keeps_its_vendor_names_on_top_of_shared() -> None:
     with pytest.raises(shared_vendorcdi.VendorSpecError, match="not valid JSON"):
         shared_vendorcdi.vendor_cdi_from_json(b"{", "nvidia.json")
     assert read_vendor_cdi(REPO / "does-not-exist") is None
+
+
+_JSON_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | _JSON_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_JSON_TEXT, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(_JSON_TEXT, _JSON, max_size=6))
+def test_render_cdi_spec_writes_what_json_dumps_writes(spec: dict) -> None:
+    """The fast path (msgspec) and the fallback (json, for non-ASCII text) give json.dumps's bytes."""
+    assert render_cdi_spec(spec) == (json.dumps(spec, indent=2) + "\n").encode()

@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 import msgspec
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import Ed25519PrivateKey
 
 from shared.schemas import (
     UPSTREAM_TYPES,

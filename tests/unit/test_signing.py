@@ -1,8 +1,10 @@
 """Ed25519 signing of attested reports and node specs (DESIGN 3).
 
 Round trips, every way verification must fail, cross-purpose replay, key file
-formats, and interoperability with PyNaCl (libsodium): a control plane that
-checks our signatures with an Ed25519 library we did not wrap must agree.
+formats, and interoperability with `cryptography` (OpenSSL): bcd signs with
+PyNaCl (libsodium), and a control plane that checks our signatures with an
+Ed25519 library we did not wrap must agree; the PEM files below are written
+by it too.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
-import nacl.exceptions
-import nacl.signing
 import pytest
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, x25519
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey as OpenSslPrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey as OpenSslPublicKey
 
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
@@ -39,6 +41,8 @@ from shared.schemas import (
 )
 from shared.schemas.common import ID_RE
 from shared.signing import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
     VerificationError,
     key_id,
     load_public_key,
@@ -56,8 +60,8 @@ T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 UUID = "GPU-5f3c2b1a-0000-4000-8000-0123456789ab"
 SEED = bytes(range(32))
 
-NODE_KEY = Ed25519PrivateKey.from_private_bytes(SEED)
-OTHER_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
+NODE_KEY = Ed25519PrivateKey(SEED)
+OTHER_KEY = Ed25519PrivateKey(bytes(range(1, 33)))
 NODE_RAW = raw_public_key(NODE_KEY)
 
 BODY = ReportBody(
@@ -72,6 +76,10 @@ SPEC = NodeSpec(
     generation=3,
     devices=[DeviceAssignment(allocation_id="a1", reservation_id="r1", binding="BINDING_HOLD", devices=[UUID])],
 )
+
+
+def raw_sign(key: Ed25519PrivateKey, message: bytes) -> bytes:
+    return bytes(key.sign(message).signature)
 
 
 def flip(data: bytes, index: int, bit: int = 0x01) -> bytes:
@@ -90,7 +98,7 @@ def test_report_round_trip() -> None:
     assert report.body == encode(BODY)
     assert len(report.signature) == 64
     assert verify_report(report, NODE_RAW) == BODY
-    assert verify_report(report, NODE_KEY.public_key()) == BODY
+    assert verify_report(report, NODE_KEY.verify_key) == BODY
 
 
 def test_report_round_trip_over_the_wire() -> None:
@@ -106,7 +114,7 @@ def test_signing_is_deterministic() -> None:
 
 
 def _signed_by(key: Ed25519PrivateKey, purpose: str, body: bytes, kid: str | None = None) -> AttestedReport:
-    return AttestedReport(key_id=kid or key_id(key), body=body, signature=key.sign(signed_message(purpose, body)))
+    return AttestedReport(key_id=kid or key_id(key), body=body, signature=raw_sign(key, signed_message(purpose, body)))
 
 
 REPORT = sign_report(NODE_KEY, BODY)
@@ -194,7 +202,7 @@ BAD_REPORTS: list[tuple[str, Callable[[], AttestedReport], bytes | None, str]] =
     ("cross-purpose-replay", lambda: _signed_by(NODE_KEY, "node-spec", REPORT.body), None, "signature does not verify"),
     (
         "no-purpose-prefix",
-        lambda: msgspec.structs.replace(REPORT, signature=NODE_KEY.sign(REPORT.body)),
+        lambda: msgspec.structs.replace(REPORT, signature=raw_sign(NODE_KEY, REPORT.body)),
         None,
         "signature does not verify",
     ),
@@ -235,49 +243,41 @@ def test_released_event_signs_too() -> None:
     assert verify_report(sign_report(NODE_KEY, body), NODE_RAW) == body
 
 
-# --- an independent Ed25519: PyNaCl (libsodium) ------------------------------------
+# --- an independent Ed25519: cryptography (OpenSSL) ---------------------------------
+
+OPENSSL_PUB = OpenSslPublicKey.from_public_bytes(NODE_RAW)
 
 
-def test_our_signature_verifies_with_pynacl() -> None:
+def test_our_signature_verifies_with_openssl() -> None:
     report = sign_report(NODE_KEY, BODY)
-    vk = nacl.signing.VerifyKey(NODE_RAW)
-    assert vk.verify(b"attested-report\0" + report.body, report.signature) == b"attested-report\0" + report.body
-    with pytest.raises(nacl.exceptions.BadSignatureError):
-        vk.verify(b"attested-report\0" + flip(report.body, 0), report.signature)
-    with pytest.raises(nacl.exceptions.BadSignatureError):
-        vk.verify(b"node-spec\0" + report.body, report.signature)
-    with pytest.raises(nacl.exceptions.BadSignatureError):
-        vk.verify(report.body, report.signature)
+    OPENSSL_PUB.verify(report.signature, b"attested-report\0" + report.body)
+    for message in (b"attested-report\0" + flip(report.body, 0), b"node-spec\0" + report.body, report.body):
+        with pytest.raises(InvalidSignature):
+            OPENSSL_PUB.verify(report.signature, message)
 
 
-def test_pynacl_signature_verifies_with_ours() -> None:
-    sk = nacl.signing.SigningKey.generate()
-    raw = bytes(sk.verify_key)
+def test_openssl_signature_verifies_with_ours() -> None:
+    sk = OpenSslPrivateKey.generate()
+    raw = sk.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     body = encode(BODY)
-    signature = sk.sign(b"attested-report\0" + body).signature
-    report = AttestedReport(key_id=hashlib.sha256(raw).hexdigest()[:16], body=body, signature=signature)
+    report = AttestedReport(key_id=hashlib.sha256(raw).hexdigest()[:16], body=body, signature=sk.sign(b"attested-report\0" + body))
     assert verify_report(ATTESTED_REPORT_CODEC.decode(encode(report)), raw) == BODY
-    forged = msgspec.structs.replace(report, signature=sk.sign(b"node-spec\0" + body).signature)
+    forged = msgspec.structs.replace(report, signature=sk.sign(b"node-spec\0" + body))
     with pytest.raises(VerificationError, match="signature does not verify"):
         verify_report(forged, raw)
 
 
 def test_same_seed_same_key_and_signature_in_both_libraries() -> None:
-    sk = nacl.signing.SigningKey(SEED)
-    assert bytes(sk.verify_key) == NODE_RAW
+    sk = OpenSslPrivateKey.from_private_bytes(SEED)
+    assert sk.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == NODE_RAW
     message = signed_message("attested-report", encode(BODY))
-    assert sk.sign(message).signature == NODE_KEY.sign(message) == sign_report(NODE_KEY, BODY).signature
-
-
-def test_node_spec_signature_verifies_with_pynacl() -> None:
-    signed = sign_node_spec(NODE_KEY, SPEC)
-    nacl.signing.VerifyKey(NODE_RAW).verify(b"node-spec\0" + signed.spec, signed.signature)
+    assert sk.sign(message) == raw_sign(NODE_KEY, message) == sign_report(NODE_KEY, BODY).signature
 
 
 # --- key ids ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", [NODE_KEY, NODE_KEY.public_key(), NODE_RAW], ids=["private", "public", "raw"])
+@pytest.mark.parametrize("key", [NODE_KEY, NODE_KEY.verify_key, NODE_RAW], ids=["private", "public", "raw"])
 def test_key_id_is_sha256_of_raw_public_key(key: object) -> None:
     kid = key_id(key)  # type: ignore[arg-type]
     assert kid == hashlib.sha256(NODE_RAW).hexdigest()[:16]
@@ -286,7 +286,7 @@ def test_key_id_is_sha256_of_raw_public_key(key: object) -> None:
 
 def test_key_ids_differ_between_keys() -> None:
     assert key_id(NODE_KEY) != key_id(OTHER_KEY)
-    assert raw_public_key(NODE_KEY) == raw_public_key(NODE_KEY.public_key()) == NODE_RAW
+    assert raw_public_key(NODE_KEY) == raw_public_key(NODE_KEY.verify_key) == NODE_RAW
 
 
 def test_signed_message_layout() -> None:
@@ -296,8 +296,8 @@ def test_signed_message_layout() -> None:
 
 # --- node specs -----------------------------------------------------------------------
 
-CP_KEYS = [Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32) for i in (7, 8, 9)]
-CP_PUBS = [k.public_key() for k in CP_KEYS]
+CP_KEYS = [Ed25519PrivateKey(bytes([i]) * 32) for i in (7, 8, 9)]
+CP_PUBS = [k.verify_key for k in CP_KEYS]
 
 
 @pytest.mark.parametrize("index", range(len(CP_KEYS)))
@@ -310,7 +310,7 @@ def test_node_spec_verifies_with_any_configured_key(index: int) -> None:
 
 
 def _spec_signed(key: Ed25519PrivateKey, purpose: str, payload: bytes) -> SignedNodeSpec:
-    return SignedNodeSpec(spec=payload, key_id=key_id(key), signature=key.sign(signed_message(purpose, payload)))
+    return SignedNodeSpec(spec=payload, key_id=key_id(key), signature=raw_sign(key, signed_message(purpose, payload)))
 
 
 GOOD_SPEC = sign_node_spec(CP_KEYS[1], SPEC)
@@ -382,13 +382,13 @@ def test_report_signature_does_not_verify_as_a_node_spec() -> None:
     report = _signed_by(NODE_KEY, "attested-report", payload)
     replay = SignedNodeSpec(spec=report.body, key_id=report.key_id, signature=report.signature)
     with pytest.raises(VerificationError, match="signature does not verify"):
-        verify_node_spec(replay, [NODE_KEY.public_key()])
+        verify_node_spec(replay, [NODE_KEY.verify_key])
 
 
 # --- public key files -------------------------------------------------------------------
 
-_PUB = NODE_KEY.public_key()
-PEM = _PUB.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+_OPENSSL_KEY = OpenSslPrivateKey.from_private_bytes(SEED)
+PEM = _OPENSSL_KEY.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 B64 = base64.b64encode(NODE_RAW)
 
 
@@ -430,7 +430,7 @@ BAD_KEY_FILES = [
     pytest.param(_pem_of(ec.generate_private_key(ec.SECP256R1()).public_key()), "PEM key is not Ed25519", id="pem-ec"),
     pytest.param(_pem_of(x25519.X25519PrivateKey.generate().public_key()), "PEM key is not Ed25519", id="pem-x25519"),
     pytest.param(
-        NODE_KEY.private_bytes(
+        _OPENSSL_KEY.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         ),
         "public key: not a PEM public key",
@@ -438,7 +438,7 @@ BAD_KEY_FILES = [
     ),
     pytest.param(PEM[:40] + PEM[60:], "public key: not a PEM public key", id="pem-corrupt"),
     pytest.param(b"-----BEGIN PUBLIC KEY-----\n", "public key: not a PEM public key", id="pem-truncated"),
-    pytest.param(_unknown_algorithm_pem(), "public key: not a PEM public key", id="pem-unknown-algorithm"),
+    pytest.param(_unknown_algorithm_pem(), "PEM key is not Ed25519 (algorithm 1.2.3.4)", id="pem-unknown-algorithm"),
 ]
 
 
@@ -461,7 +461,7 @@ def test_load_public_key_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_loaded_key_verifies_a_spec_signed_by_its_private_key() -> None:
-    keys = [load_public_key(_pem_of(CP_PUBS[0])), load_public_key(base64.b64encode(raw_public_key(CP_PUBS[1])))]
+    keys = [load_public_key(_pem_of(OpenSslPublicKey.from_public_bytes(raw_public_key(CP_PUBS[0])))), load_public_key(base64.b64encode(raw_public_key(CP_PUBS[1])))]
     for private in CP_KEYS[:2]:
         assert verify_node_spec(sign_node_spec(private, SPEC), keys) == SPEC
 
@@ -469,3 +469,54 @@ def test_loaded_key_verifies_a_spec_signed_by_its_private_key() -> None:
 def test_key_ids_are_subject_safe() -> None:
     for key in (NODE_KEY, OTHER_KEY, *CP_KEYS):
         assert ID_RE.match(key_id(key))
+
+
+# --- private key files (shared.ed25519der, shared.keyfile) -----------------------------
+
+
+def test_private_key_pem_is_what_openssl_writes_and_reads() -> None:
+    from shared.ed25519der import private_key_from_pem, private_key_pem
+
+    ours = private_key_pem(SEED)
+    theirs = _OPENSSL_KEY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    assert ours == theirs
+    assert private_key_from_pem(theirs) == SEED
+    loaded = serialization.load_pem_private_key(ours, password=None)
+    assert isinstance(loaded, OpenSslPrivateKey) and loaded.private_bytes_raw() == SEED
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        pytest.param(lambda: ec.generate_private_key(ec.SECP256R1()).private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), "key is not Ed25519 (algorithm EC)", id="ec"),
+        pytest.param(lambda: x25519.X25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), "key is not Ed25519 (algorithm X25519)", id="x25519"),
+        pytest.param(lambda: _OPENSSL_KEY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")), "not a PEM private key (it is a encrypted private key)", id="encrypted"),
+        pytest.param(lambda: PEM, "not a PEM private key (it is a public key)", id="a-public-key"),
+        pytest.param(lambda: b"-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIA==\n-----END PRIVATE KEY-----\n", "not a PEM private key (", id="truncated"),
+        pytest.param(lambda: b"garbage", "not a PEM private key", id="garbage"),
+    ],
+)
+def test_private_key_pem_refuses_what_is_not_an_ed25519_pkcs8_key(data: Callable[[], bytes], text: str) -> None:
+    from shared.ed25519der import DerError, private_key_from_pem
+
+    with pytest.raises(DerError) as exc:
+        private_key_from_pem(data())
+    assert text in str(exc.value)
+
+
+def test_a_key_file_made_by_openssl_is_loaded_and_one_made_here_read_by_openssl(tmp_path: Path) -> None:
+    import os
+
+    from shared.keyfile import load_or_create_key
+
+    theirs = tmp_path / "theirs.key"
+    fd = os.open(theirs, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, _OPENSSL_KEY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    os.close(fd)
+    key, created = load_or_create_key(theirs)
+    assert not created and raw_public_key(key) == NODE_RAW
+    ours, created = load_or_create_key(tmp_path / "ours.key")
+    assert created
+    loaded = serialization.load_pem_private_key((tmp_path / "ours.key").read_bytes(), password=None)
+    assert isinstance(loaded, OpenSslPrivateKey)
+    assert loaded.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == raw_public_key(ours)

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shared.signing import Ed25519PrivateKey
 
 from shared.schemas import ATTESTED_REPORT_CODEC, NODE_SPEC_CODEC, SIGNED_NODE_SPEC_CODEC
 from shared.signing import key_id, load_public_key, verify_node_spec, verify_report
@@ -26,8 +26,8 @@ def example_blocks() -> list[str]:
 def test_the_worked_example_verifies_and_names_todays_slice() -> None:
     blocks = example_blocks()
     pem, raw = blocks[0].encode(), blocks[1].strip()
-    cp = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-    node = Ed25519PrivateKey.from_private_bytes(bytes(range(0x20, 0x40)))
+    cp = Ed25519PrivateKey(bytes(range(32)))
+    node = Ed25519PrivateKey(bytes(range(0x20, 0x40)))
     assert key_id(load_public_key(pem)) == key_id(load_public_key(raw.encode())) == key_id(cp) == "56475aa75463474c"
     spec_bytes = blocks[2].strip().encode()
     spec = NODE_SPEC_CODEC.decode(spec_bytes)

@@ -2,12 +2,14 @@
 
 `fakehw` reads a host description file; `nvidia` reads NVML and sysfs. The
 service passes all its options to `load_adapter`; each adapter takes the ones
-it understands, so one command line serves both.
+it understands, so one command line serves both. `nvidia` (and NVML's
+bindings, pynvml and ctypes: about 3.5 MiB) is imported when it is picked or one
+of its names is asked for, so a fakehw inventory never loads it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import (
     VENDOR_CDI_FILE,
@@ -27,7 +29,20 @@ from .base import (
     read_vendor_cdi,
 )
 from .fakehw import FakeHwAdapter, HostFileError, load_host_file
-from .nvidia import NvidiaAdapter, NvmlError, NvmlPort, PynvmlNvml
+
+if TYPE_CHECKING:
+    from .nvidia import NvidiaAdapter, NvmlError, NvmlPort, PynvmlNvml
+
+_NVIDIA_NAMES = frozenset({"NvidiaAdapter", "NvmlError", "NvmlPort", "PynvmlNvml"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NVIDIA_NAMES:
+        from . import nvidia
+
+        return getattr(nvidia, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ADAPTERS: tuple[str, ...] = ("fakehw", "nvidia")
 
@@ -62,6 +77,8 @@ def load_adapter(name: str, **kw: Any) -> VendorAdapter:
             raise AdapterUnavailable("the fakehw adapter needs a CDI directory: --cdi-dir DIR")
         return FakeHwAdapter(host_file, cdi_dir=kw["cdi_dir"])
     if name == "nvidia":
+        from .nvidia import NvidiaAdapter
+
         args = {k: v for k, v in kw.items() if k in _NVIDIA_ARGS and v is not None}
         return NvidiaAdapter(**args)
     raise AdapterUnavailable(f"unknown adapter {name!r}; choose one of: {', '.join(ADAPTERS)}")
