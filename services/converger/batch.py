@@ -107,8 +107,8 @@ class GroupCommit:
             sliced=sliced,
         )
 
-    def _fail(self, result: ApplyResult, alloc: str, what: str, exc: Exception, step: str) -> None:
-        result.errors.append(f"{alloc}: {what}{exc}")
+    def _fail(self, result: ApplyResult, alloc: str, exc: Exception, step: str) -> None:
+        result.errors.append(f"{alloc}: {exc}")
         log.warning("step failed; will retry", step=step, allocation_id=alloc, error=str(exc))
 
     async def _report(self, items: list[tuple[str, str, AttestedEvent]]) -> tuple[list[bytes] | None, str]:
@@ -152,7 +152,7 @@ class GroupCommit:
                 if err is None:
                     self._completed_bound(state, s.allocation_id, s.event_id, s.event)
                     continue
-                self._fail(result, s.allocation_id, "", err, "ReportBound")
+                self._fail(result, s.allocation_id, err, "ReportBound")
                 run.unreported.add(s.allocation_id)
                 # a Released now would follow no Bound
                 result.errors.append(f"{s.allocation_id}: not released in this pass: its Bound could not be reported")
@@ -220,7 +220,7 @@ class GroupCommit:
         published_bound: set[str] = set()
         if payloads is None:
             for _, event_id, event in [*rel_items, *bind_items, *kept_items]:
-                self._fail(result, event.allocation_id, "", OutboxError(why), "report")
+                self._fail(result, event.allocation_id, OutboxError(why), "report")
                 run.unreported.add(event.allocation_id)
             if rel_items:
                 run.release_failed = run.switch_held = True
@@ -232,7 +232,7 @@ class GroupCommit:
                     published_rel.add(event.allocation_id)
                     log.info("hold released", allocation_id=event.allocation_id, event_id=event_id)
                 else:
-                    self._fail(result, event.allocation_id, "", err, "ReleaseHold")
+                    self._fail(result, event.allocation_id, err, "ReleaseHold")
                     run.release_failed = run.switch_held = True
             wave = [*zip(kept_items, payloads[n_rel + len(bind_items) :])]
             if run.release_failed:
@@ -247,14 +247,14 @@ class GroupCommit:
                 if err is None:
                     published_bound.add(event.allocation_id)
                 else:
-                    self._fail(result, event.allocation_id, "", err, "ReportBound")
+                    self._fail(result, event.allocation_id, err, "ReportBound")
                     run.unreported.add(event.allocation_id)
         if batch.failures:
             # after the Bounds; plain events, not signed, not held back by a failed release
             outcome = await self._publish([("failed", s.event_id, encode(s.event)) for s in batch.failures])
             for s, err in zip(batch.failures, outcome):
                 if err is not None:
-                    self._fail(result, s.allocation_id, "", err, "ReportFailed")
+                    self._fail(result, s.allocation_id, err, "ReportFailed")
                     continue
                 e = s.event
                 state.reported_failures[s.allocation_id] = e.generation
@@ -307,7 +307,7 @@ class GroupCommit:
             return []
 
         def failed(s: ReleaseHold, exc: Exception) -> None:
-            self._fail(result, s.allocation_id, "", exc, "ReleaseHold")
+            self._fail(result, s.allocation_id, exc, "ReleaseHold")
             if s.report:
                 run.release_failed = True
             run.switch_held = True
@@ -341,7 +341,7 @@ class GroupCommit:
                 try:
                     w.apply_slice(s.allocation_id, c.limits)
                 except HostWriteError as exc:
-                    self._fail(result, s.allocation_id, "", exc, "BindHold")
+                    self._fail(result, s.allocation_id, exc, "BindHold")
                     continue
                 crash("bind.slice-applied")
             left.append(s)
@@ -349,7 +349,7 @@ class GroupCommit:
         errors = w.write_many("cdi", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.cdi-written"))
         for s in left:
             if s.allocation_id in errors:
-                self._fail(result, s.allocation_id, "", errors[s.allocation_id], "BindHold")
+                self._fail(result, s.allocation_id, errors[s.allocation_id], "BindHold")
         left = [s for s in left if s.allocation_id not in errors]
         errors = w.write_many("allocation-env", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.env-written"))
         if errors:
@@ -360,7 +360,7 @@ class GroupCommit:
                 log.warning("CDI spec of a bind whose env file failed not removed", allocation_id=alloc, error=str(exc))
             for s in left:
                 if s.allocation_id in errors:
-                    self._fail(result, s.allocation_id, "", errors[s.allocation_id], "BindHold")
+                    self._fail(result, s.allocation_id, errors[s.allocation_id], "BindHold")
         return [s for s in left if s.allocation_id not in errors]
 
 

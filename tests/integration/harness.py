@@ -151,3 +151,15 @@ class NodeBus:
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
         # A service that had to be killed or crashed is a failure of the test.
         assert not bad or all(c == -signal.SIGKILL for c in bad.values()), f"services exited badly: {bad}"
+
+
+async def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # noqa: ANN001, ANN201
+    """Poll `predicate` (sync or async) until it returns something true; that value, or AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = await predicate() if asyncio.iscoroutinefunction(predicate) else predicate()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")

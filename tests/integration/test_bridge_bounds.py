@@ -43,10 +43,10 @@ from shared.schemas import (
     encode,
 )
 from shared.signing import sign as sign_with_purpose
-from shared.signing import key_id, sign_node_spec, signed_message
+from shared.signing import key_id, sign_node_spec
 from shared.subjects import CONTROLPLANE_USER, SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix, upstream_node_user
 
-from .harness import EXAMPLE_HOSTS, NodeBus
+from .harness import EXAMPLE_HOSTS, NodeBus, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -55,17 +55,6 @@ NODE = "node-1"
 DEEP_ENVELOPE = b'{"x":' + b'{"a":' * 20_000 + b"1" + b"}" * 20_000 + b',"spec":"","key_id":"","signature":""}'
 DEEP_OBJECT = b'{"a":' * 20_000 + b"1" + b"}" * 20_000
 GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
-
-
-async def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await predicate() if asyncio.iscoroutinefunction(predicate) else predicate()
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 class BridgedNode:

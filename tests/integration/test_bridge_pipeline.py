@@ -40,24 +40,13 @@ from shared.subjects import (
     upstream_node_user,
 )
 
-from .harness import EXAMPLE_HOSTS, NodeBus
+from .harness import EXAMPLE_HOSTS, NodeBus, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 NODE = "node-1"
 TYPES = ("section", "condition", "gpu", "failed")
 DOUBLE_USER, DOUBLE_PASSWORD = "double", "double-password"
-
-
-async def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await predicate() if asyncio.iscoroutinefunction(predicate) else predicate()
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def event_id(i: int) -> str:

@@ -85,7 +85,7 @@ from shared.schemas import (
 )
 from shared.schemas.events import NODE_SPEC_PURPOSE
 from shared.signing import sign as sign_with_purpose
-from shared.signing import key_id, sign_node_spec, signed_message, unsigned_node_spec, verify_node_spec
+from shared.signing import key_id, sign_node_spec, unsigned_node_spec, verify_node_spec
 from shared.subjects import (
     CONTROLPLANE_USER,
     NODE_BUS_USERS,

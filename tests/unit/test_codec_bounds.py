@@ -43,7 +43,7 @@ from shared.schemas.codec import (
     bounded_json_loads,
     nesting_exceeds,
 )
-from shared.signing import VerificationError, key_id, signed_message, verify_node_spec
+from shared.signing import VerificationError, key_id, verify_node_spec
 from shared.schemas import NODE_SPEC_PURPOSE
 
 ISSUE_VALUE = b'{"x":' + b'{"a":' * 20_000 + b"1" + b"}" * 20_000 + b',"spec":"","key_id":"","signature":""}'

@@ -41,7 +41,7 @@ from shared.holdfiles import HoldOnDisk, NotAHold, hold_file_bytes, parse_hold
 from shared.schemas import BadMessage, Codec, NodeSpec, SignedNodeSpec
 from shared.schemas.events import NODE_SPEC_PURPOSE
 from shared.signing import sign as sign_with_purpose
-from shared.signing import VerificationError, sign_node_spec, signed_message, verify_node_spec
+from shared.signing import VerificationError, sign_node_spec, verify_node_spec
 from shared.slices import FakeSlices, SliceError
 from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi, vendor_cdi_from_json
 from tests.fuzzkit import (
