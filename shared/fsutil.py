@@ -23,7 +23,7 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -47,6 +47,20 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dirs(dirs: Iterable[Path]) -> None:
+    """fsync each directory, concurrently when there are several; raises the first error."""
+    fds: list[int] = []
+    try:
+        for directory in dirs:
+            fds.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY))
+        for err in _fsync_all(fds):
+            if err is not None:
+                raise err
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644, *, before_rename: Callable[[], None] | None = None) -> None:
@@ -123,6 +137,7 @@ def atomic_write_many(
     *,
     after_temp: Callable[[FileWrite], None] | None = None,
     after_rename: Callable[[FileWrite], None] | None = None,
+    dirs: set[Path] | None = None,
 ) -> dict[str, OSError]:
     """Write every file atomically, as one group: all temp files written, then all
     fsynced (concurrently), then each renamed into place, then each directory
@@ -162,7 +177,7 @@ def atomic_write_many(
     finally:
         for _, _, fd in opened:
             os.close(fd)
-    dirs: dict[Path, None] = {}
+    touched: dict[Path, None] = {}
     for (f, tmp, _), err in zip(opened, synced):
         if err is not None:
             _discard(tmp)
@@ -174,26 +189,31 @@ def atomic_write_many(
             _discard(tmp)
             errors[f.key] = exc
             continue
-        dirs[f.path.parent] = None
+        touched[f.path.parent] = None
         if after_rename is not None:
             after_rename(f)
-    for directory in dirs:
-        fsync_dir(directory)
+    if dirs is not None:
+        dirs.update(touched)
+    else:
+        fsync_dirs(touched)
     return errors
 
 
-def remove_many(paths: Sequence[tuple[str, Path]], *, after_remove: Callable[[str], None] | None = None) -> dict[str, OSError]:
+def remove_many(
+    paths: Sequence[tuple[str, Path]], *, after_remove: Callable[[str], None] | None = None, dirs: set[Path] | None = None
+) -> dict[str, OSError]:
     """Remove each (key, path) and fsync each directory once; the error of each that failed.
 
     A missing file counts as removed. `after_remove` is a crash point, called after each unlink.
+    `dirs`: as for atomic_write_many, the directories to sync are added to it instead.
     """
     errors: dict[str, OSError] = {}
-    dirs: dict[Path, None] = {}
+    touched: dict[Path, None] = {}
     for key, path in paths:
         path = Path(path)
         try:
             os.unlink(path)
-            dirs[path.parent] = None
+            touched[path.parent] = None
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -201,8 +221,10 @@ def remove_many(paths: Sequence[tuple[str, Path]], *, after_remove: Callable[[st
             continue
         if after_remove is not None:
             after_remove(key)
-    for directory in dirs:
-        fsync_dir(directory)
+    if dirs is not None:
+        dirs.update(touched)
+    else:
+        fsync_dirs(touched)
     return errors
 
 
@@ -403,6 +425,7 @@ __all__ = [
     "remembered_value",
     "temp_path",
     "FileWrite",
+    "fsync_dirs",
     "atomic_write_many",
     "remove_many",
     "is_temp_name",

@@ -490,10 +490,18 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
             loop.remove_signal_handler(sig)
 
 
+#: see run_service.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def run_service(app: ServiceApp, argv: Sequence[str] | None = None) -> int:
     opts = parse_options(app.name, [*common_options(app.name), *app.options()], argv)
     logs.configure(app.name, opts.log_level, opts.log_format)
     log = logs.get_logger(f"bcd.{app.name}")
+    # A worker thread back from an fsync waits for the GIL until the running thread
+    # yields it, up to the switch interval (5 ms by default): longer than the fsync
+    # itself. Services run short blocking calls in threads beside CPU work on the loop.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         return asyncio.run(serve(app, opts))
     except StartupError as exc:

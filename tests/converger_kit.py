@@ -119,9 +119,12 @@ class MemoryOutbox:
             self.events[event_id] = (event_type, payload)
             self.order.append(event_id)
 
-    async def publish_many(self, items: list[tuple[str, str, bytes]], acked=lambda _: None) -> list[OutboxError | None]:  # noqa: ANN001
+    async def publish_many(self, items: list[tuple[str, str, bytes]], acked=lambda _: None, gpus=None) -> list[OutboxError | None]:  # noqa: ANN001
         """Like JetStream async publish: all sent in order, then the acks in order."""
         self.waves = getattr(self, "waves", 0) + 1
+        #: the event ids of each wave, in order (which events went out together)
+        self.wave_ids = [*getattr(self, "wave_ids", []), [i for _, i, _ in items]]
+        self.gpus = {**getattr(self, "gpus", {}), **(gpus or {})}
         results: list[OutboxError | None] = []
         for item in items:
             try:
@@ -188,20 +191,20 @@ class FaultyWriter:
     def _single(self, verb: str, kind: str) -> str:
         return f"{verb}_{'cdi' if kind == 'cdi' else 'env'}"
 
-    def write_many(self, kind, contents, done=lambda _: None):  # noqa: ANN001, ANN201
+    def write_many(self, kind, contents, done=lambda _: None, *, dirs=None):  # noqa: ANN001, ANN201
         """A batch fails for every hold when its single-file method is in `fail`."""
         name = self._single("write", kind)
         self.calls.append(name)
         if name in self.fail:
             return {c.allocation_id: HostWriteError(f"{name}: injected failure") for c in contents}
-        return self.inner.write_many(kind, contents, done)
+        return self.inner.write_many(kind, contents, done, dirs=dirs)
 
-    def remove_many(self, kind, allocation_ids, done=lambda _: None):  # noqa: ANN001, ANN201
+    def remove_many(self, kind, allocation_ids, done=lambda _: None, *, dirs=None):  # noqa: ANN001, ANN201
         name = self._single("remove", kind)
         self.calls.append(name)
         if name in self.fail:
             return {a: HostWriteError(f"{name}: injected failure") for a in allocation_ids}
-        return self.inner.remove_many(kind, allocation_ids, done)
+        return self.inner.remove_many(kind, allocation_ids, done, dirs=dirs)
 
 
 @dataclass

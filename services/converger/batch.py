@@ -4,18 +4,25 @@ The promises of a single bind or release (apply.py) hold for every hold of
 the batch; what changes is how many fsyncs and round trips they cost:
 
 1. one journal write (one fsync) records the intent of every release and
-   bind of the batch, before any side effect;
-2. the releases' CDI specs go, then their env files (all unlinks, then one
-   directory fsync each), then their slices stop;
+   bind of the batch, before any side effect; the one `sign_batch` request
+   for every report of the batch goes out just before it, so the signer
+   works while the journal and the files are written (a signature is no side
+   effect: only a published report is);
+2. the releases' CDI specs go, then their env files (the unlinks), then
+   their slices stop;
 3. unless a release failed, the binds' slices are applied, then their CDI
    specs and then their env files written as groups (all temps, one
-   concurrent fsync, the renames, one directory fsync:
-   `shared.fsutil.atomic_write_many`);
-4. one `sign_batch` request signs every report of the batch;
-5. the Released events are published as one pipelined wave and their acks
-   awaited; only when every one of them is in the outbox do the Bound events
-   follow, as a second wave (a control plane sees a GPU's Released before
-   the Bound that takes it), then the AllocationFailed events;
+   concurrent fsync, the renames: `shared.fsutil.atomic_write_many`); the
+   directories the batch touched are synced once, together, at the end
+   (files in a worker thread: the event loop stays free);
+4. the signatures are collected (only those of what is now to be reported
+   are used);
+5. the Released events, and the Bound events on cards no Released of the
+   batch names (shared.eventorder), are published as one pipelined wave and
+   their acks awaited; only when every Released is in the outbox do the
+   Bounds that take a released card follow (a control plane sees a GPU's
+   Released before the Bound that takes it), then the AllocationFailed
+   events;
 6. one journal write records completion (with the section status, for the
    pass's last batch).
 
@@ -30,10 +37,14 @@ first, in a wave of its own, before anything of the batch is touched.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shared import logs
+from shared.eventorder import gpus_of, shares_gpu
 from shared.holdfiles import HoldContent
 from shared.schemas import AllocationBound, AttestedEvent, encode
 
@@ -121,10 +132,17 @@ class GroupCommit:
             return None, str(exc)
         return [encode(r) for r in reports], ""
 
-    async def _publish(self, items: list[OutboxItem], point: str = "") -> list[OutboxError | None]:
+    async def _publish(self, items: list[tuple[tuple[str, str, AttestedEvent], bytes]]) -> list[OutboxError | None]:
+        """One pipelined wave of signed reports ((type, event id, event), payload), each
+        with the GPUs it names (GPUS_HEADER) so the bridge can keep the same rule."""
         if not items:
             return []
-        return await self.a.outbox.publish_many(items, acked=(lambda _: self.a.crash(point)) if point else (lambda _: None))
+        points = {"released": "release.published", "bound": "bind.published"}
+        return await self.a.outbox.publish_many(
+            [(t, i, p) for (t, i, _), p in items],
+            acked=lambda item: self.a.crash(points[item[0]]),
+            gpus={i: gpus_of(e.devices) for (_, i, e), _ in items},
+        )
 
     def _completed_bound(self, state: ConvergerState, alloc: str, event_id: str, event: AllocationBound) -> None:
         state.reported[alloc] = event_id
@@ -144,7 +162,7 @@ class GroupCommit:
         if pre:
             payloads, why = await self._report([("bound", s.event_id, s.event) for s in pre])
             outcome: list[OutboxError | None] = (
-                await self._publish([("bound", s.event_id, p) for s, p in zip(pre, payloads)], "bind.published")
+                await self._publish([(("bound", s.event_id, s.event), p) for s, p in zip(pre, payloads)])
                 if payloads is not None
                 else [OutboxError(why)] * len(pre)
             )
@@ -183,39 +201,46 @@ class GroupCommit:
             c = s.content
             state.intents[s.allocation_id] = self._intent("bind", s.allocation_id, s.event, s.event_id, cgroup_parent=c.cgroup_parent, sliced=bool(c.cgroup_parent))
             recorded = True
-        if recorded:
-            a.save_state(state)
-        if any(s.report for s in releases):
-            a.crash("release.intent-recorded")
-        if binds:
-            a.crash("bind.intent-recorded")
+        # the one sign request goes out now: the signer works while the journal and the
+        # files are written (a signature is no side effect; only a published report is)
+        candidates = [
+            *(("released", s.event_id, s.event) for s in releases if s.report),
+            *(("bound", s.event_id, s.event) for s in binds if s.report),
+            *(("bound", s.event_id, s.event) for s in kept_reports),
+        ]
+        signing = asyncio.ensure_future(self._report(candidates))
+        try:
+            if recorded:
+                await asyncio.to_thread(a.save_state, state)
+            if any(s.report for s in releases):
+                a.crash("release.intent-recorded")
+            if binds:
+                a.crash("bind.intent-recorded")
 
-        # 2. the releases' files and slices
-        gone = self._release_files(releases, result, run)
+            # 2. the releases' files and slices; 3. the binds' files, unless a release failed
+            gone, placed, not_run = await asyncio.to_thread(self._files, releases, binds, result, run)
 
-        # 3. the binds' files, unless a release failed
-        placed: list[BindHold] = []
-        # binds that never started keep the journal as it was; one that failed half-way
-        # keeps its intent (the next pass finishes or undoes it)
-        not_run: list[BindHold] = []
-        if binds and run.release_failed:
-            for s in binds:
-                result.errors.append(f"{s.allocation_id}: not bound in this pass: a release before it failed")
-            not_run = binds
-        elif binds:
-            placed = self._bind_files(binds, result)
-
-        # 4. one signature request for every report
+            # 4. the signatures of what is to be reported
+            signed, why = await signing
+        finally:
+            if not signing.done():
+                signing.cancel()
+                with contextlib.suppress(BaseException):
+                    await signing
         rel_items = [("released", s.event_id, s.event) for s in gone if s.report]
         bind_items = [("bound", s.event_id, s.event) for s in placed if s.report]
         kept_items = [("bound", s.event_id, s.event) for s in kept_reports]
-        payloads, why = await self._report([*rel_items, *bind_items, *kept_items])
+        payloads: list[bytes] | None = None
+        if signed is not None:
+            by_id = {event_id: p for (_, event_id, _), p in zip(candidates, signed)}
+            payloads = [by_id[event_id] for _, event_id, _ in [*rel_items, *bind_items, *kept_items]]
         if rel_items:
             a.crash("release.signed")
         if bind_items or kept_items:
             a.crash("bind.signed")
 
-        # 5. Released first, all of them in the outbox; then the Bounds
+        # 5. Released first; a Bound that takes a card a Released of this batch frees waits
+        # until every Released is in the outbox, the others go in the same wave behind them
         published_rel: set[str] = set()
         published_bound: set[str] = set()
         if payloads is None:
@@ -226,24 +251,33 @@ class GroupCommit:
                 run.release_failed = run.switch_held = True
         else:
             n_rel = len(rel_items)
-            outcome = await self._publish([(t, i, p) for (t, i, _), p in zip(rel_items, payloads[:n_rel])], "release.published")
-            for (_, event_id, event), err in zip(rel_items, outcome):
-                if err is None:
-                    published_rel.add(event.allocation_id)
-                    log.info("hold released", allocation_id=event.allocation_id, event_id=event_id)
+            freed = gpus_of([d for _, _, e in rel_items for d in e.devices])
+            bounds = [*zip(bind_items, payloads[n_rel : n_rel + len(bind_items)]), *zip(kept_items, payloads[n_rel + len(bind_items) :])]
+            free = [b for b in bounds if not shares_gpu(gpus_of(b[0][2].devices), freed)]
+            taking = [b for b in bounds if shares_gpu(gpus_of(b[0][2].devices), freed)]
+            first = [*zip(rel_items, payloads[:n_rel]), *free]
+            outcome = await self._publish(first)
+            for ((event_type, event_id, event), _p), err in zip(first, outcome):
+                if event_type == "released":
+                    if err is None:
+                        published_rel.add(event.allocation_id)
+                        log.info("hold released", allocation_id=event.allocation_id, event_id=event_id)
+                    else:
+                        self._fail(result, event.allocation_id, err, "ReleaseHold")
+                        run.release_failed = run.switch_held = True
+                elif err is None:
+                    published_bound.add(event.allocation_id)
                 else:
-                    self._fail(result, event.allocation_id, err, "ReleaseHold")
-                    run.release_failed = run.switch_held = True
-            wave = [*zip(kept_items, payloads[n_rel + len(bind_items) :])]
+                    self._fail(result, event.allocation_id, err, "ReportBound")
+                    run.unreported.add(event.allocation_id)
             if run.release_failed:
-                # a Bound of this batch may take a GPU whose Released is not out: next pass
-                for _, event_id, event in bind_items:
+                # such a Bound may take a GPU whose Released is not out: next pass
+                for (_, event_id, event), _p in taking:
                     result.errors.append(f"{event.allocation_id}: Bound not reported in this pass: a release before it failed")
                     run.unreported.add(event.allocation_id)
-            else:
-                wave = [*zip(bind_items, payloads[n_rel : n_rel + len(bind_items)]), *wave]
-            outcome = await self._publish([(t, i, p) for (t, i, _), p in wave], "bind.published")
-            for ((_, event_id, event), _p), err in zip(wave, outcome):
+                taking = []
+            outcome = await self._publish(taking)
+            for ((_, event_id, event), _p), err in zip(taking, outcome):
                 if err is None:
                     published_bound.add(event.allocation_id)
                 else:
@@ -251,7 +285,7 @@ class GroupCommit:
                     run.unreported.add(event.allocation_id)
         if batch.failures:
             # after the Bounds; plain events, not signed, not held back by a failed release
-            outcome = await self._publish([("failed", s.event_id, encode(s.event)) for s in batch.failures])
+            outcome = await self.a.outbox.publish_many([("failed", s.event_id, encode(s.event)) for s in batch.failures])
             for s, err in zip(batch.failures, outcome):
                 if err is not None:
                     self._fail(result, s.allocation_id, err, "ReportFailed")
@@ -300,7 +334,43 @@ class GroupCommit:
             return []
         return points
 
-    def _release_files(self, releases: list[ReleaseHold], result: ApplyResult, run: PassRun) -> list[ReleaseHold]:
+    def _files(
+        self, releases: list[ReleaseHold], binds: list[BindHold], result: ApplyResult, run: PassRun
+    ) -> tuple[list[ReleaseHold], list[BindHold], list[BindHold]]:
+        """The releases' files, then the binds' unless a release failed (in a worker thread:
+        blocking writes and fsyncs). Returns the releases gone, the binds placed, and the
+        binds that never started (they keep the journal as it was; one that failed half-way
+        keeps its intent: the next pass finishes or undoes it).
+
+        The directories are synced once, together, at the end: nothing of the batch is
+        reported before (a kill -9 loses no page cache; after a power cut the journaled
+        intents replay whatever part of the group reached the disk)."""
+        dirs: set[Path] = set()
+        gone = self._release_files(releases, result, run, dirs)
+        not_run: list[BindHold] = []
+        placed: list[BindHold] = []
+        if binds and run.release_failed:
+            for s in binds:
+                result.errors.append(f"{s.allocation_id}: not bound in this pass: a release before it failed")
+            not_run = binds
+        elif binds:
+            placed = self._bind_files(binds, result, dirs)
+        if dirs:
+            try:
+                self.a.writer.sync_dirs(dirs)
+            except HostWriteError as exc:
+                # nothing of the group is known to be on disk: none of it is reported
+                for s in gone:
+                    self._fail(result, s.allocation_id, exc, "ReleaseHold")
+                    if s.report:
+                        run.release_failed = True
+                    run.switch_held = True
+                for b in placed:
+                    self._fail(result, b.allocation_id, exc, "BindHold")
+                return [], [], not_run
+        return gone, placed, not_run
+
+    def _release_files(self, releases: list[ReleaseHold], result: ApplyResult, run: PassRun, dirs: set[Path]) -> list[ReleaseHold]:
         """CDI specs, then env files, then slices; the releases whose files are all gone."""
         w, crash = self.a.writer, self.a.crash
         if not releases:
@@ -314,7 +384,7 @@ class GroupCommit:
 
         left = list(releases)
         for kind, point in (("cdi", "release.cdi-removed"), ("allocation-env", "release.env-removed")):
-            errors = w.remove_many(kind, [s.allocation_id for s in left], done=lambda _, p=point: crash(p))  # type: ignore[arg-type]
+            errors = w.remove_many(kind, [s.allocation_id for s in left], done=lambda _, p=point: crash(p), dirs=dirs)  # type: ignore[arg-type]
             for s in left:
                 if s.allocation_id in errors:
                     failed(s, errors[s.allocation_id])
@@ -331,7 +401,7 @@ class GroupCommit:
             gone.append(s)
         return gone
 
-    def _bind_files(self, binds: list[BindHold], result: ApplyResult) -> list[BindHold]:
+    def _bind_files(self, binds: list[BindHold], result: ApplyResult, dirs: set[Path]) -> list[BindHold]:
         """Slices, then CDI specs, then env files; the binds whose files are all in place."""
         w, crash = self.a.writer, self.a.crash
         left: list[BindHold] = []
@@ -346,12 +416,12 @@ class GroupCommit:
                 crash("bind.slice-applied")
             left.append(s)
         by_alloc: dict[str, HoldContent] = {s.allocation_id: s.content for s in left}
-        errors = w.write_many("cdi", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.cdi-written"))
+        errors = w.write_many("cdi", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.cdi-written"), dirs=dirs)
         for s in left:
             if s.allocation_id in errors:
                 self._fail(result, s.allocation_id, errors[s.allocation_id], "BindHold")
         left = [s for s in left if s.allocation_id not in errors]
-        errors = w.write_many("allocation-env", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.env-written"))
+        errors = w.write_many("allocation-env", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.env-written"), dirs=dirs)
         if errors:
             # no CDI spec of a hold never reported without its env file: the next pass binds
             # it afresh (or undoes the journaled bind unreported)

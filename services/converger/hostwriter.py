@@ -37,7 +37,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
-from shared.fsutil import TEMP_MARK, FileWrite, atomic_write, atomic_write_many, in_the_way, is_temp_name, occupant, remove_durably, remove_many
+from shared.fsutil import TEMP_MARK, FileWrite, atomic_write, atomic_write_many, fsync_dirs, in_the_way, is_temp_name, occupant, remove_durably, remove_many
 from shared.holdfiles import ENV_SUBDIR, HoldContent, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
@@ -79,12 +79,24 @@ class HostWriter(Protocol):
     def stop_slice(self, allocation_id: str) -> bool: ...
     def remove_temp(self, path: str) -> None: ...
 
-    def write_many(self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = ...) -> dict[str, HostWriteError]:
-        """Write one kind of hold file for many holds as one group; the error of each that failed."""
+    def write_many(
+        self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = ..., *, dirs: set[Path] | None = None
+    ) -> dict[str, HostWriteError]:
+        """Write one kind of hold file for many holds as one group; the error of each that failed.
+
+        `dirs`: the directories whose sync the caller does later (`sync_dirs`), for the
+        whole of a pass's batch at once; None: synced before it returns. A writer whose
+        writes are synced anyway (the root helper) leaves it empty."""
         ...
 
-    def remove_many(self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = ...) -> dict[str, HostWriteError]:
-        """Remove one kind of hold file of many holds as one group; the error of each that failed."""
+    def remove_many(
+        self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = ..., *, dirs: set[Path] | None = None
+    ) -> dict[str, HostWriteError]:
+        """Remove one kind of hold file of many holds as one group; the error of each that failed (`dirs` as above)."""
+        ...
+
+    def sync_dirs(self, dirs: set[Path]) -> None:
+        """fsync the directories write_many/remove_many left to the caller; HostWriteError when one fails."""
         ...
 
 
@@ -175,7 +187,9 @@ class LocalHostWriter:
     def _path(self, kind: HoldFileKind, allocation_id: str) -> Path:
         return cdi_path(self.cdi_dir, allocation_id) if kind == "cdi" else env_path(self.run_dir, allocation_id)
 
-    def write_many(self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+    def write_many(
+        self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None, *, dirs: set[Path] | None = None
+    ) -> dict[str, HostWriteError]:
         """All temps, one concurrent fsync, the renames, one directory fsync (shared.fsutil.atomic_write_many)."""
         errors: dict[str, HostWriteError] = {}
         vendor = None
@@ -198,7 +212,7 @@ class LocalHostWriter:
             files.append(FileWrite(c.allocation_id, path, hold_file_bytes(kind, c, vendor), 0o644))
         point = "bind.cdi-temp-written" if kind == "cdi" else "bind.env-temp-written"
         try:
-            failed = atomic_write_many(files, after_temp=lambda _: self.crash(point), after_rename=lambda f: done(f.key))
+            failed = atomic_write_many(files, after_temp=lambda _: self.crash(point), after_rename=lambda f: done(f.key), dirs=dirs)
         except OSError as exc:  # the directory fsync: nothing of the batch is known to be durable
             return {**errors, **{f.key: HostWriteError(f"cannot write {f.path}: {exc.strerror or exc}") for f in files}}
         for f in files:
@@ -206,7 +220,9 @@ class LocalHostWriter:
                 errors[f.key] = HostWriteError(f"cannot write {f.path}: {failed[f.key].strerror or failed[f.key]}")
         return errors
 
-    def remove_many(self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+    def remove_many(
+        self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None, *, dirs: set[Path] | None = None
+    ) -> dict[str, HostWriteError]:
         errors: dict[str, HostWriteError] = {}
         paths: list[tuple[str, Path]] = []
         for alloc in allocation_ids:
@@ -215,7 +231,7 @@ class LocalHostWriter:
             except HostWriteError as exc:
                 errors[alloc] = exc
         try:
-            failed = remove_many(paths, after_remove=done)
+            failed = remove_many(paths, after_remove=done, dirs=dirs)
         except OSError as exc:
             return {**errors, **{a: HostWriteError(f"cannot remove {p}: {exc.strerror or exc}") for a, p in paths}}
         for alloc, path in paths:
@@ -223,6 +239,12 @@ class LocalHostWriter:
                 errors[alloc] = HostWriteError(f"cannot remove {path}: {failed[alloc].strerror or failed[alloc]}")
         return errors
 
+
+    def sync_dirs(self, dirs: set[Path]) -> None:
+        try:
+            fsync_dirs(sorted(dirs))
+        except OSError as exc:
+            raise HostWriteError(f"cannot sync {', '.join(map(str, sorted(dirs)))}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------------------- through the root helper
@@ -417,14 +439,21 @@ class HelperHostWriter:
         body = HelperFileRemove(kind=kind, allocation_id=m["id"], temp_pid=int(m["pid"]))  # type: ignore[arg-type]
         self._call(f"temp file {p.name}", self.subjects.helper_file_remove, body)
 
-    def write_many(self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None) -> dict[str, HostWriteError]:
-        """One helper request per file (the helper writes each atomically)."""
+    def write_many(
+        self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None, *, dirs: set[Path] | None = None
+    ) -> dict[str, HostWriteError]:
+        """One helper request per file (the helper writes and syncs each atomically: `dirs` stays empty)."""
         write = self.write_cdi if kind == "cdi" else self.write_env
         return _each([(c.allocation_id, lambda c=c: write(c)) for c in contents], done)
 
-    def remove_many(self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None) -> dict[str, HostWriteError]:
+    def remove_many(
+        self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None, *, dirs: set[Path] | None = None
+    ) -> dict[str, HostWriteError]:
         remove = self.remove_cdi if kind == "cdi" else self.remove_env
         return _each([(a, lambda a=a: remove(a)) for a in allocation_ids], done)
+
+    def sync_dirs(self, dirs: set[Path]) -> None:
+        """Nothing left to sync: the helper synced each file and directory."""
 
     def close(self) -> None:
         self.transport.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +38,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import APIError, NotFoundError
 
 from shared import logs
+from shared.eventorder import Cards, gpus_header
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
@@ -121,11 +122,14 @@ OutboxItem = tuple[str, str, bytes]
 class Outbox(Protocol):
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None: ...
 
-    async def publish_many(self, items: list[OutboxItem], acked: Callable[[OutboxItem], None] = ...) -> list[OutboxError | None]:
+    async def publish_many(
+        self, items: list[OutboxItem], acked: Callable[[OutboxItem], None] = ..., gpus: Mapping[str, Cards] | None = None
+    ) -> list[OutboxError | None]:
         """Publish every item in order without waiting for each ack in turn; then wait for all.
 
         The result has one entry per item: None when journaled, else why not.
         `acked` is called for each acked item, in order (a crash point).
+        `gpus`: the cards each event id names, put in its GPUS_HEADER (shared.eventorder).
         """
         ...
 
@@ -396,7 +400,9 @@ class JetStreamOutbox:
             return OutboxError(self.error)
         return OutboxError(f"outbox: {exc or type(exc).__name__}")
 
-    async def publish_many(self, items: list[OutboxItem], acked: Callable[[OutboxItem], None] = lambda _: None) -> list[OutboxError | None]:
+    async def publish_many(
+        self, items: list[OutboxItem], acked: Callable[[OutboxItem], None] = lambda _: None, gpus: Mapping[str, Cards] | None = None
+    ) -> list[OutboxError | None]:
         """JetStream async publish: every item sent in order on the one connection (so the
         stream stores them in that order), then the acks awaited together, within ACK_TIMEOUT_S."""
         results: list[OutboxError | None] = [None] * len(items)
@@ -408,7 +414,7 @@ class JetStreamOutbox:
                     self.subjects.outbox_subject(event_type),
                     payload,
                     wait_stall=ACK_TIMEOUT_S,
-                    headers={MSG_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type},
+                    headers={MSG_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type, **gpus_header(gpus.get(event_id) if gpus else None)},
                 )
             except OutboxError as exc:
                 results[k] = exc

@@ -55,6 +55,7 @@ from nats.js.errors import NoStreamResponseError, NotFoundError
 from prometheus_client import Counter, Gauge
 
 from shared.eventids import condition_id
+from shared.eventorder import Cards, cards_from_header, shares_gpu
 from shared.jsutil import StreamMissing, stream_depth
 from shared.runtime import (
     VERSION,
@@ -156,6 +157,8 @@ class _InFlight:
     future: asyncio.Future[Any]
     #: past it without a PubAck, it counts as not acknowledged.
     deadline: float
+    #: the cards it names (its GPUS_HEADER; None: every card).
+    cards: Cards = None
 
 
 def _description(headers: dict[Any, str]) -> str:
@@ -995,10 +998,11 @@ class BridgeApp(ServiceApp):
             msg = held[0]
             event_type = msg.subject.rsplit(".", 1)[-1]
             event_id = msg.headers.get(MSG_ID_HEADER, f"{self.opts.node_id}.seq{msg.seq}")
-            if event_type == "bound" and any(s.event_type == "released" for s in flight):
+            cards = cards_from_header(msg.headers) if event_type in ("bound", "released") else None
+            if event_type == "bound" and any(s.event_type == "released" and shares_gpu(s.cards, cards) for s in flight):
                 # a Bound may take a GPU a Released before it frees: it goes only once every
-                # Released before it is acked, so not even a refusal of one message in flight
-                # lets a control plane see the Bound first
+                # such Released is acked, so not even a refusal of one message in flight lets
+                # a control plane see the Bound first (shared.eventorder)
                 return None
             headers = {MSG_ID_HEADER: event_id}
             try:
@@ -1014,7 +1018,7 @@ class BridgeApp(ServiceApp):
                 return msg, event_id, exc
             held.popleft()
             # publish_async futures have no timeout of their own
-            flight.append(_InFlight(msg, event_type, event_id, fut, deadline))
+            flight.append(_InFlight(msg, event_type, event_id, fut, deadline, cards))
         return None
 
     async def _forward_failed(self, js: Any, stream: str, event_id: str, exc: BaseException, backoff: float) -> float:

@@ -28,6 +28,7 @@ import pytest
 from bcd.controlplane import ControlPlane, load_or_create_cp_key
 from bcd.nodebus import NatsServer, prepare_node_bus
 from services.converger.outbox import JetStreamOutbox
+from shared.eventorder import gpus_header
 from shared.schemas import ConvergerStatus, Inventory, encode
 from shared.subjects import (
     CONTROLPLANE_USER,
@@ -373,6 +374,22 @@ async def test_the_forward_has_a_window_in_flight_and_a_refusal_is_retried_alone
     assert rig.bridge.proc.poll() is None
 
 
+async def forward_through(rig, double: Double, want: set[str]) -> None:
+    """Start the bridge against `double` and wait until the outbox is empty and `want` all went."""
+    assert rig.upstream is not None
+    await double.start(rig.upstream.url)
+    try:
+        await rig.start_bridge()
+        await rig.wait_hello()
+
+        async def done():
+            return await rig.outbox_depth() == 0 and want <= set(double.received)
+
+        await wait_until(done, 60, "the outbox drained into the double", interval=0.2)
+    finally:
+        await double.close()
+
+
 async def test_a_bound_waits_for_every_released_before_it_even_when_one_is_refused(rig):
     """Releases then binds in the outbox (a generation moving GPUs): the Bounds are a window of
     their own, sent once every Released before them is acked, so a Released refused mid-window
@@ -388,23 +405,50 @@ async def test_a_bound_waits_for_every_released_before_it_even_when_one_is_refus
         await rig.js.publish(rig.subjects.outbox_subject("bound"), b"{}", headers={MSG_ID_HEADER: eid})
         bound.append(eid)
     double = Double(refuse_once=released[10])
-    assert rig.upstream is not None
-    await double.start(rig.upstream.url)
-    try:
-        await rig.start_bridge()
-        await rig.wait_hello()
-
-        async def done():
-            return await rig.outbox_depth() == 0 and set(bound) <= set(double.received)
-
-        await wait_until(done, 60, "the outbox drained into the double", interval=0.2)
-    finally:
-        await double.close()
+    await forward_through(rig, double, set(bound))
     assert double.refused
     first_bound = min(double.received.index(b) for b in bound)
     # every Released was sent again after its refusal and acked before any Bound went
     assert max(len(double.received) - 1 - double.received[::-1].index(r) for r in released) < first_bound
     assert first_occurrences(double.received) == released + bound
+
+
+def _card(k: int) -> str:
+    return f"GPU-{k:08x}-0000-4000-8000-000000000000"
+
+
+async def test_a_bound_on_another_card_goes_beside_an_unacked_released_and_one_on_its_card_waits(rig):
+    """Cards in GPUS_HEADER (shared.eventorder): a Bound naming no card a Released in flight
+    names is sent at once, in the same window; one that shares a card waits until every
+    Released naming that card is acked, even when one of them is refused mid-window."""
+    await rig.start(double=True, events_stream=False)
+    released, free, taking = [], [], []
+    for k in range(30):
+        eid = f"{NODE}.r{k}.released.g2"
+        await rig.js.publish(rig.subjects.outbox_subject("released"), b"{}", headers={MSG_ID_HEADER: eid, **gpus_header(frozenset({_card(k)}))})
+        released.append(eid)
+    for k in range(15):  # on cards nothing releases
+        eid = f"{NODE}.f{k}.bound.g2"
+        await rig.js.publish(rig.subjects.outbox_subject("bound"), b"{}", headers={MSG_ID_HEADER: eid, **gpus_header(frozenset({_card(100 + k)}))})
+        free.append(eid)
+    for k in range(15):  # each takes the card of r10 + k
+        eid = f"{NODE}.t{k}.bound.g2"
+        await rig.js.publish(rig.subjects.outbox_subject("bound"), b"{}", headers={MSG_ID_HEADER: eid, **gpus_header(frozenset({_card(10 + k)}))})
+        taking.append(eid)
+    double = Double(refuse_once=released[10])
+    await forward_through(rig, double, set(free + taking))
+    assert double.refused
+    got = double.received
+
+    def last(e: str) -> int:
+        return len(got) - 1 - got[::-1].index(e)
+
+    # the free Bounds went in the first window, before the refused Released went again
+    assert max(got.index(b) for b in free) < last(released[10]), got
+    # a Bound on a released card only after every Released of that card was acked (the refused one's retry included)
+    for k, b in enumerate(taking):
+        assert last(released[10 + k]) < got.index(b), (b, got)
+    assert set(first_occurrences(got)) == set(released + free + taking)
 
 
 # ------------------------------------------------------------------ a message over upstream's max_payload stops the window before it

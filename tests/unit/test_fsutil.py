@@ -233,3 +233,36 @@ def test_remove_many_counts_missing_as_removed_and_reports_failures(tmp_path: Pa
     assert set(errors) == {"d"} and isinstance(errors["d"], OSError)
     assert not (tmp_path / "a").exists() and (tmp_path / "d").is_dir()
     assert gone == ["a", "missing"]
+
+
+def test_a_group_leaves_its_directory_syncs_to_the_caller_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dirs`: a pass's removals and writes share one directory sync at its end (fsync_dirs)."""
+    import shared.fsutil as fsutil
+
+    synced: list[list[Path]] = []
+    real = fsutil.fsync_dirs
+    monkeypatch.setattr(fsutil, "fsync_dirs", lambda ds: (synced.append(sorted(ds)), real(ds))[1])
+    cdi, env = tmp_path / "cdi", tmp_path / "env"
+    cdi.mkdir()
+    env.mkdir()
+    (cdi / "old.json").write_text("{}")
+    (env / "old.env").write_text("X=1\n")
+    dirs: set[Path] = set()
+    assert remove_many([("old", cdi / "old.json"), ("old-env", env / "old.env")], dirs=dirs) == {}
+    assert atomic_write_many([FileWrite("new", cdi / "new.json", b"{}"), FileWrite("new-env", env / "new.env", b"X=2\n")], dirs=dirs) == {}
+    assert synced == [] and dirs == {cdi, env}  # nothing synced yet: the caller does it once
+    assert (cdi / "new.json").read_bytes() == b"{}" and not (cdi / "old.json").exists()
+    fsutil.fsync_dirs(dirs)
+    assert synced == [[cdi, env]]
+    # without `dirs`, each call syncs what it touched before it returns
+    synced.clear()
+    atomic_write_many([FileWrite("n2", cdi / "n2.json", b"{}")])
+    remove_many([("n2", cdi / "n2.json")])
+    assert synced == [[cdi], [cdi]]
+
+
+def test_fsync_dirs_raises_for_a_directory_that_is_not_there(tmp_path: Path) -> None:
+    import shared.fsutil as fsutil
+
+    with pytest.raises(FileNotFoundError):
+        fsutil.fsync_dirs([tmp_path, tmp_path / "gone"])

@@ -189,7 +189,11 @@ async def test_a_failed_release_blocks_the_binds_of_the_pass(root: Path) -> None
     assert not r.errors, r.errors
     assert set(node.holds()) == {"b1", "c1"}
     assert node.outbox.ids("released") == ["node-1.a1.released.g2"]
-    assert node.outbox.ids("bound") == ["node-1.a1.bound.g1", "node-1.b1.bound.g2", "node-1.c1.bound.g2"]
+    # c1 takes no card a1 frees: it goes in the Released's wave; b1 (a1's card) after it is acked
+    assert node.outbox.ids("bound") == ["node-1.a1.bound.g1", "node-1.c1.bound.g2", "node-1.b1.bound.g2"]
+    waves = node.outbox.wave_ids  # type: ignore[attr-defined]
+    k = waves.index(["node-1.a1.released.g2", "node-1.c1.bound.g2"])
+    assert waves[k + 1] == ["node-1.b1.bound.g2"]
     check_hold_invariants(node)
 
 

@@ -1,7 +1,8 @@
 """Group commit (services/converger/batch.py): a pass's releases and binds as one batch.
 
 What a batch costs (one intent record before any side effect, one sign
-request, a Released wave then a Bound wave, one completion record), that a
+request, a Released wave (with the Bounds on other cards) then the Bounds that
+take a released card, one completion record), that a
 GPU's Released still comes before the Bound that takes it, that one hold's
 failed file does not hold back the others, and that a crash between any two
 files, after the batch sign or after some acks replays to exactly one Bound
@@ -130,9 +131,9 @@ class FailRemovalOf:
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self.inner, name)
 
-    def remove_many(self, kind, ids, done=lambda _: None):  # noqa: ANN001, ANN201
+    def remove_many(self, kind, ids, done=lambda _: None, *, dirs=None):  # noqa: ANN001, ANN201
         bad = {a: HostWriteError(f"cannot remove {a}: injected") for a in ids if kind == "cdi" and a in self.fail}
-        return {**bad, **self.inner.remove_many(kind, [a for a in ids if a not in bad], done)}
+        return {**bad, **self.inner.remove_many(kind, [a for a in ids if a not in bad], done, dirs=dirs)}
 
 
 async def test_a_failed_release_in_the_batch_binds_nothing(root: Path) -> None:
