@@ -49,6 +49,14 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _sync_or_leave(touched: Iterable[Path], dirs: set[Path] | None) -> None:
+    """Sync the directories a group touched now, or leave them in `dirs` for its caller."""
+    if dirs is not None:
+        dirs.update(touched)
+    else:
+        fsync_dirs(touched)
+
+
 def fsync_dirs(dirs: Iterable[Path]) -> None:
     """fsync each directory, concurrently when there are several; raises the first error."""
     fds: list[int] = []
@@ -192,10 +200,7 @@ def atomic_write_many(
         touched[f.path.parent] = None
         if after_rename is not None:
             after_rename(f)
-    if dirs is not None:
-        dirs.update(touched)
-    else:
-        fsync_dirs(touched)
+    _sync_or_leave(touched, dirs)
     return errors
 
 
@@ -221,10 +226,7 @@ def remove_many(
             continue
         if after_remove is not None:
             after_remove(key)
-    if dirs is not None:
-        dirs.update(touched)
-    else:
-        fsync_dirs(touched)
+    _sync_or_leave(touched, dirs)
     return errors
 
 

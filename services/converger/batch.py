@@ -144,6 +144,14 @@ class GroupCommit:
             gpus={i: gpus_of(e.devices) for (_, i, e), _ in items},
         )
 
+    def _settle_bound(self, alloc: str, err: OutboxError | None, published: set[str], result: ApplyResult, run: PassRun) -> None:
+        """A Bound's publish outcome: in `published`, or failed and unreported in this pass."""
+        if err is None:
+            published.add(alloc)
+            return
+        self._fail(result, alloc, err, "ReportBound")
+        run.unreported.add(alloc)
+
     def _completed_bound(self, state: ConvergerState, alloc: str, event_id: str, event: AllocationBound) -> None:
         state.reported[alloc] = event_id
         state.bound[alloc] = self._intent("bind", alloc, event, event_id, cgroup_parent=event.cgroup_parent, sliced=bool(event.cgroup_parent))
@@ -265,11 +273,8 @@ class GroupCommit:
                     else:
                         self._fail(result, event.allocation_id, err, "ReleaseHold")
                         run.release_failed = run.switch_held = True
-                elif err is None:
-                    published_bound.add(event.allocation_id)
                 else:
-                    self._fail(result, event.allocation_id, err, "ReportBound")
-                    run.unreported.add(event.allocation_id)
+                    self._settle_bound(event.allocation_id, err, published_bound, result, run)
             if run.release_failed:
                 # such a Bound may take a GPU whose Released is not out: next pass
                 for (_, event_id, event), _p in taking:
@@ -277,12 +282,8 @@ class GroupCommit:
                     run.unreported.add(event.allocation_id)
                 taking = []
             outcome = await self._publish(taking)
-            for ((_, event_id, event), _p), err in zip(taking, outcome):
-                if err is None:
-                    published_bound.add(event.allocation_id)
-                else:
-                    self._fail(result, event.allocation_id, err, "ReportBound")
-                    run.unreported.add(event.allocation_id)
+            for ((_, _, event), _p), err in zip(taking, outcome):
+                self._settle_bound(event.allocation_id, err, published_bound, result, run)
         if batch.failures:
             # after the Bounds; plain events, not signed, not held back by a failed release
             outcome = await self.a.outbox.publish_many([("failed", s.event_id, encode(s.event)) for s in batch.failures])
