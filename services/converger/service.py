@@ -214,11 +214,7 @@ class ConvergerApp(ServiceApp):
                 ctx.log.warning("ignoring a bad inventory message", error=str(exc))
                 return
             if self.inventory is None or inv.revision != self.inventory.revision:
-                before, self.inventory = self.inventory, inv
-                # a claims change (our own pass's) rewrites only what the planner does not
-                # read: the next pass sees the new inventory, but none runs for it alone
-                if before is None or planner_view(before) != planner_view(inv):
-                    self.loop.trigger("inventory changed")
+                self._take_inventory(inv, wake=True)
 
         @guarded(ctx.log, "freed notice")
         async def on_freed(msg: Any) -> None:
@@ -397,14 +393,30 @@ class ConvergerApp(ServiceApp):
 
     # ------------------------------------------------------------------ the pass
 
-    async def _fetch_inventory(self) -> None:
+    def _take_inventory(self, inv: Inventory, *, wake: bool) -> None:
+        """Keep `inv` as the inventory; with `wake`, run a pass when it plans differently.
+
+        Every way an inventory arrives goes through here, so a pass that waited for
+        one (no inventory yet) is woken by whichever comes first: the notice, or the
+        read the claims endpoint makes when the inventory asks for claims before its
+        own first notice reached us. Without that, the pass waited for the retry
+        interval (30 s), as a node's first spec did when it came before the inventory.
+        """
+        before, self.inventory = self.inventory, inv
+        # a claims change (our own pass's) rewrites only what the planner does not
+        # read: the next pass sees the new inventory, but none runs for it alone
+        if wake and (before is None or planner_view(before) != planner_view(inv)):
+            self.loop.trigger("inventory changed")
+
+    async def _fetch_inventory(self, *, wake: bool = True) -> None:
+        """Read the inventory now. `wake=False` inside a pass, which uses what it read."""
         try:
             inv = await call(self.ctx.nc, self.ctx.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=3)
         except (ServiceCallError, BadMessage, Exception) as exc:  # noqa: BLE001 - logged, retried
             self.ctx.log.warning("inventory not available yet; waiting for it", error=str(exc) or type(exc).__name__)
             return
         if self.inventory is None or inv.revision >= self.inventory.revision:
-            self.inventory = inv
+            self._take_inventory(inv, wake=wake)
 
     async def run_pass(self, reason: str) -> bool:
         """One pass, then the claims if they changed; returns True when something is left to retry."""
@@ -421,7 +433,7 @@ class ConvergerApp(ServiceApp):
             if self.spec is None:
                 return False
             if self.inventory is None:
-                await self._fetch_inventory()
+                await self._fetch_inventory(wake=False)
                 if self.inventory is None:
                     return True
             spec, log = self.spec, self.ctx.log

@@ -199,7 +199,9 @@ class InventoryApp(ServiceApp):
         except BucketNotFoundError:
             self.kv = await js.create_key_value(bucket=bucket, history=1, description="bcd node inventory")
         await self._load_last(ctx)
-        await self.scan_and_publish(ctx, reason="start")
+        # the start scan's GPU events go to the outbox after the endpoints are up: until
+        # the converger has made the outbox, that send waits out its probe (1 s)
+        await self.scan_and_publish(ctx, reason="start", flush=False)
         await ctx.endpoint("get", ctx.subjects.inventory_get, lambda _: self.get(), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
         await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
         await ctx.endpoint("gpu", ctx.subjects.inventory_gpu, lambda req: self.gpu_request(ctx, req), GPU_REQUEST_CODEC, reply=GPU_REPLY_CODEC)
@@ -235,6 +237,24 @@ class InventoryApp(ServiceApp):
 
         await ctx.nc.subscribe(ctx.subjects.converger_claims_changed, cb=on_claims)
         await ctx.nc.subscribe(ctx.subjects.vfio_result, cb=on_switch)
+        await self._announce(ctx)
+        async with self.lock:
+            await self._flush_events(ctx)
+
+    async def _announce(self, ctx: ServiceContext) -> None:
+        """Say the inventory again now that `inventory.get` answers.
+
+        The start scan's notice can go out before a peer listens, and a peer that asked
+        meanwhile got no answer (the endpoints come after the scan): the converger's
+        pass for a spec that came first would wait for its retry interval. Peers take
+        a notice of a revision they hold as nothing new.
+        """
+        if self.current is None:
+            return
+        try:
+            await ctx.nc.publish(ctx.subjects.inventory_changed, INVENTORY_CODEC.encode_valid(self.current))
+        except Exception as exc:  # noqa: BLE001 - the next change notifies again
+            ctx.log.warning("inventory not announced", error=str(exc) or type(exc).__name__)
 
     async def _load_last(self, ctx: ServiceContext) -> None:
         """Continue the revision of what an earlier run published."""
@@ -262,8 +282,10 @@ class InventoryApp(ServiceApp):
         claims: Claims | None = None,
         switch: SwitchReply | None = None,
         rescan: bool = True,
+        flush: bool = True,
     ) -> Inventory:
-        """Scan, evaluate every card's PhysicalGPU status, publish on change, send the GPU events.
+        """Scan, evaluate every card's PhysicalGPU status, publish on change, send the GPU events
+        (`flush=False`: journaled only, sent by the caller).
 
         `claims` given (a claims_changed notice) are used as they are;
         otherwise the converger is asked. `switch` is the switcher's notice
@@ -281,7 +303,7 @@ class InventoryApp(ServiceApp):
             if switch is not None:
                 assert self.tracker is not None
                 self.tracker.note_switch(switch)
-            return await self._evaluate_and_publish(ctx, base, claims, reason, switch=switch, scanned=scanned)
+            return await self._evaluate_and_publish(ctx, base, claims, reason, switch=switch, scanned=scanned, flush=flush)
 
     async def _refresh_logged(self, ctx: ServiceContext, reason: str, **kw: Any) -> None:
         try:
@@ -344,6 +366,7 @@ class InventoryApp(ServiceApp):
         *,
         switch: SwitchReply | None = None,
         scanned: bool = True,
+        flush: bool = True,
     ) -> Inventory:
         """`scanned`: `base` is a scan made for this evaluation (counted in bcd_inventory_scans)."""
         tracker = self.tracker
@@ -385,7 +408,8 @@ class InventoryApp(ServiceApp):
                 # good inventory rather than get one they cannot decode
                 self._count_scan(scanned, "invalid")
                 ctx.log.error("inventory not published: it breaks its own schema", reason=reason, error=str(exc))
-                await self._flush_events(ctx)
+                if flush:
+                    await self._flush_events(ctx)
                 return self.current if self.current is not None else inv
             await self.kv.put(ctx.opts.node_id, payload)
             await ctx.nc.publish(ctx.subjects.inventory_changed, payload)
@@ -400,7 +424,8 @@ class InventoryApp(ServiceApp):
                 atoms=len(inv.atoms),
                 bucket=ctx.subjects.inventory_bucket,
             )
-        await self._flush_events(ctx)
+        if flush:
+            await self._flush_events(ctx)
         self.wake.set()
         return inv
 

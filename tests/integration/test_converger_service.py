@@ -17,7 +17,9 @@ from services.converger.crash import BIND_POINTS, RELEASE_POINTS
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
+    CLAIMS_CODEC,
     CONVERGER_STATUS_CODEC,
+    INVENTORY_CODEC,
     HOLDER_REPLY_CODEC,
     SIGNER_KEY_CODEC,
     SPEC_ACK_CODEC,
@@ -167,6 +169,34 @@ async def test_binds_reports_signed_bound_and_refuses_with_reasons(node):
     released = await node.reports("released")
     assert {r.event.allocation_id for r in released} == {"whole", "slots"}
     assert not (node.run / "slices" / "bcd-alloc-whole.slice.json").exists()
+
+
+async def test_a_spec_that_came_before_the_inventory_binds_once_an_inventory_is_read(node_bus, host_file):
+    """The node's first spec can reach the converger before the inventory answers, and
+    the inventory's first notice can go out before the converger listens. The inventory
+    then asks for claims, which makes the converger read it: the waiting pass must run
+    then, not at the retry interval (it took 30 s in bench/e2e.py, one start in three)."""
+    node = Node(node_bus, host_file)
+    await node.start()
+    raw = await node.admin.request(node.subjects.inventory_get, b"{}", timeout=5)
+    assert INVENTORY_CODEC.decode(raw.data).gpus
+    next(s for s in reversed(node.bus.services) if s.name == "inventory").stop()  # its notice is gone; no one answers inventory.get
+    node.start_converger(BCD_RETRY_INTERVAL="600")
+    await node.bus.wait_service("converger")
+    await node.push(NodeSpec(node_id="node-1", generation=1, devices=[assignment("early", GPU[0])]))
+    await asyncio.sleep(0.5)
+    assert (await node.status()).section is None  # waiting for an inventory
+
+    standin = await node.bus.connect("inventory")
+
+    async def answer(msg) -> None:  # noqa: ANN001
+        await msg.respond(raw.data)
+
+    await standin.subscribe(node.subjects.inventory_get, cb=answer)
+    await standin.flush()
+    await call(standin, node.subjects.converger_claims, Empty(), CLAIMS_CODEC)  # as the inventory does at start
+    st = await node.wait_section(1, "CONVERGED", timeout=10)
+    assert [h.allocation_id for h in st.holds] == ["early"]
 
 
 async def test_a_bad_spec_is_refused_with_the_field_named(node):

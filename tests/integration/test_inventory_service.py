@@ -115,6 +115,38 @@ async def test_republishes_on_change_only(node_bus, host_file):
     assert pushed.revision == changed.revision
 
 
+async def test_a_peer_that_hears_the_start_notice_can_read_the_inventory_at_once(node_bus, host_file):
+    """A peer that waited for the inventory reads it when the notice comes: at start the
+    scan's notice went out before `inventory.get` answered (and before the GPU events'
+    1 s outbox probe), so the converger's pass read "no responders" and slept 30 s."""
+    subjects = NodeSubjects(node_bus.node_id)
+    nc = await node_bus.connect("converger")
+    answered: asyncio.Queue = asyncio.Queue()
+
+    async def on_changed(msg):
+        notice = INVENTORY_CODEC.decode(msg.data)
+        try:
+            got = await call(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=0.3)
+        except ServiceCallError:
+            return
+        await answered.put((notice, got))
+
+    await nc.subscribe(subjects.inventory_changed, cb=on_changed)
+    await nc.flush()
+    # the bridge listens on the outbox subjects for its wake-up: with no outbox stream
+    # yet, a GPU event's publish then waits out its probe instead of failing at once
+    bridge = await node_bus.connect("gateway_bridge")
+
+    async def woken(_msg) -> None:
+        pass
+
+    await bridge.subscribe(subjects.outbox_filter, cb=woken)
+    await bridge.flush()
+    node_bus.start_service("inventory", BCD_ADAPTER="fakehw", BCD_FAKE_HOST=str(host_file), BCD_CDI_DIR=str(node_bus.root / "cdi"))
+    notice, got = await asyncio.wait_for(answered.get(), 10)
+    assert got.revision == notice.revision and got.gpus
+
+
 async def test_periodic_rescan_picks_up_changes_without_a_request(node_bus, host_file):
     await start_inventory(node_bus, host_file, BCD_RESCAN_INTERVAL="0.3")
     subjects = NodeSubjects(node_bus.node_id)
