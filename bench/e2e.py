@@ -35,6 +35,21 @@ without: a cross-process request/reply (a tiny responder subprocess), one
 JetStream publish with its ack, two `shared.fsutil.atomic_write`s and one
 Ed25519 signature. FLOOR(n) = n x that; each p50 is printed beside it with
 the ratio.
+
+CHAIN(1), measured the same way right after the FLOOR, is the floor of one
+single-hold generation as the contract orders it: the durable steps and
+cross-process hops that must happen one after another between the KV put and
+the control plane's log line, done back to back in one process with no
+service code between them. The spec's KV put (a JetStream publish), the
+hand-over to the converger (a request/reply), the spec and the intent written
+(two atomic_writes; the intent must be on disk before any side effect), the
+released hold's two files removed and the new hold's two written as one group
+(`atomic_write_many` and `remove_many`, then one concurrent sync of both
+directories), the Released and the Bound published to the outbox together
+(two publishes, both acks awaited), the bridge's delivery and its publish
+upstream (a request/reply, a JetStream publish), the control plane's delivery,
+its state.json write and its log line (a request/reply, an atomic_write, an
+append). The sign request is left out: it overlaps the writes.
 """
 
 from __future__ import annotations
@@ -56,6 +71,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -73,7 +89,7 @@ from bcd.controlplane import EVENTS_FILE, ControlPlane, EventRecord, PutResult, 
 from bcd.nodebus import NatsServer  # noqa: E402
 from bcd.supervisor import die_with_parent  # noqa: E402
 from shared.eventids import bound_id  # noqa: E402
-from shared.fsutil import atomic_write  # noqa: E402
+from shared.fsutil import FileWrite, atomic_write, atomic_write_many, fsync_dirs, remove_many  # noqa: E402
 from shared.schemas import (  # noqa: E402
     ATTESTED_REPORT_CODEC,
     HELLO_CODEC,
@@ -199,6 +215,7 @@ class Floor:
     write: float
     sign: float
     samples: dict[str, int] = field(default_factory=dict)
+    chain: float = 0.0  # CHAIN(1), see the module docstring
 
     @property
     def per_hold(self) -> float:
@@ -255,6 +272,7 @@ async def measure_floor(tmp: Path) -> Floor:
                 t = time.perf_counter()
                 await js.publish("floor.js", body, headers={MSG_ID_HEADER: f"floor-{i}"})
                 pubs.append(time.perf_counter() - t)
+            chain = await measure_chain(nc, js, d / "chain")
         finally:
             await nc.close()
     finally:
@@ -292,8 +310,51 @@ async def measure_floor(tmp: Path) -> Floor:
         js=statistics.median(pubs),
         write=statistics.median(writes),
         sign=statistics.median(signs),
-        samples={"rr": len(rr), "js": len(pubs), "write": len(writes), "sign": len(signs)},
+        samples={"rr": len(rr), "js": len(pubs), "write": len(writes), "sign": len(signs), "chain": CHAIN_SAMPLES},
+        chain=chain,
     )
+
+
+CHAIN_SAMPLES = 200
+
+
+async def measure_chain(nc: nats.NATS, js: Any, d: Path) -> float:
+    """CHAIN(1): one release + one bind's sequential steps, back to back (module docstring); the median."""
+    cdi, env, state = d / "cdi", d / "allocations", d / "converger"
+    for sub in (cdi, env, state):
+        sub.mkdir(parents=True)
+    spec, cdi_spec, env_file, report = b"s" * 800, b"z" * 1500, b"e" * 200, b"r" * 700
+    loop = asyncio.get_running_loop()
+    samples = []
+    for i in range(CHAIN_SAMPLES + 10):
+        old, new = f"h{i % 2}", f"h{(i + 1) % 2}"
+        t = time.perf_counter()
+        await js.publish("floor.js", spec, headers={MSG_ID_HEADER: f"chain-spec-{i}"})
+        await nc.request("floor.echo", spec, timeout=2)
+
+        def converge() -> None:
+            atomic_write(state / "spec.json", spec, 0o600)
+            atomic_write(state / "state.json", spec, 0o600)
+            dirs: set[Path] = set()
+            remove_many([("cdi", cdi / f"bcd-{old}.json"), ("env", env / f"{old}.env")], dirs=dirs)
+            atomic_write_many([FileWrite("cdi", cdi / f"bcd-{new}.json", cdi_spec), FileWrite("env", env / f"{new}.env", env_file)], dirs=dirs)
+            fsync_dirs(dirs)
+
+        await loop.run_in_executor(None, converge)
+        acks = [
+            await js.publish_async("floor.js", report, headers={MSG_ID_HEADER: f"chain-{kind}-{i}"})
+            for kind in ("released", "bound")
+        ]
+        await asyncio.gather(*acks)
+        await nc.request("floor.echo", report, timeout=2)
+        await js.publish("floor.js", report, headers={MSG_ID_HEADER: f"chain-up-{i}"})
+        await nc.request("floor.echo", report, timeout=2)
+        atomic_write(d / "cp-state.json", spec, 0o600)
+        with open(d / "events.jsonl", "ab") as f:
+            f.write(report + b"\n")
+        if i >= 10:
+            samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
 
 
 # ----------------------------------------------------------------------------- a running node
@@ -610,7 +671,11 @@ async def amain(args: argparse.Namespace) -> None:
             f"  JetStream publish + PubAck        {floor.js * 1e3:7.3f} ms  (n={floor.samples['js']}, 1 KiB, file store)\n"
             f"  atomic_write x 2                  {2 * floor.write * 1e3:7.3f} ms  (n={floor.samples['write']}, 1.5 KB each)\n"
             f"  Ed25519 signature                 {floor.sign * 1e3:7.3f} ms  (n={floor.samples['sign']})\n"
-            f"  = FLOOR(1)                        {floor.per_hold * 1e3:7.3f} ms;  FLOOR(n) = n x FLOOR(1)"
+            f"  = FLOOR(1)                        {floor.per_hold * 1e3:7.3f} ms;  FLOOR(n) = n x FLOOR(1)\n"
+            f"CHAIN(1), one release + one bind's sequential steps back to back, no service code (module docstring):\n"
+            f"  = CHAIN(1)                        {floor.chain * 1e3:7.3f} ms = {floor.chain / floor.per_hold:.1f}x FLOOR(1)"
+            f" (n={floor.samples['chain']}); 3x FLOOR(1) leaves {(3 * floor.per_hold - floor.chain) * 1e3:.2f} ms"
+            f" for the six processes' own work"
         )
         groups: list[tuple[str, Path, list[int]]] = []
         small = [s for s in sizes if 2 * s <= 20]
