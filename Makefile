@@ -6,7 +6,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv bytecode schema man proto bench bench-e2e clean
+.PHONY: run test venv bytecode schema man proto bench bench-e2e images compose-up compose-down clean
+
+COMPOSE_DIR ?= state/compose
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +47,19 @@ bench: $(STAMP)
 
 bench-e2e: $(STAMP)
 	$(BIN)/python bench/e2e.py $(ARGS)
+
+# bcd's container images with no registry (deploy/images/build.sh): a debootstrap base,
+# offline wheels, cached by content (a second run costs seconds). Root and Docker.
+images: $(STAMP)
+	deploy/images/build.sh
+
+# a node as containers on the example fake host, with an upstream and the reference
+# control plane, the demo applied (deploy/compose/node.sh); `bcd status --state-dir $(COMPOSE_DIR)`
+compose-up: images
+	deploy/compose/node.sh up $(COMPOSE_DIR)
+
+compose-down:
+	deploy/compose/node.sh down $(COMPOSE_DIR)
 
 clean:
 	rm -rf $(VENV) state .pytest_cache .hypothesis

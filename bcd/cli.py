@@ -591,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .fleet import add_parser as fleet_parser
 
     fleet_parser(sub, [common])
+    from .compose import add_parser as compose_parser
+
+    compose_parser(sub, [common])
     comp = command("completion", "print a shell completion script, e.g. `source <(bcd completion bash)`")
     comp.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell to complete for")
     comp.set_defaults(func=cmd_completion)

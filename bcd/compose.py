@@ -1,0 +1,194 @@
+"""`bcd compose init DIR`: everything deploy/compose/compose.yaml mounts, for one node.
+
+The compose node runs the node bus and one container per service from the image
+`make images` builds, each as its own Unix user (the image's fixed ids, below)
+with its own NATS user. This writes, under DIR:
+
+- `bus/nats.conf` (the node bus: listens on the compose network, JetStream store
+  in the container's `/data`) and one password per NATS user in `bus/creds/`,
+  each file owned by the one container user that reads it, mode 0400;
+- `data/<service>/`, the state each service keeps, owned by that service alone;
+- `cdi/` and `run/`, the hold directories (group bcd: the converger writes holds,
+  the inventory the fake vendor spec), and `host/host.json`, the fake host (group
+  writable: vfio_switcher's fake kernel edits it);
+- with the `upstream` profile's parts: `upstream/nats.conf` (a separate upstream
+  nats-server with the control plane's user and this node's, each limited to its
+  subjects), `controlplane/` (its signing key, owned by its user) and `bus/cp.pub`;
+- `.env`, the variables compose.yaml reads, and `node.json`, so `bcd status
+  --state-dir DIR` on the host finds the bus on its published loopback port.
+
+Kept across runs: passwords, keys and state are reused when present, so `init`
+again (a new image, `make compose-up`) changes no credential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
+
+from .client import NodeInfo, write_node_info
+from .nodebus import BusConfig, BusUser, ensure_passwords, node_bus_users, upstream_users, write_private
+
+#: the image's users (deploy/compose/Dockerfile), all in group bcd.
+GROUP_ID = 10000
+UIDS: dict[str, int] = {
+    "nats": 10001,
+    "signer": 10002,
+    "inventory": 10003,
+    "converger": 10004,
+    "gateway_bridge": 10005,
+    "kube_reaper": 10006,
+    "vfio_switcher": 10007,
+    "controlplane": 10008,
+}
+SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher")
+#: the services that keep state under /var/lib/bcd/<name>.
+STATEFUL = ("signer", "inventory", "converger")
+EXAMPLE_HOST = Path(__file__).resolve().parent.parent / "examples" / "hosts" / "h200x8.json"
+#: where the containers see what this writes (compose.yaml mounts DIR's parts there).
+IN_CONTAINER_STORE = "/data"
+
+
+def _own(path: Path, uid: int, mode: int, gid: int = GROUP_ID) -> None:
+    os.chown(path, uid, gid)
+    os.chmod(path, mode)
+
+
+def _dir(path: Path, uid: int, mode: int, gid: int = GROUP_ID) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    _own(path, uid, mode, gid)
+    return path
+
+
+def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_port: int, upstream_port: int) -> Path:
+    """Write DIR (see the module docstring); returns the node.json path."""
+    NodeSubjects(node_id)  # a node id the bus subjects accept, or ValueError
+    d = directory.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o755)
+    bus = _dir(d / "bus", 0, 0o755, 0)
+    creds_dir = _dir(bus / "creds", 0, 0o755, 0)
+    node_user = upstream_node_user(node_id)
+    users = [*SERVICES, OPERATOR_USER, CONTROLPLANE_USER, node_user]
+    creds = ensure_passwords(creds_dir, users)
+    passwords = {u: p.read_text().strip() for u, p in creds.items()}
+    readers = {**{s: UIDS[s] for s in SERVICES}, CONTROLPLANE_USER: UIDS["controlplane"], node_user: UIDS["gateway_bridge"]}
+    for user, path in creds.items():
+        _own(path, readers.get(user, 0), 0o400, GROUP_ID if user in readers else 0)
+
+    node_cfg = BusConfig(
+        store_dir=Path(IN_CONTAINER_STORE),
+        host="0.0.0.0",  # noqa: S104 - the compose network; the host publishes it on loopback only
+        port=4222,
+        http_port=8222,
+        users=node_bus_users(node_id, {u: passwords[u] for u in (*SERVICES, OPERATOR_USER)}),
+    )
+    conf = bus / "nats.conf"
+    write_private(conf, node_cfg.render())
+    _own(conf, UIDS["nats"], 0o400)
+
+    up = _dir(d / "upstream", 0, 0o755, 0)
+    up_users: list[BusUser] = upstream_users([node_id], passwords)
+    up_cfg = BusConfig(store_dir=Path(IN_CONTAINER_STORE), host="0.0.0.0", port=4222, server_name="bcd-upstream", users=[])  # noqa: S104
+    up_cfg.upstream_users = up_users
+    up_conf = up / "nats.conf"
+    write_private(up_conf, up_cfg.render())
+    _own(up_conf, UIDS["nats"], 0o400)
+
+    data = _dir(d / "data", 0, 0o755, 0)
+    _dir(data / "nats", UIDS["nats"], 0o700)
+    _dir(data / "upstream", UIDS["nats"], 0o700)
+    for svc in STATEFUL:
+        _dir(data / svc, UIDS[svc], 0o700)
+    for sub in (d / "data" / "signer", d / "data" / "inventory", d / "data" / "converger"):
+        for p in sub.rglob("*"):
+            os.chown(p, sub.stat().st_uid, GROUP_ID, follow_symlinks=False)
+    _dir(d / "spec", 0, 0o755, 0)  # specs to apply, read by the control plane's container
+    cdi = _dir(d / "cdi", 0, 0o2775)
+    run = _dir(d / "run", UIDS["converger"], 0o2775)
+    host_dir = _dir(d / "host", 0, 0o2775)
+    host_file = host_dir / "host.json"
+    if not host_file.exists():
+        shutil.copyfile(fake_host, host_file)
+    _own(host_file, 0, 0o664)
+
+    from .controlplane import load_or_create_cp_key
+
+    cp = d / "controlplane"
+    _, pub = load_or_create_cp_key(cp)
+    for p in [cp, *cp.iterdir()]:
+        os.chown(p, UIDS["controlplane"], GROUP_ID, follow_symlinks=False)
+    shutil.copyfile(pub, bus / "cp.pub")
+    os.chmod(bus / "cp.pub", 0o644)
+
+    env = {
+        "BCD_NODE_ID": node_id,
+        "BCD_DIR": str(d),
+        "BCD_BUS_PORT": str(bus_port),
+        "BCD_BUS_HTTP_PORT": str(http_port),
+        "BCD_UPSTREAM_PORT": str(upstream_port),
+        "BCD_NODE_UPSTREAM_USER": node_user,
+        "BCD_IMAGE": os.environ.get("BCD_IMAGE", "bcd:latest"),
+    }
+    (d / ".env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    info = NodeInfo(
+        node_id=node_id,
+        nats_url=f"nats://127.0.0.1:{bus_port}",
+        creds_dir=str(creds_dir),
+        monitor_url=f"http://127.0.0.1:{http_port}",
+        services=list(SERVICES),
+        cdi_dir=str(cdi),
+        run_dir=str(run),
+        data_dir=str(data),
+        controlplane_dir=str(cp),
+        upstream_url=f"nats://127.0.0.1:{upstream_port}",
+    )
+    write_node_info(d, info)
+    return d / "node.json"
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("bcd compose init: run as root (it gives each container user its own files)", file=sys.stderr)
+        return 2
+    if not args.fake_host.is_file():
+        print(f"bcd compose init: fake host file {args.fake_host} does not exist", file=sys.stderr)
+        return 2
+    try:
+        path = init(args.dir, args.node_id, args.fake_host, bus_port=args.bus_port, http_port=args.http_port, upstream_port=args.upstream_port)
+    except ValueError as exc:
+        print(f"bcd compose init: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    comp = sub.add_parser(
+        "compose",
+        help="the files deploy/compose/compose.yaml mounts: a node as containers",
+        description="A node as containers (deploy/compose/compose.yaml): `init DIR` writes its bus config, "
+        "credentials, state and hold directories, .env and node.json.",
+        parents=parents,
+    )
+    csub = comp.add_subparsers(dest="compose_command", required=True, metavar="ACTION", help="what to do (`bcd compose ACTION --help`)")
+    p = csub.add_parser("init", help="write DIR for compose.yaml (run as root)", description=__doc__, parents=parents,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path, help="the node's directory (compose.yaml's BCD_DIR)")
+    p.add_argument("--node-id", default="node-1", help="this node's id (default node-1)")
+    p.add_argument(
+        "--fake-host", type=Path, default=EXAMPLE_HOST, help="fake host description copied to DIR/host/host.json when missing (default the example H200 x8)"
+    )
+    p.add_argument("--bus-port", type=int, default=14222, help="loopback port the node bus is published on (default 14222)")
+    p.add_argument("--http-port", type=int, default=18222, help="loopback port of the bus's monitoring (default 18222)")
+    p.add_argument("--upstream-port", type=int, default=14223, help="loopback port of the upstream nats-server (default 14223)")
+    p.set_defaults(func=cmd_init)
+    return comp
+
+
+__all__ = ["GROUP_ID", "UIDS", "init", "cmd_init", "add_parser"]

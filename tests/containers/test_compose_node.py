@@ -1,0 +1,213 @@
+"""The compose node (deploy/compose/compose.yaml, brought up by deploy/compose/node.sh as
+`make compose-up` does) on the example fake host, from the image `make images` builds:
+it binds the demo and the control plane verifies every event; each service runs as
+its own non-root Unix user; a service's NATS user cannot publish another's subjects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from testcontainers.core.container import DockerContainer
+
+from shared.subjects import NodeSubjects
+
+from .conftest import ROOT, compose_cli, free_port
+
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
+
+NODE_ID = "node-1"
+#: the demo's holds and refusals (examples/specs/demo.json)
+DEMO_BOUND = {"train-01", "infer-slots", "notebook-mig"}
+DEMO_FAILED = {"late-overlap", "not-yet-created", "too-big"}
+SERVICE_UIDS = {
+    "bus": 10001,
+    "signer": 10002,
+    "inventory": 10003,
+    "converger": 10004,
+    "gateway_bridge": 10005,
+    "kube_reaper": 10006,
+    "vfio_switcher": 10007,
+    "upstream": 10001,
+    "controlplane": 10008,
+}
+
+
+class ComposeNode:
+    def __init__(self, directory: Path, project: str, env: dict[str, str]) -> None:
+        self.dir, self.project, self.env = directory, project, env
+
+    def node_sh(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(ROOT / "deploy/compose/node.sh"), *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def compose(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return self.node_sh("compose", str(self.dir), *args, timeout=timeout)
+
+    def container_id(self, service: str) -> str:
+        r = self.compose("ps", "-q", service)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+        return r.stdout.strip().splitlines()[0]
+
+    def events(self) -> list[dict]:
+        path = self.dir / "controlplane" / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def bcd(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(ROOT / ".venv/bin/bcd"), *args, "--state-dir", str(self.dir)], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def compose_node(bcd_image, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("compose") / "node"
+    project = f"bcdtest{os.getpid()}"
+    env = {
+        **os.environ,
+        "BCD_COMPOSE_PROJECT": project,
+        "BCD_IMAGE": bcd_image,
+        "BCD_NODE_ID": NODE_ID,
+        "BCD_BUS_PORT": str(free_port()),
+        "BCD_BUS_HTTP_PORT": str(free_port()),
+        "BCD_UPSTREAM_PORT": str(free_port()),
+        "COMPOSE": " ".join(compose_cli()),
+    }
+    node = ComposeNode(directory, project, env)
+    up = node.node_sh("up", str(directory))
+    try:
+        assert up.returncode == 0, f"node.sh up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        yield node
+    finally:
+        logs = node.compose("logs", "--no-color", "--tail", "40")
+        down = node.node_sh("down", str(directory), timeout=180)
+        if down.returncode != 0:  # never leave containers behind
+            subprocess.run(["docker", "rm", "-f", *subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"], capture_output=True, text=True).stdout.split()], capture_output=True)
+        print(logs.stdout[-6000:])
+
+
+def wait_for(what: str, predicate, timeout: float = 60.0, every: float = 0.5):  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def test_the_compose_node_binds_the_demo_and_every_event_is_verified_upstream(compose_node):
+    node = compose_node
+
+    def settled():
+        ev = node.events()
+        bound = {e["allocation_id"] for e in ev if e["type"] == "bound" and e["outcome"] == "applied"}
+        failed = {e["allocation_id"] for e in ev if e["type"] == "failed" and e["outcome"] == "applied"}
+        return ev if bound == DEMO_BOUND and failed == DEMO_FAILED else None
+
+    events = wait_for("the demo's Bound and Failed events verified by the control plane", settled, timeout=90)
+    # Bound and Released are node-signed (the control plane checked each against the
+    # node's Hello key); Failed is a plain event in the contract
+    signed = [e for e in events if e["type"] in ("bound", "released")]
+    assert signed and all(e["verified"] is True for e in signed), [e for e in signed if e["verified"] is not True]
+    assert not [e for e in events if e["outcome"] == "rejected"]
+    bound_ids = [e["event_id"] for e in events if e["type"] == "bound"]
+    assert len(bound_ids) == len(set(bound_ids)) == len(DEMO_BOUND)
+
+    # the hold files are on the host, written by the converger's own user
+    for alloc in DEMO_BOUND:
+        spec = node.dir / "cdi" / f"bcd-{alloc}.json"
+        assert spec.is_file() and spec.stat().st_uid == SERVICE_UIDS["converger"], spec
+        assert (node.dir / "run" / "allocations" / f"{alloc}.env").is_file()
+
+    # `bcd status` from the host tells what the containers did
+    st = node.bcd("status", "--json")
+    assert st.returncode == 0, st.stderr  # healthy: a FAILED section of refusals is not a sick node
+    status = json.loads(st.stdout)
+    text = json.dumps(status)
+    assert all(alloc in text for alloc in DEMO_BOUND | DEMO_FAILED)
+    plain = node.bcd("status")
+    assert "section devices: FAILED" in plain.stdout and "hold train-01" in plain.stdout, plain.stdout
+
+
+def test_each_service_runs_as_its_own_non_root_user_with_no_capabilities(compose_node):
+    node = compose_node
+    seen: dict[str, set[int]] = {}
+    for service, uid in SERVICE_UIDS.items():
+        cid = node.container_id(service)
+        inspect = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True, text=True, check=True).stdout)[0]
+        host = inspect["HostConfig"]
+        assert host["ReadonlyRootfs"] is True, service
+        assert host["CapDrop"] == ["ALL"] and not host["CapAdd"], (service, host["CapDrop"], host["CapAdd"])
+        assert "no-new-privileges:true" in (host["SecurityOpt"] or []), service
+        pid = inspect["State"]["Pid"]
+        # every process of the container, read from the host's /proc: real, effective uid
+        procs = subprocess.run(["docker", "top", cid, "-eo", "pid"], capture_output=True, text=True, check=True).stdout.split()[1:]
+        uids = set()
+        for p in procs:
+            status = Path(f"/proc/{p}/status").read_text()
+            real, effective = (int(x) for x in next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:3])
+            caps = next(line for line in status.splitlines() if line.startswith("CapEff:")).split()[1]
+            assert int(caps, 16) == 0, (service, p, caps)
+            uids |= {real, effective}
+        assert pid and uids == {uid}, (service, uids)
+        seen[service] = uids
+    node_services = [s for s in SERVICE_UIDS if s not in ("bus", "upstream")]
+    assert len({SERVICE_UIDS[s] for s in node_services}) == len(node_services)
+
+
+PROBE = r"""
+import asyncio, json, sys
+import nats
+async def main():
+    url, user, password_file, *subjects = sys.argv[1:]
+    errors = []
+    async def on_error(exc):
+        errors.append(str(exc))
+    nc = await nats.connect(url, user=user, password=open(password_file).read().strip(),
+                            error_cb=on_error, allow_reconnect=False, connect_timeout=5)
+    out = {}
+    for subject in subjects:
+        before = len(errors)
+        await nc.publish(subject, b"{}")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        out[subject] = errors[before:]
+    await nc.close()
+    print(json.dumps(out))
+asyncio.run(main())
+"""
+
+
+def test_a_service_container_cannot_publish_another_services_subjects(compose_node, bcd_image):
+    """A container holding the inventory's credentials, on the node's network, as the
+    inventory's Unix user: the bus refuses it the converger's, signer's and outbox's
+    subjects (no forged spec, signature request or Bound)."""
+    node = compose_node
+    s = NodeSubjects(NODE_ID)
+    forbidden = [s.converger_spec, s.signer_sign, s.outbox_subject("bound"), s.vfio_switch]
+    allowed = s.inventory_changed  # its own: the probe is heard there (the peers drop the bad body)
+    probe = (
+        DockerContainer(bcd_image)
+        .with_kwargs(network=f"{node.project}_node", user=f"{SERVICE_UIDS['inventory']}:10000", read_only=True, cap_drop=["ALL"])
+        .with_volume_mapping(str(node.dir / "bus" / "creds" / "inventory.password"), "/run/secrets/inventory.password", "ro")
+        .with_command(["python3", "-c", PROBE, "nats://bus:4222", "inventory", "/run/secrets/inventory.password", allowed, *forbidden])
+    )
+    probe.start()
+    try:
+        wrapped = probe.get_wrapped_container()
+        result = wrapped.wait(timeout=60)
+        out, err = probe.get_logs()
+        assert result["StatusCode"] == 0, err.decode()[-2000:]
+    finally:
+        probe.stop()
+    refused = json.loads(out.decode().strip().splitlines()[-1])
+    assert refused[allowed] == [], refused[allowed]
+    for subject in forbidden:
+        assert any("permissions violation" in e.lower() for e in refused[subject]), (subject, refused[subject])
