@@ -211,3 +211,64 @@ def test_a_service_container_cannot_publish_another_services_subjects(compose_no
     assert refused[allowed] == [], refused[allowed]
     for subject in forbidden:
         assert any("permissions violation" in e.lower() for e in refused[subject]), (subject, refused[subject])
+
+
+def _status(node: ComposeNode) -> dict | None:
+    st = node.bcd("status", "--json")
+    if st.returncode != 0:
+        return None
+    try:
+        return json.loads(st.stdout)
+    except ValueError:
+        return None
+
+
+def test_containers_recreated_from_a_new_image_keep_their_holds_without_a_second_bound(compose_node, bcd_image):
+    """The upgrade: every container recreated from a new image (the module's last test:
+    it replaces the node the others used). The holds stay as they were and no event
+    for them goes upstream again: a kept hold is not bound twice."""
+    node = compose_node
+    wait_for("the demo bound", lambda: {e["allocation_id"] for e in node.events() if e["type"] == "bound"} == DEMO_BOUND, timeout=90)
+    before_events = node.events()
+    holds = {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted((node.dir / "cdi").glob("bcd-*.json"))}
+    assert {n[4:-5] for n in holds} == DEMO_BOUND
+    old_ids = {svc: node.container_id(svc) for svc in SERVICE_UIDS}
+
+    new_tag = f"bcd:upgrade-{os.getpid()}"
+    built = subprocess.run(
+        ["docker", "build", "-q", "-t", new_tag, "-"],
+        input=f"FROM {bcd_image}\nLABEL dev.bcd.test-upgrade={os.getpid()}\n",
+        capture_output=True, text=True, timeout=120, env={**os.environ, "DOCKER_BUILDKIT": "0"},
+    )
+    assert built.returncode == 0, built.stderr
+    new_image = built.stdout.strip().splitlines()[-1]
+    try:
+        t0 = time.monotonic()
+        node.env["BCD_IMAGE"] = new_tag
+        up = node.compose("up", "-d", timeout=300)
+        assert up.returncode == 0, up.stderr[-3000:]
+        for svc, old in old_ids.items():
+            cid = node.container_id(svc)
+            assert cid != old, f"{svc} was not recreated"
+            image = subprocess.run(["docker", "inspect", "-f", "{{.Image}}", cid], capture_output=True, text=True, check=True).stdout.strip()
+            assert image == new_image, (svc, image, new_image)
+
+        def passed_again():
+            st = _status(node)
+            conv = (st or {}).get("converger") or {}
+            return conv if conv.get("last_pass_at") and conv.get("generation") == 1 and len(conv.get("holds", [])) == len(DEMO_BOUND) else None
+
+        conv = wait_for("a pass of the new converger", passed_again, timeout=120)
+        print(f"upgrade: containers recreated and the new converger's pass done in {time.monotonic() - t0:.1f} s")
+        assert {h["allocation_id"] for h in conv["holds"]} == DEMO_BOUND
+        # the bridge is back upstream (its Hello for the new start) before the events are judged
+        time.sleep(3)
+        after = node.events()
+        new = after[len(before_events):]
+        assert not [e for e in new if e["type"] in ("bound", "released")], new
+        bound_ids = [e["event_id"] for e in after if e["type"] == "bound" and e["outcome"] == "applied"]
+        assert len(bound_ids) == len(set(bound_ids)) == len(DEMO_BOUND)
+        assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted((node.dir / "cdi").glob("bcd-*.json"))} == holds
+    finally:
+        node.env["BCD_IMAGE"] = bcd_image
+        subprocess.run(["docker", "rmi", "-f", new_tag], capture_output=True)
