@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv bytecode schema man proto bench bench-e2e images compose-up compose-down clean
+.PHONY: run test venv bytecode schema man proto bench bench-e2e bench-fleet images compose-up compose-down clean
 
 COMPOSE_DIR ?= state/compose
 
@@ -47,6 +47,10 @@ bench: $(STAMP)
 
 bench-e2e: $(STAMP)
 	$(BIN)/python bench/e2e.py $(ARGS)
+
+# 1,000 nodes' upstream traffic against a 3-server NATS cluster (bench/fleet.py)
+bench-fleet: $(STAMP)
+	$(BIN)/python bench/fleet.py $(ARGS)
 
 # bcd's container images with no registry (deploy/images/build.sh): a debootstrap base,
 # offline wheels, cached by content (a second run costs seconds). Root and Docker.

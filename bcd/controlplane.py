@@ -110,6 +110,7 @@ from shared.subjects import (
     UPSTREAM_NODES_BUCKET,
     UPSTREAM_NODESPECS_BUCKET,
     inbox_prefix,
+    server_list,
     upstream_events_filter,
     upstream_spec_key_subject,
 )
@@ -662,8 +663,11 @@ class ControlPlane:
         fetch_batch: int = EVENT_BATCH,
         fetch_timeout: float = 0.5,
         js_timeout: float = 5.0,
+        replicas: int = 1,
     ) -> None:
         self.nc = nc
+        #: JetStream replicas of the stream and buckets it creates (3 on a 3-server cluster).
+        self.replicas = replicas
         self.key = key
         self.key_id = key_id(key)
         self.state_dir = Path(state_dir)
@@ -700,6 +704,7 @@ class ControlPlane:
                         history=history,
                         storage=StorageType.FILE,
                         direct=True,
+                        replicas=self.replicas,
                     )
                 )
                 log.info("created bucket", bucket=bucket, history=history)
@@ -716,6 +721,7 @@ class ControlPlane:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW.total_seconds(),
+            num_replicas=self.replicas,
         )
         try:
             info = await self.js.stream_info(UPSTREAM_EVENTS_STREAM)
@@ -1304,6 +1310,12 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--user", default=_env("BCD_CP_USER", CONTROLPLANE_USER), help="upstream NATS user [env BCD_CP_USER]")
     common.add_argument("--password-file", type=Path, default=_env("BCD_CP_PASSWORD_FILE"), help="file holding the user's password [env BCD_CP_PASSWORD_FILE]")
     common.add_argument("--state-dir", type=Path, default=_env("BCD_CP_STATE_DIR"), help="key, state.json, events.jsonl [env BCD_CP_STATE_DIR]")
+    common.add_argument(
+        "--replicas",
+        type=int,
+        default=_env("BCD_CP_REPLICAS", "1"),
+        help="JetStream replicas of the events stream and the buckets when it creates them (3 on a 3-server cluster) [env BCD_CP_REPLICAS]",
+    )
     common.add_argument("--log-level", default=_env("BCD_CP_LOG_LEVEL", "INFO"), help="[env BCD_CP_LOG_LEVEL]")
     common.add_argument("--log-format", default=_env("BCD_CP_LOG_FORMAT", "json"), choices=("json", "text"), help="[env BCD_CP_LOG_FORMAT]")
     parser = argparse.ArgumentParser(prog="bcd-controlplane", description="bcd reference control plane")
@@ -1355,11 +1367,11 @@ async def connect_upstream(
         allow_reconnect=reconnect,
     )
     if reconnect:
-        return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5, **options)
+        return await nats.connect(server_list(url), max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5, **options)
     nc = Client()
     try:
         await asyncio.wait_for(
-            nc.connect(url, max_reconnect_attempts=1, reconnect_time_wait=min(0.25, timeout / 4), connect_timeout=max(0.1, timeout), **options),
+            nc.connect(server_list(url), max_reconnect_attempts=1, reconnect_time_wait=min(0.25, timeout / 4), connect_timeout=max(0.1, timeout), **options),
             timeout=max(0.1, timeout),
         )
     except Exception as exc:  # noqa: BLE001 - whatever the client raises, upstream is not there for us
@@ -1391,8 +1403,18 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stopping.set)
     nc = await connect_upstream(args.nats_url, args.user, args.password_file)
     try:
-        cp = ControlPlane(nc, key, args.state_dir)
-        await cp.ensure_upstream()
+        cp = ControlPlane(nc, key, args.state_dir, replicas=args.replicas)
+        # a cluster still electing, or short of peers for the replicas, refuses the
+        # stream for now: retried rather than exiting (which a supervisor would loop on)
+        while True:
+            try:
+                await cp.ensure_upstream()
+                break
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.warning("upstream objects not ready; retrying", error=str(exc) or type(exc).__name__, replicas=args.replicas)
+                await _sleep_unless(stopping, 2.0)
+                if stopping.is_set():
+                    return 0
         log.info("started", nats_url=args.nats_url, user=args.user, key_id=cp.key_id, public_key=str(pub), pid=os.getpid())
         await cp.run(stopping)
         log.info("stopping")
@@ -1414,6 +1436,7 @@ async def put_spec_file(
     require_known_node: bool = False,
     hello_wait: float | Callable[[str], float] = 0.0,
     connect_timeout: float = 5.0,
+    replicas: int = 1,
 ) -> PutResult:
     """Connect, ensure the upstream objects, sign and put one spec (a file path, or the JSON bytes).
 
@@ -1430,7 +1453,7 @@ async def put_spec_file(
     key, _ = load_or_create_cp_key(state_dir)
     nc = await connect_upstream(nats_url, user, password_file, reconnect=False, timeout=connect_timeout)
     try:
-        cp = ControlPlane(nc, key, state_dir, out=None)
+        cp = ControlPlane(nc, key, state_dir, out=None, replicas=replicas)
         try:
             await cp.ensure_upstream()
             return await cp.put_spec(data, allow_unknown_fields=allow_unknown_fields, require_known_node=require_known_node, hello_wait=wait)
@@ -1482,7 +1505,9 @@ async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
 
 async def _put(args: argparse.Namespace) -> int:
     spec: Path | bytes = sys.stdin.buffer.read() if args.spec == "-" else Path(args.spec)
-    result = await put_spec_file(args.nats_url, args.user, args.password_file, args.state_dir, spec, allow_unknown_fields=args.allow_unknown_fields)
+    result = await put_spec_file(
+        args.nats_url, args.user, args.password_file, args.state_dir, spec, allow_unknown_fields=args.allow_unknown_fields, replicas=args.replicas
+    )
     if result.note:
         print(result.note, file=sys.stderr)
     print(result.generation)

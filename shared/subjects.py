@@ -60,6 +60,15 @@ def upstream_events_filter() -> str:
     return "bcd.events.>"
 
 
+def server_list(url: str) -> list[str]:
+    """A NATS URL as nats-py's server pool takes it: "nats://a:4222,nats://b:4222" (a
+    cluster's servers, any of which may be down when we connect) is several servers."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server in {url!r}")
+    return servers
+
+
 def inbox_prefix(user: str) -> str:
     """Each NATS user gets its own inbox prefix so no user can read another's replies."""
     return f"_INBOX_{user}"

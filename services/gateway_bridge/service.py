@@ -95,6 +95,7 @@ from shared.subjects import (
     UPSTREAM_INVENTORY_BUCKET,
     UPSTREAM_NODES_BUCKET,
     inbox_prefix,
+    server_list,
     upstream_event,
     upstream_node_user,
     upstream_spec_get_subject,
@@ -584,7 +585,7 @@ class BridgeApp(ServiceApp):
         while not self.ctx.stopping.is_set():
             try:
                 self.up = await nats.connect(
-                    o.upstream_url,
+                    server_list(o.upstream_url),
                     name=f"bcd-bridge-{o.node_id}",
                     inbox_prefix=inbox_prefix(user).encode(),
                     max_reconnect_attempts=-1,

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -583,6 +584,36 @@ async def test_command_put_and_serve(upstream, tmp_path):
     state_doc = json.loads((state / STATE_FILE).read_text())
     assert state_doc["reservations"]["rsv-whole"]["state"] == "active"
     assert state_doc["nodes"]["node-1"]["last_generation"] == 2
+
+
+async def test_serve_waits_for_a_cluster_that_cannot_place_its_replicas_and_takes_a_server_list(upstream, tmp_path):
+    """`--replicas 3` on one server: JetStream refuses the stream (no peers for it), which is
+    what a cluster still electing says too. The control plane says so and tries again, alive,
+    instead of exiting; SIGTERM ends it cleanly. Its URL is a server list whose first server
+    is down: it connects through the second."""
+    state = tmp_path / "cpstate"
+    env = {**_cp_env(upstream, state), "BCD_CP_REPLICAS": "3"}
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"nats://127.0.0.1:{sock.getsockname()[1]}"
+    env["BCD_CP_NATS_URL"] = f"{dead},{upstream.url}"
+    err_path = tmp_path / "serve.err"
+    with open(tmp_path / "serve.out", "wb") as outf, open(err_path, "wb") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
+    try:
+
+        def retrying() -> bool:
+            text = err_path.read_text() + (tmp_path / "serve.out").read_text()
+            return text.count("upstream objects not ready; retrying") >= 2
+
+        await eventually(retrying, timeout=30, what=f"two retries; output: {err_path.read_text()[-2000:]}")
+        assert proc.poll() is None, "the control plane exited instead of waiting"
+        text = err_path.read_text() + (tmp_path / "serve.out").read_text()
+        assert "replicas" in text and "3" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 15)
+    assert code == 0, err_path.read_text()[-3000:]
 
 
 async def test_apply_spec_file_through_node_json(upstream, tmp_path):

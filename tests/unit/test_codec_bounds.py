@@ -121,7 +121,10 @@ def test_wide_but_shallow_megabyte_is_read_quickly() -> None:
     started = time.perf_counter()
     assert not nesting_exceeds(data)
     value = ANY.decode(data)
-    assert time.perf_counter() - started < 0.5
+    # a guard against a check that grows faster than the input (a quadratic scan of
+    # 1 MiB takes minutes), not a speed figure (bench/codec.py): ~0.03 s idle, up to
+    # 0.6 s seen on a loaded 2-core machine
+    assert time.perf_counter() - started < 5.0
     assert len(value) == count
 
 
@@ -133,7 +136,7 @@ def test_worst_case_within_the_largest_codec_limit_is_bounded_in_time() -> None:
     started = time.perf_counter()
     assert not nesting_exceeds(data)
     assert nesting_exceeds(b"[" + data + b"]")
-    assert time.perf_counter() - started < 3.0
+    assert time.perf_counter() - started < 15.0  # as above: bounded, not fast (~0.4 s idle)
 
 
 @pytest.mark.parametrize(

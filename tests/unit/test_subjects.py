@@ -26,6 +26,7 @@ from shared.subjects import (
     NodeSubjects,
     Permissions,
     inbox_prefix,
+    server_list,
     upstream_event,
     upstream_events_filter,
 )
@@ -416,3 +417,21 @@ def test_only_the_converger_reaches_the_root_helper() -> None:
             assert reach == [], f"{user} may publish {reach}"
     # the helper itself publishes nothing but its replies
     assert PERMS["helper"].publish == ()
+
+
+@pytest.mark.parametrize(
+    ("url", "servers"),
+    [
+        ("nats://127.0.0.1:4222", ["nats://127.0.0.1:4222"]),
+        ("nats://a:4222,nats://b:4222,nats://c:4222", ["nats://a:4222", "nats://b:4222", "nats://c:4222"]),
+        (" nats://a:4222 , nats://b:4222,", ["nats://a:4222", "nats://b:4222"]),
+    ],
+)
+def test_a_url_with_commas_is_a_cluster_s_servers(url: str, servers: list[str]) -> None:
+    assert server_list(url) == servers
+
+
+@pytest.mark.parametrize("url", ["", " , ,"])
+def test_a_url_with_no_server_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="no NATS server"):
+        server_list(url)
