@@ -121,6 +121,11 @@ PULL_EXPIRES_S = 30.0
 CONSUMER_INACTIVE_S = 60.0
 
 
+#: the upstream connection's pings (nats-py's default is one every 120 s, two unanswered).
+UPSTREAM_PING_S = 5.0
+UPSTREAM_PINGS_OUTSTANDING = 3
+
+
 def _header_bytes(headers: dict[str, str]) -> int:
     """What headers add to a message's size: a server's max_payload counts them, nats-py's check does not."""
     return len(b"NATS/1.0\r\n\r\n") + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
@@ -496,6 +501,12 @@ class BridgeApp(ServiceApp):
             Option("--upstream-creds", "upstream .creds file (JWT + nkey)", type=Path),
             Option("--cp-key", "control-plane public key files (PEM or base64 raw), comma-separated", default=""),
             Option("--resync-interval", "seconds between re-reads of the spec and re-puts of the records", default=30.0, type=float),
+            Option(
+                "--upstream-ping-interval",
+                "seconds between pings upstream; after 3 unanswered the connection is dropped and made afresh",
+                default=UPSTREAM_PING_S,
+                type=float,
+            ),
             Option("--outbox-poll", "seconds between outbox checks when idle", default=1.0, type=float),
         ]
 
@@ -591,6 +602,12 @@ class BridgeApp(ServiceApp):
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=1,
                     connect_timeout=3,
+                    # a cut network loses no TCP connection, it stalls it: what the server
+                    # sends meanwhile waits for TCP's retransmission backoff (20 s and more
+                    # after a 30 s cut, measured in tests/containers/test_fleet.py). Pings
+                    # find the stall and a fresh connection goes out as soon as the path is back.
+                    ping_interval=o.upstream_ping_interval,
+                    max_outstanding_pings=UPSTREAM_PINGS_OUTSTANDING,
                     allow_reconnect=True,
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
