@@ -8,9 +8,10 @@ with its own NATS user. This writes, under DIR:
   in the container's `/data`) and one password per NATS user in `bus/creds/`,
   each file owned by the one container user that reads it, mode 0400;
 - `data/<service>/`, the state each service keeps, owned by that service alone;
-- `cdi/` and `run/`, the hold directories (group bcd: the converger writes holds,
-  the inventory the fake vendor spec), and `host/host.json`, the fake host (group
-  writable: vfio_switcher's fake kernel edits it);
+- `cdi/` and `run/`, the hold directories, root's: the root helper writes the holds
+  for the converger (which only reads them), the inventory (group bcd) the fake
+  vendor spec; and `host/host.json`, the fake host (group writable: vfio_switcher's
+  fake kernel edits it);
 - with the `upstream` profile's parts: `upstream/nats.conf` (a separate upstream
   nats-server with the control plane's user and this node's, each limited to its
   subjects), `controlplane/` (its signing key, owned by its user) and `bus/cp.pub`;
@@ -47,6 +48,9 @@ UIDS: dict[str, int] = {
     "controlplane": 10008,
 }
 SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher")
+#: the root helper: the one container that runs as uid 0 (with no capability). It
+#: writes the hold files; the converger, an ordinary user, asks it over the bus.
+HELPER = "helper"
 #: the services that keep state under /var/lib/bcd/<name>.
 STATEFUL = ("signer", "inventory", "converger")
 EXAMPLE_HOST = Path(__file__).resolve().parent.parent / "examples" / "hosts" / "h200x8.json"
@@ -74,7 +78,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     bus = _dir(d / "bus", 0, 0o755, 0)
     creds_dir = _dir(bus / "creds", 0, 0o755, 0)
     node_user = upstream_node_user(node_id)
-    users = [*SERVICES, OPERATOR_USER, CONTROLPLANE_USER, node_user]
+    users = [*SERVICES, HELPER, OPERATOR_USER, CONTROLPLANE_USER, node_user]
     creds = ensure_passwords(creds_dir, users)
     passwords = {u: p.read_text().strip() for u, p in creds.items()}
     readers = {**{s: UIDS[s] for s in SERVICES}, CONTROLPLANE_USER: UIDS["controlplane"], node_user: UIDS["gateway_bridge"]}
@@ -86,7 +90,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         host="0.0.0.0",  # noqa: S104 - the compose network; the host publishes it on loopback only
         port=4222,
         http_port=8222,
-        users=node_bus_users(node_id, {u: passwords[u] for u in (*SERVICES, OPERATOR_USER)}),
+        users=node_bus_users(node_id, {u: passwords[u] for u in (*SERVICES, HELPER, OPERATOR_USER)}),
     )
     conf = bus / "nats.conf"
     write_private(conf, node_cfg.render())
@@ -109,8 +113,10 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         for p in sub.rglob("*"):
             os.chown(p, sub.stat().st_uid, GROUP_ID, follow_symlinks=False)
     _dir(d / "spec", 0, 0o755, 0)  # specs to apply, read by the control plane's container
+    # the hold directories are root's: the helper writes them (the inventory, group bcd,
+    # writes the fake vendor spec into cdi/); the converger only reads them
     cdi = _dir(d / "cdi", 0, 0o2775)
-    run = _dir(d / "run", UIDS["converger"], 0o2775)
+    run = _dir(d / "run", 0, 0o2755)
     host_dir = _dir(d / "host", 0, 0o2775)
     host_file = host_dir / "host.json"
     if not host_file.exists():
@@ -141,7 +147,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         nats_url=f"nats://127.0.0.1:{bus_port}",
         creds_dir=str(creds_dir),
         monitor_url=f"http://127.0.0.1:{http_port}",
-        services=list(SERVICES),
+        services=[*SERVICES, HELPER],
         cdi_dir=str(cdi),
         run_dir=str(run),
         data_dir=str(data),

@@ -32,6 +32,7 @@ SERVICE_UIDS = {
     "gateway_bridge": 10005,
     "kube_reaper": 10006,
     "vfio_switcher": 10007,
+    "helper": 0,  # the root helper: uid 0, no capability (compose.yaml says why)
     "upstream": 10001,
     "controlplane": 10008,
 }
@@ -120,10 +121,10 @@ def test_the_compose_node_binds_the_demo_and_every_event_is_verified_upstream(co
     bound_ids = [e["event_id"] for e in events if e["type"] == "bound"]
     assert len(bound_ids) == len(set(bound_ids)) == len(DEMO_BOUND)
 
-    # the hold files are on the host, written by the converger's own user
+    # the hold files are on the host, written by the root helper for the converger
     for alloc in DEMO_BOUND:
         spec = node.dir / "cdi" / f"bcd-{alloc}.json"
-        assert spec.is_file() and spec.stat().st_uid == SERVICE_UIDS["converger"], spec
+        assert spec.is_file() and spec.stat().st_uid == SERVICE_UIDS["helper"], spec
         assert (node.dir / "run" / "allocations" / f"{alloc}.env").is_file()
 
     # `bcd status` from the host tells what the containers did
@@ -136,7 +137,7 @@ def test_the_compose_node_binds_the_demo_and_every_event_is_verified_upstream(co
     assert "section devices: FAILED" in plain.stdout and "hold train-01" in plain.stdout, plain.stdout
 
 
-def test_each_service_runs_as_its_own_non_root_user_with_no_capabilities(compose_node):
+def test_each_service_runs_as_its_own_user_non_root_but_the_helper_with_no_capabilities(compose_node):
     node = compose_node
     seen: dict[str, set[int]] = {}
     for service, uid in SERVICE_UIDS.items():
@@ -160,6 +161,12 @@ def test_each_service_runs_as_its_own_non_root_user_with_no_capabilities(compose
         seen[service] = uids
     node_services = [s for s in SERVICE_UIDS if s not in ("bus", "upstream")]
     assert len({SERVICE_UIDS[s] for s in node_services}) == len(node_services)
+    assert [s for s, uid in SERVICE_UIDS.items() if uid == 0] == ["helper"]
+    # the converger is an ordinary user that cannot write a hold itself: it reads the
+    # hold directories, the helper writes them
+    inspect = json.loads(subprocess.run(["docker", "inspect", node.container_id("converger")], capture_output=True, text=True, check=True).stdout)[0]
+    mounts = {m["Destination"]: m["RW"] for m in inspect["Mounts"]}
+    assert mounts["/etc/cdi"] is False and mounts["/run/bcd"] is False, mounts
 
 
 PROBE = r"""
