@@ -126,9 +126,13 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     from .controlplane import load_or_create_cp_key
 
     cp = d / "controlplane"
-    _, pub = load_or_create_cp_key(cp)
-    for p in [cp, *cp.iterdir()]:
-        os.chown(p, UIDS["controlplane"], GROUP_ID, follow_symlinks=False)
+    pub = cp / "cp.pub"
+    # made once, then the control plane's own: it refuses a key another uid owns, so
+    # an init again leaves it (and what the control plane keeps beside it) alone
+    if not (cp / "cp.key").exists() or not pub.exists():
+        load_or_create_cp_key(cp)
+        for p in [cp, *cp.iterdir()]:
+            os.chown(p, UIDS["controlplane"], GROUP_ID, follow_symlinks=False)
     shutil.copyfile(pub, bus / "cp.pub")
     os.chmod(bus / "cp.pub", 0o644)
 
@@ -165,11 +169,16 @@ def cmd_init(args: argparse.Namespace) -> int:
     if not args.fake_host.is_file():
         print(f"bcd compose init: fake host file {args.fake_host} does not exist", file=sys.stderr)
         return 2
+    from .controlplane import KeyFileError
+
     try:
         path = init(args.dir, args.node_id, args.fake_host, bus_port=args.bus_port, http_port=args.http_port, upstream_port=args.upstream_port)
     except ValueError as exc:
         print(f"bcd compose init: {exc}", file=sys.stderr)
         return 2
+    except (KeyFileError, OSError) as exc:
+        print(f"bcd compose init: {exc}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 

@@ -1,0 +1,92 @@
+"""`bcd compose init DIR`: the files deploy/compose/compose.yaml mounts, owned by the one
+container user that reads each (bcd/compose.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from bcd.compose import GROUP_ID, UIDS, cmd_init, init
+from shared.subjects import NodeSubjects
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bcd compose init chowns files to the image's users: it runs as root")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hosts" / "h200x8.json"
+
+
+def owner_mode(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+
+
+def test_each_secret_belongs_to_the_one_user_that_reads_it(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    creds = d / "bus" / "creds"
+    for svc in ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher"):
+        assert owner_mode(creds / f"{svc}.password") == (UIDS[svc], GROUP_ID, 0o400), svc
+    assert owner_mode(creds / "controlplane.password") == (UIDS["controlplane"], GROUP_ID, 0o400)
+    assert owner_mode(creds / "node-node-7.password") == (UIDS["gateway_bridge"], GROUP_ID, 0o400)  # the bridge's upstream user
+    assert owner_mode(creds / "helper.password")[0::2] == (0, 0o400)
+    assert owner_mode(creds / "cli.password")[0::2] == (0, 0o400)  # the host's operator
+    assert owner_mode(d / "bus" / "nats.conf") == (UIDS["nats"], GROUP_ID, 0o400)
+    for svc in ("signer", "inventory", "converger"):
+        assert owner_mode(d / "data" / svc) == (UIDS[svc], GROUP_ID, 0o700), svc
+    # the hold directories are root's (the helper writes them); cdi/ is group-writable for the fake vendor spec
+    assert owner_mode(d / "cdi") == (0, GROUP_ID, 0o2775)
+    assert owner_mode(d / "run") == (0, GROUP_ID, 0o2755)
+    assert owner_mode(d / "controlplane" / "cp.key")[0::2] == (UIDS["controlplane"], 0o600)
+
+
+def test_the_bus_config_gives_each_user_exactly_its_permissions(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    conf = json.loads((d / "bus" / "nats.conf").read_text())
+    users = {u["user"]: u for u in conf["accounts"]["NODE"]["users"]}
+    subjects = NodeSubjects("node-7")
+    assert set(users) == {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher", "helper", "cli"}
+    for name, user in users.items():
+        assert user["password"] == (d / "bus" / "creds" / f"{name}.password").read_text().strip()
+        assert user["permissions"]["publish"]["allow"] == list(subjects.permissions(name).publish) or ["_bcd_nothing_"]
+    assert conf["host"] == "0.0.0.0" and conf["port"] == 4222 and conf["jetstream"]["store_dir"] == "/data"
+    up = json.loads((d / "upstream" / "nats.conf").read_text())
+    assert {u["user"] for u in up["accounts"]["UPSTREAM"]["users"]} == {"controlplane", "node-node-7"}
+
+
+def test_env_and_node_json_point_the_host_at_the_published_ports(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=14000, http_port=18000, upstream_port=14001)
+    env = dict(line.split("=", 1) for line in (d / ".env").read_text().splitlines())
+    assert env["BCD_DIR"] == str(d.resolve()) and env["BCD_NODE_ID"] == "node-7" and env["BCD_NODE_UPSTREAM_USER"] == "node-node-7"
+    assert (env["BCD_BUS_PORT"], env["BCD_BUS_HTTP_PORT"], env["BCD_UPSTREAM_PORT"]) == ("14000", "18000", "14001")
+    info = json.loads((d / "node.json").read_text())
+    assert info["nats_url"] == "nats://127.0.0.1:14000" and info["upstream_url"] == "nats://127.0.0.1:14001"
+    assert info["controlplane_dir"] == str(d.resolve() / "controlplane")
+    assert json.loads((d / "host" / "host.json").read_text()) == json.loads(EXAMPLE.read_text())
+
+
+def test_init_again_keeps_every_password_key_and_host_file(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    host = d / "host" / "host.json"
+    host.write_text(host.read_text().replace('"vfio-pci"', '"vfio-pci" '))  # the fake kernel edited it
+    before = {p.name: p.read_bytes() for p in [*(d / "bus" / "creds").iterdir(), d / "controlplane" / "cp.key", host]}
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert {p.name: p.read_bytes() for p in [*(d / "bus" / "creds").iterdir(), d / "controlplane" / "cp.key", host]} == before
+
+
+def test_a_bad_node_id_or_a_missing_host_file_is_refused_with_a_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError):
+        init(tmp_path / "x", "../etc", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert not (tmp_path / "x").exists()
+    args = argparse.Namespace(dir=tmp_path / "y", node_id="node-1", fake_host=tmp_path / "nope.json", bus_port=1, http_port=2, upstream_port=3)
+    assert cmd_init(args) == 2
+    assert "nope.json does not exist" in capsys.readouterr().err
+    args.fake_host, args.node_id = EXAMPLE, "a b"
+    assert cmd_init(args) == 2
+    assert "bcd compose init:" in capsys.readouterr().err
