@@ -41,6 +41,8 @@ SERVICE_UIDS = {
 class ComposeNode:
     def __init__(self, directory: Path, project: str, env: dict[str, str]) -> None:
         self.dir, self.project, self.env = directory, project, env
+        #: images a test made, removed once the node's containers are gone
+        self.images_to_remove: list[str] = []
 
     def node_sh(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -89,6 +91,8 @@ def compose_node(bcd_image, tmp_path_factory):
         down = node.node_sh("down", str(directory), timeout=180)
         if down.returncode != 0:  # never leave containers behind
             subprocess.run(["docker", "rm", "-f", *subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"], capture_output=True, text=True).stdout.split()], capture_output=True)
+        if node.images_to_remove:
+            subprocess.run(["docker", "rmi", "-f", *node.images_to_remove], capture_output=True)
         print(logs.stdout[-6000:])
 
 
@@ -278,4 +282,6 @@ def test_containers_recreated_from_a_new_image_keep_their_holds_without_a_second
         assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted((node.dir / "cdi").glob("bcd-*.json"))} == holds
     finally:
         node.env["BCD_IMAGE"] = bcd_image
+        # the containers still use it: untagged now, removed with them at the module's end
         subprocess.run(["docker", "rmi", "-f", new_tag], capture_output=True)
+        node.images_to_remove.append(new_image)
