@@ -37,9 +37,11 @@ schema: $(STAMP)
 man: $(STAMP)
 	$(BIN)/bcd man -o build/man/bcd.1
 
-# the kubelet pod-resources client (services/kube_reaper/proto/*_pb2*.py, checked in)
+# the kubelet APIs' generated code, checked in: pod-resources v1 (kube_reaper's client)
+# and the device plugin API v1beta1 (services/*/proto/*_pb2*.py; shared/protogen.py)
 proto: $(STAMP)
 	$(BIN)/python -m services.kube_reaper.proto.generate
+	$(BIN)/python -m services.device_plugin.proto.generate
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py

@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from services.kube_reaper.proto import generate
+from shared.protogen import normalised
 
 REPO = Path(__file__).resolve().parents[2]
-
-#: what differs between patch releases of grpcio-tools without changing the code:
-#: the grpcio and protobuf versions stamped into the files.
-_STAMPS = [
-    (re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M), "GRPC_GENERATED_VERSION = '<grpc>'"),
-    (re.compile(r"^# Protobuf Python Version: .*$", re.M), "# Protobuf Python Version: <protobuf>"),
-    (
-        re.compile(r"(_runtime_version\.ValidateProtobufRuntimeVersion\(\n\s+_runtime_version\.Domain\.PUBLIC,\n)\s+\d+,\n\s+\d+,\n\s+\d+,\n"),
-        r"\1<protobuf>\n",
-    ),
-]
-
-
-def normalised(text: str) -> str:
-    for pattern, replacement in _STAMPS:
-        text = pattern.sub(replacement, text)
-    return text
-
 
 def test_checked_in_code_matches_a_fresh_generation(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the `test` extra) is not installed; cannot regenerate")
