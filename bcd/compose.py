@@ -33,7 +33,7 @@ from pathlib import Path
 from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
 
 from .client import NodeInfo, write_node_info
-from .nodebus import BusConfig, BusUser, ensure_passwords, node_bus_users, upstream_users, write_private
+from .nodebus import BusConfig, ensure_passwords, node_bus_users, upstream_users, write_private
 
 #: the image's users (deploy/compose/Dockerfile), all in group bcd.
 GROUP_ID = 10000
@@ -97,9 +97,13 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     _own(conf, UIDS["nats"], 0o400)
 
     up = _dir(d / "upstream", 0, 0o755, 0)
-    up_users: list[BusUser] = upstream_users([node_id], passwords)
-    up_cfg = BusConfig(store_dir=Path(IN_CONTAINER_STORE), host="0.0.0.0", port=4222, server_name="bcd-upstream", users=[])  # noqa: S104
-    up_cfg.upstream_users = up_users
+    up_cfg = BusConfig(
+        store_dir=Path(IN_CONTAINER_STORE),
+        host="0.0.0.0",  # noqa: S104 - the compose network
+        port=4222,
+        server_name="bcd-upstream",
+        upstream_users=upstream_users([node_id], passwords),
+    )
     up_conf = up / "nats.conf"
     write_private(up_conf, up_cfg.render())
     _own(up_conf, UIDS["nats"], 0o400)
@@ -108,10 +112,9 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     _dir(data / "nats", UIDS["nats"], 0o700)
     _dir(data / "upstream", UIDS["nats"], 0o700)
     for svc in STATEFUL:
-        _dir(data / svc, UIDS[svc], 0o700)
-    for sub in (d / "data" / "signer", d / "data" / "inventory", d / "data" / "converger"):
-        for p in sub.rglob("*"):
-            os.chown(p, sub.stat().st_uid, GROUP_ID, follow_symlinks=False)
+        # what an earlier run left in it is the service's too
+        for p in [_dir(data / svc, UIDS[svc], 0o700), *(data / svc).rglob("*")]:
+            os.chown(p, UIDS[svc], GROUP_ID, follow_symlinks=False)
     _dir(d / "spec", 0, 0o755, 0)  # specs to apply, read by the control plane's container
     # the hold directories are root's: the helper writes them (the inventory, group bcd,
     # writes the fake vendor spec into cdi/); the converger only reads them

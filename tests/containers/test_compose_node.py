@@ -16,7 +16,7 @@ from testcontainers.core.container import DockerContainer
 
 from shared.subjects import NodeSubjects
 
-from .conftest import ROOT, compose_cli, free_port
+from .conftest import ROOT, free_port
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
 
@@ -79,7 +79,6 @@ def compose_node(bcd_image, tmp_path_factory):
         "BCD_BUS_PORT": str(free_port()),
         "BCD_BUS_HTTP_PORT": str(free_port()),
         "BCD_UPSTREAM_PORT": str(free_port()),
-        "COMPOSE": " ".join(compose_cli()),
     }
     node = ComposeNode(directory, project, env)
     up = node.node_sh("up", str(directory))

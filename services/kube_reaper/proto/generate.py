@@ -16,8 +16,6 @@ from shared.protogen import ProtoPackage
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = ProtoPackage(HERE, "podresources_v1.proto")
-PROTO = PACKAGE.proto
-MODULES = PACKAGE.modules
 generate = PACKAGE.generate
 
 
