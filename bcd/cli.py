@@ -216,6 +216,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "reachable": report.reachable,
                     "services": sorted(report.services),
                     "converger": msgspec.to_builtins(report.converger),
+                    "device_plugin": msgspec.to_builtins(report.device_plugin),
                     "outbox": {"messages": report.outbox.messages, "oldest": str(report.outbox.oldest)} if report.outbox else None,
                     "problems": problems(report),
                 },
@@ -513,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_service_list,
         default=list(NODE_SERVICES),
         metavar="NAME[,NAME...]",
-        help=f"the services to run, comma-separated (default {','.join(NODE_SERVICES)})",
+        help=f"the services to run, comma-separated (default all: {', '.join(NODE_SERVICES)})",
     )
     up.add_argument("--upstream", default=_env_default("BCD_UPSTREAM_URL", ""), help="join this upstream NATS instead of the embedded control plane [env BCD_UPSTREAM_URL]")
     _path(up.add_argument("--cp-key", default=_env_default("BCD_CP_KEY", ""), help="control-plane public key file(s), comma-separated (with --upstream) [env BCD_CP_KEY]"), _FILE)
@@ -531,6 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="the kubelet's pod-resources socket [env BCD_POD_RESOURCES_SOCKET]",
         ),
         _FILE,
+    )
+    up.add_argument(
+        "--kubelet-dir",
+        type=Path,
+        default=os.environ.get("BCD_KUBELET_DIR") or None,
+        help="the kubelet's root directory, whose device-plugins/ the device plugin registers in (default <state>/kubelet) [env BCD_KUBELET_DIR]",
     )
     _path(up.add_argument("--apply", type=Path, help="apply this spec once the node is up, print status and events"), _FILE)
     up.add_argument("--verbose", action="store_true", help="service logs on this terminal instead of <state>/logs")

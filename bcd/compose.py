@@ -46,8 +46,9 @@ UIDS: dict[str, int] = {
     "kube_reaper": 10006,
     "vfio_switcher": 10007,
     "controlplane": 10008,
+    "device_plugin": 10009,
 }
-SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher")
+SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher")
 #: the root helper: the one container that runs as uid 0 (with no capability). It
 #: writes the hold files; the converger, an ordinary user, asks it over the bus.
 HELPER = "helper"
@@ -120,6 +121,9 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     # writes the fake vendor spec into cdi/); the converger only reads them
     cdi = _dir(d / "cdi", 0, 0o2775)
     run = _dir(d / "run", 0, 0o2755)
+    # a stand-in kubelet dir: the device plugin makes its sockets in device-plugins/
+    # (a worker mounts the kubelet's own /var/lib/kubelet instead: docs/install.md)
+    _dir(_dir(d / "kubelet", 0, 0o755, 0) / "device-plugins", UIDS["device_plugin"], 0o750)
     host_dir = _dir(d / "host", 0, 0o2775)
     host_file = host_dir / "host.json"
     if not host_file.exists():
@@ -142,6 +146,8 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     env = {
         "BCD_NODE_ID": node_id,
         "BCD_DIR": str(d),
+        # the device plugin's kubelet dir: this stand-in, or a worker's /var/lib/kubelet
+        "BCD_KUBELET_DIR": os.environ.get("BCD_KUBELET_DIR") or str(d / "kubelet"),
         "BCD_BUS_PORT": str(bus_port),
         "BCD_BUS_HTTP_PORT": str(http_port),
         "BCD_UPSTREAM_PORT": str(upstream_port),

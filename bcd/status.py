@@ -24,7 +24,20 @@ import nats.errors
 
 from shared.jsutil import StreamDepth, StreamMissing, stream_depth
 from shared.runtime import ServiceCallError, call
-from shared.schemas import CLAIMS_CODEC, CONVERGER_STATUS_CODEC, INVENTORY_CODEC, BadMessage, Claims, Condition, ConvergerStatus, Empty, Gpu, Inventory
+from shared.schemas import (
+    CLAIMS_CODEC,
+    CONVERGER_STATUS_CODEC,
+    DEVICE_PLUGIN_STATUS_CODEC,
+    INVENTORY_CODEC,
+    BadMessage,
+    Claims,
+    Condition,
+    ConvergerStatus,
+    DevicePluginStatus,
+    Empty,
+    Gpu,
+    Inventory,
+)
 from shared.schemas.inventory import REBOOT_WAIT_REASONS
 from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.subjects import NodeSubjects
@@ -46,6 +59,8 @@ class NodeReport:
     converger: ConvergerStatus | None = None
     outbox: StreamDepth | None = None
     claims: Claims | None = None
+    #: None when no device plugin answered (not running, or not in this node's services).
+    device_plugin: DevicePluginStatus | None = None
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
 
@@ -66,6 +81,9 @@ async def gather(info: NodeInfo) -> NodeReport:
             report.converger = await call(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
         with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
             report.claims = await call(nc, subjects.converger_claims, Empty(), CLAIMS_CODEC, timeout=3)
+        if "device_plugin" in report.services:
+            with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
+                report.device_plugin = await call(nc, subjects.device_plugin_status, Empty(), DEVICE_PLUGIN_STATUS_CODEC, timeout=3)
         with contextlib.suppress(StreamMissing, nats.errors.Error, asyncio.TimeoutError):
             report.outbox = await stream_depth(nc, subjects.outbox_stream)
     finally:
@@ -153,12 +171,17 @@ def render_status(report: NodeReport) -> str:
             extra = f"  slice {h.cgroup_parent}" if h.cgroup_parent else ""
             flag = "" if h.reported else "  (Bound not yet reported)"
             lines.append(f"  hold {h.allocation_id} ({h.reservation_id}) gen {h.generation}: {', '.join(h.devices)}{extra}{flag}")
+            if h.binding == "BINDING_KUBERNETES":
+                lines.append(f"    kubelet: {advertised_text(report, h.allocation_id)}")
         # what the converger skipped or got less of (files that are not regular files, a reduced outbox)
         lines.extend(f"  problem: {p}" for p in conv.problems)
         # node conditions the converger raised and that hold now (NodeSpecUnknownFields, ...)
         lines.extend(f"  condition {c.type}: {c.reason}: {c.message}" for c in conv.conditions if c.status == "True")
     else:
         lines.append("section devices: converger unavailable")
+    plugin_line = device_plugin_line(report)
+    if plugin_line:
+        lines.append(plugin_line)
     attention = gpu_attention(inv)
     if attention:
         lines.append("needs a person:")
@@ -171,6 +194,34 @@ def render_status(report: NodeReport) -> str:
     bad = problems(report)
     lines.append("health: " + ("ok" if not bad else "UNHEALTHY: " + "; ".join(bad)))
     return "\n".join(lines)
+
+
+def advertised_text(report: NodeReport, allocation_id: str) -> str:
+    """Whether the device plugin advertises a Kubernetes hold to the kubelet, and if not why."""
+    dp = report.device_plugin
+    if dp is None:
+        return "NOT advertised: no device plugin answers"
+    h = next((h for h in dp.holds if h.allocation_id == allocation_id), None)
+    if h is None:
+        return "NOT advertised: the device plugin has not seen this hold yet"
+    if h.advertised:
+        return f"advertised as {', '.join(h.resources)} ({len(h.devices)} device(s))" + (f"; {h.reason}" if h.reason else "")
+    if h.reason:
+        return f"NOT advertised: {h.reason}"
+    if not dp.kubelet_present:
+        return f"NOT advertised: no kubelet socket at {dp.kubelet_socket}"
+    return "NOT advertised: not registered with the kubelet (" + "; ".join(r.error for r in dp.resources if r.error) + ")"
+
+
+def device_plugin_line(report: NodeReport) -> str:
+    dp = report.device_plugin
+    if dp is None:
+        return "device plugin: not answering" if "device_plugin" in report.expected else ""
+    if not dp.kubelet_present:
+        return f"device plugin: waiting for a kubelet at {dp.kubelet_socket}"
+    state = "registered" if dp.registered else "NOT registered"
+    parts = [f"{r.name} {r.healthy}/{r.devices} healthy" + ("" if r.registered else " (not registered" + (f": {r.error}" if r.error else "") + ")") for r in dp.resources]
+    return f"device plugin: {state} with the kubelet; {', '.join(parts)}; {dp.allocations} allocation(s)"
 
 
 def render_gpus(inv: Inventory) -> str:
@@ -400,6 +451,14 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             if c.status == "True":
                 name = "spec-fields" if c.type == UNKNOWN_FIELDS_CONDITION else "node-condition"
                 out.append(("warn", name, f"{c.type} ({c.reason}): {c.message}"))
+    kube = [h.allocation_id for h in conv.holds if h.binding == "BINDING_KUBERNETES"] if conv is not None else []
+    if kube and "device_plugin" in report.expected:
+        dp = report.device_plugin
+        if dp is None or not dp.registered:
+            why = device_plugin_line(report).removeprefix("device plugin: ")
+            out.append(("warn", "device-plugin", f"{len(kube)} Kubernetes hold(s) but the device plugin is not registered ({why}): no pod can get their devices"))
+        else:
+            out.append(("ok", "device-plugin", f"registered with the kubelet; {len(kube)} Kubernetes hold(s)"))
     out.extend(("fail", "gpu", p) for p in gpu_problems(inv))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:

@@ -30,7 +30,7 @@ from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
 #: the services `bcd up` runs, in start order.
 EXAMPLE_HOSTS_DIR = Path(__file__).resolve().parent.parent / "examples" / "hosts"
 
-NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher")
+NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher")
 
 
 def layout(state: Path) -> dict[str, Path]:
@@ -41,6 +41,7 @@ def layout(state: Path) -> dict[str, Path]:
         "cdi": state / "cdi",
         "logs": state / "logs",
         "cp": state / "controlplane",
+        "kubelet": state / "kubelet",
     }
 
 
@@ -155,6 +156,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         reaper_env["BCD_KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
     if args.pod_resources_socket:
         reaper_env["BCD_POD_RESOURCES_SOCKET"] = str(Path(args.pod_resources_socket).resolve())
+    # device_plugin: registers in <kubelet dir>/device-plugins once a kubelet
+    # serves kubelet.sock there (none on a fake host: it waits, and says so)
+    kubelet_dir = getattr(args, "kubelet_dir", None)
+    plugin_env = {"BCD_KUBELET_DIR": str(Path(kubelet_dir).resolve() if kubelet_dir else paths["kubelet"])}
     # vfio_switcher: on a fake host it switches cards by editing the host file
     # (the inventory's next scan sees it); otherwise the real sysfs files.
     switcher_env = {"BCD_BACKEND": "fake" if fake_host else "sysfs"}
@@ -169,6 +174,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "BCD_METRICS_PORT": str(port),
             **(bridge_env if name == "gateway_bridge" else {}),
             **(reaper_env if name == "kube_reaper" else {}),
+            **(plugin_env if name == "device_plugin" else {}),
             **(switcher_env if name == "vfio_switcher" else {}),
         }
         if port:

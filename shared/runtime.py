@@ -49,6 +49,7 @@ METRICS_PORTS: dict[str, int] = {
     "kube_reaper": 9465,
     "vfio_switcher": 9466,
     "helper": 9467,
+    "device_plugin": 9468,
 }
 
 T = TypeVar("T")

@@ -18,6 +18,7 @@ SERVICES: tuple[str, ...] = (
     "converger",
     "signer",
     "kube_reaper",
+    "device_plugin",
     "vfio_switcher",
     "gateway_bridge",
     "helper",
@@ -252,6 +253,23 @@ class NodeSubjects:
         """Published by the reaper when a withdrawn allocation's devices are free."""
         return self.subject("kube_reaper", "freed")
 
+    # device_plugin
+    @property
+    def device_plugin_status(self) -> str:
+        """What the device plugin advertises and whether the kubelet has it (DevicePluginStatus)."""
+        return self.subject("device_plugin", "status")
+
+    @property
+    def device_plugin_withdraw(self) -> str:
+        """A Kubernetes hold was withdrawn (DevicesQuery -> WithdrawReply): answered once the
+        kubelet's ListAndWatch streams took the update, so the converger asks the reaper after."""
+        return self.subject("device_plugin", "withdraw")
+
+    @property
+    def converger_holds_changed(self) -> str:
+        """Published (plain, empty) by the converger after a pass that wrote or removed hold files."""
+        return self.subject("converger", "holds_changed")
+
     # helper (root, optional): only the converger may ask it anything
     @property
     def helper_file_write(self) -> str:
@@ -357,6 +375,9 @@ class NodeSubjects:
                     # the root helper writes for an unprivileged converger; nobody else may ask it
                     *self.helper_endpoints,
                     self.converger_status_changed,
+                    # the device plugin stops advertising a withdrawn hold before the reaper evicts
+                    self.device_plugin_withdraw,
+                    self.converger_holds_changed,
                 ),
                 (
                     self.service_wildcard("converger"),
@@ -394,6 +415,10 @@ class NodeSubjects:
                 ),
             ),
             "kube_reaper": ((self.inventory_get, self.reaper_freed), (self.service_wildcard("kube_reaper"),)),
+            "device_plugin": (
+                (self.inventory_get,),
+                (self.service_wildcard("device_plugin"), self.inventory_changed, self.converger_holds_changed),
+            ),
             "vfio_switcher": (
                 (self.inventory_get, self.converger_holder, self.vfio_result),
                 (self.service_wildcard("vfio_switcher"),),
@@ -411,6 +436,7 @@ class NodeSubjects:
                     self.inventory_gpu,
                     self.converger_claims,
                     self.signer_key,
+                    self.device_plugin_status,
                     *self.kv_read_subjects(self.inventory_bucket),
                 ),
                 (self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),

@@ -230,6 +230,24 @@ class FakeReaper:
 
 
 @dataclass
+class FakeConsumers:
+    """The device plugin as the converger sees it: each withdrawal, with what was true when it came."""
+
+    reaper: FakeReaper
+    cdi_dir: Path
+    #: (allocation, evictions asked for before it, its CDI spec still on disk)
+    withdrawals: list[tuple[str, int, bool]] = field(default_factory=list)
+    changed: int = 0
+
+    async def withdraw(self, allocation_id: str, devices: list[str]) -> None:
+        on_disk = (self.cdi_dir / f"bcd-{allocation_id}.json").exists()
+        self.withdrawals.append((allocation_id, len(self.reaper.evictions), on_disk))
+
+    async def holds_changed(self) -> None:
+        self.changed += 1
+
+
+@dataclass
 class FakeSwitcher:
     """vfio_switcher as the converger sees it, and the kernel's driver bindings it changes.
 
@@ -331,6 +349,7 @@ class Node:
         supported_bindings: frozenset[str] | None = None,
         reaper: FakeReaper | None = None,
         switcher: FakeSwitcher | None = None,
+        consumers: FakeConsumers | None = None,
     ) -> None:
         self.root = root
         self.node_id = node_id
@@ -365,6 +384,7 @@ class Node:
             self.config = dataclasses.replace(self.config, supported_bindings=supported_bindings)
         self.releases = ReleasesStore(root / "data")
         self.reaper = reaper if reaper is not None else FakeReaper()
+        self.consumers = consumers if consumers is not None else FakeConsumers(self.reaper, self.cdi_dir)
         self.now: datetime | None = None
         self.applier = Applier(
             node_id=node_id,
@@ -376,6 +396,7 @@ class Node:
             crash=self.crash,
             releases=self.releases,
             reaper=self.reaper,
+            consumers=self.consumers,
             switcher=self.switcher,
             count_switch=lambda target, outcome: self.switch_counts.__setitem__((target, outcome), self.switch_counts.get((target, outcome), 0) + 1),
         )
@@ -387,7 +408,7 @@ class Node:
 
         Another `boot_id` is a reboot: the cards are back on the host file's drivers.
         """
-        args = {**self._init_args, "outbox": self.outbox, "signer": self.signer, "boot_id": self.boot_id, "reaper": self.reaper, **changes}
+        args = {**self._init_args, "outbox": self.outbox, "signer": self.signer, "boot_id": self.boot_id, "reaper": self.reaper, "consumers": self.consumers, **changes}
         if "switcher" not in changes:
             rebooted = args["boot_id"] != self.boot_id
             args["switcher"] = FakeSwitcher(boot_id=args["boot_id"], script=self.switcher.script) if rebooted else self.switcher

@@ -57,6 +57,7 @@ from .model import (
 )
 from .batch import Batch, GroupCommit, PassRun
 from .outbox import Outbox, OutboxError, Signer
+from .consumers import KubeConsumers, NoKubeConsumers
 from .reaper import NoReaper, Reaper
 from .releases import PendingRelease, ReleasesStore
 from .switcher import NoSwitcher, Switcher, SwitchUnavailable
@@ -94,11 +95,13 @@ class Applier:
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
         releases: ReleasesStore | None = None,
         reaper: Reaper | None = None,
+        consumers: KubeConsumers | None = None,
         switcher: Switcher | None = None,
         count_switch: Callable[[str, str], None] = lambda target, outcome: None,
     ) -> None:
         self.releases = releases
         self.reaper = reaper or NoReaper()
+        self.consumers = consumers or NoKubeConsumers()
         self.switcher = switcher or NoSwitcher()
         #: (target, outcome) of each switch request, for the metric.
         self.count_switch = count_switch
@@ -297,6 +300,8 @@ class Applier:
         self.writer.remove_env(step.allocation_id)
         self.crash("kube.withdrawn")
         log.info("Kubernetes hold withdrawn; released once no pod holds it", allocation_id=step.allocation_id, devices=rel.devices)
+        # the kubelet stops admitting pods onto the devices before any pod is evicted
+        await self.consumers.withdraw(step.allocation_id, list(rel.devices))
         await self.reaper.evict(step.allocation_id, list(rel.devices))
 
     async def _report_kube_release(self, step: ReportKubeRelease, state: ConvergerState) -> None:

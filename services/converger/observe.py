@@ -18,22 +18,21 @@ and not even read while it is the same settled file (`shared.holdfiles`
 `Remembered`: same device, inode, size, mtime and ctime, its ctime a second
 old at that read); the vendor spec goes through one `VendorCache` per CDI
 directory (the same rules). A file changed from outside is always seen.
+The reading of the hold directories (`read_disk`, `DiskView`) lives in
+`shared.holddisk`: the device plugin reads the same holds the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from shared import logs
-from shared.fsutil import RefusedFile, is_temp_name, occupant, read_regular
-from shared.holdfiles import HOLD_FILE_MAX_BYTES, HoldOnDisk, NotAHold, Remembered, VendorCache, parse_hold, remembered_value
+from shared.holddisk import DiskView, read_disk, warn_once
+from shared.holdfiles import VendorCache
 from shared.schemas import Inventory, NodeSpec
 from shared.slices import SliceError, Slices
 from shared.vendorcdi import VendorCdi, VendorSpecError
@@ -46,61 +45,6 @@ from .vfio import switched_targets
 
 log = logs.get_logger("bcd.converger.observe")
 
-#: an env file read back (bcd's lines plus the assignment's env).
-ENV_FILE_MAX_BYTES = 1024 * 1024
-
-
-@dataclass
-class DiskView:
-    holds: dict[str, HoldOnDisk] = field(default_factory=dict)
-    env_files: dict[str, bytes] = field(default_factory=dict)
-    temp_files: list[str] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)
-    #: entries not read: not regular files (FIFO, symlink, directory, device) or too large.
-    problems: list[str] = field(default_factory=list)
-
-
-def _names(directory: Path) -> list[str]:
-    """The entries of `directory`, sorted; [] when it is missing or not a directory."""
-    try:
-        with os.scandir(directory) as it:
-            return sorted(e.name for e in it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _once(warned: set[str] | None, key: str, message: str, **fields: object) -> None:
-    if warned is None or key not in warned:
-        log.warning(message, **fields)
-        if warned is not None:
-            warned.add(key)
-
-
-def _read(path: Path, max_bytes: int, what: str, view: DiskView, warned: set[str] | None) -> bytes | None:
-    """The file's bytes; None when it is gone, or refused (reported once, and in view.problems)."""
-    try:
-        return read_regular(path, max_bytes=max_bytes)
-    except FileNotFoundError:
-        return None
-    except RefusedFile as exc:
-        view.problems.append(f"{exc}: skipped, not read as {what}")
-        _once(warned, f"refused:{path}", f"not read as {what}: skipped", file=str(path), what=exc.strerror)
-        return None
-
-
-def _temp_file(path: Path, view: DiskView, warned: set[str] | None) -> None:
-    """A leftover of an interrupted atomic write is removed by the pass; only a regular file is ours."""
-    what = occupant(path)
-    if what is None:
-        if os.path.lexists(path):
-            view.temp_files.append(str(path))
-        return
-    view.problems.append(f"{path}: {what}, named like a bcd temp file: left alone")
-    _once(warned, f"refused:{path}", "named like a bcd temp file but not a regular file: left alone", file=str(path), what=what)
-
-
-#: CDI directory -> hold file name -> its last read (parsed); what the last listing showed only.
-_HOLDS_READ: dict[str, dict[str, Remembered[HoldOnDisk]]] = {}
 #: CDI directory -> the cache its vendor spec is read through.
 _VENDOR: dict[str, VendorCache] = {}
 
@@ -111,65 +55,6 @@ def vendor_cache(cdi_dir: Path) -> VendorCache:
     if cache is None:
         cache = _VENDOR.setdefault(key, VendorCache(Path(cdi_dir)))
     return cache
-
-
-def _hold(path: Path, name: str, prior: Remembered[HoldOnDisk] | None, seen: dict[str, Remembered[HoldOnDisk]], view: DiskView, warned: set[str] | None) -> HoldOnDisk | None:
-    """The hold in `path` (None: gone or refused); read only when it may have changed, parsed only when it did."""
-    try:
-        st: os.stat_result | None = os.lstat(path)
-    except OSError:
-        st = None  # read_regular says what it is
-    if prior is not None and prior.vouches(st):
-        seen[name] = prior
-        return prior.value
-    data = _read(path, HOLD_FILE_MAX_BYTES, "a hold", view, warned)
-    if data is None:
-        return None
-    hold = remembered_value(prior, data)
-    if hold is None:
-        hold = parse_hold(name, data)
-    if st is not None and stat.S_ISREG(st.st_mode):
-        seen[name] = Remembered.of(st, data, hold, now=time.time())
-    return hold
-
-
-def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None) -> DiskView:
-    view = DiskView()
-    cdi_dir, env_dir = Path(cdi_dir), Path(run_dir) / "allocations"
-    known = _HOLDS_READ.get(str(cdi_dir), {})
-    seen: dict[str, Remembered[HoldOnDisk]] = {}
-    for name in _names(cdi_dir):
-        path = cdi_dir / name
-        if is_temp_name(name) and name.startswith(".bcd-"):
-            _temp_file(path, view, warned)
-            continue
-        if not (name.startswith("bcd-") and name.endswith(".json")):
-            continue
-        try:
-            hold = _hold(path, name, known.get(name), seen, view, warned)
-            if hold is None:
-                view.foreign.append(name)
-                continue
-        except (NotAHold, OSError) as exc:
-            view.foreign.append(name)
-            _once(warned, name, "not a bcd hold; leaving it alone", file=str(path), reason=str(exc))
-            continue
-        view.holds[hold.allocation_id] = hold
-    # replaced whole (threads read the disk at once: the last listing wins, entries stay consistent)
-    _HOLDS_READ[str(cdi_dir)] = seen
-    for name in _names(env_dir):
-        path = env_dir / name
-        if is_temp_name(name):
-            _temp_file(path, view, warned)
-        elif name.endswith(".env"):
-            try:
-                data = _read(path, ENV_FILE_MAX_BYTES, "an env file", view, warned)
-            except OSError as exc:
-                log.warning("env file unreadable", file=str(path), error=str(exc))
-                continue
-            if data is not None:
-                view.env_files[name[: -len(".env")]] = data
-    return view
 
 
 def vfio_claims(spec: NodeSpec, domains: Domains, state: ConvergerState) -> dict[str, str]:
@@ -219,7 +104,7 @@ def observe(
         vendor = vendor_cache(cdi_dir).get()
     except VendorSpecError as exc:
         # the CDI write refuses it too (retryable): no new hold is bound until it reads
-        _once(warned, f"vendor:{exc}", "vendor CDI spec unreadable; new holds are not bound until it reads (retried)", error=str(exc))
+        warn_once(warned, f"vendor:{exc}", "vendor CDI spec unreadable; new holds are not bound until it reads (retried)", error=str(exc))
         vendor = None
     try:
         present = frozenset(slices.list())

@@ -75,6 +75,7 @@ from .model import ConvergerState, PlanConfig
 from .observe import DiskView, observe, read_disk, release_facts
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import UNREADABLE, plan
+from .consumers import BusKubeConsumers
 from .reaper import BusReaper
 from .releases import PendingRelease, ReleasesStore
 from .state import StateStore
@@ -181,6 +182,9 @@ class ConvergerApp(ServiceApp):
             ctx.log.info("writing through the root helper", writer=o.writer)
         self.releases = ReleasesStore(Path(o.data_dir))
         self.reaper = BusReaper(ctx.nc, ctx.subjects)
+        self.consumers = BusKubeConsumers(ctx.nc, ctx.subjects)
+        #: the Kubernetes holds after the last pass (allocation -> generation, devices).
+        self.kube_holds_seen: dict[str, tuple[int, tuple[str, ...]]] | None = None
         self.pending: dict[str, PendingRelease] = {}
         self.outbox = JetStreamOutbox(
             ctx.nc, ctx.subjects, max_msgs=o.outbox_max_msgs, max_bytes=o.outbox_max_bytes, state_dir=o.data_dir
@@ -200,6 +204,7 @@ class ConvergerApp(ServiceApp):
             crash=crash,
             releases=self.releases,
             reaper=self.reaper,
+            consumers=self.consumers,
             switcher=BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_reply_timeout),
             count_switch=lambda target, outcome: self.m_switches.labels(target=target, outcome=outcome).inc(),
         )
@@ -492,6 +497,11 @@ class ConvergerApp(ServiceApp):
             self.m_holds.clear()
             for binding in ("BINDING_HOLD", "BINDING_KUBERNETES"):
                 self.m_holds.labels(binding=binding).set(sum(1 for h in holds_now.values() if h.binding == binding))
+            # the device plugin advertises the Kubernetes holds: a hint when they changed
+            kube_now = {a: (h.generation, h.devices) for a, h in holds_now.items() if h.binding == "BINDING_KUBERNETES"}
+            if kube_now != self.kube_holds_seen:
+                self.kube_holds_seen = kube_now
+                await self.consumers.holds_changed()
             fields = dict(reason=reason, generation=spec.generation, steps=len(p.steps), done=result.done)
             if result.vfio_retry or p.vfio_waiting:
                 fields.update(vfio_retry_in_s=self.opts.retry_interval, vfio_waiting=list(p.vfio_waiting))

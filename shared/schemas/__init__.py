@@ -22,6 +22,10 @@ from .bus import (
     EvictReply,
     Freed,
     HeldReply,
+    AdvertisedHold,
+    DevicePluginStatus,
+    PluginResource,
+    WithdrawReply,
     HolderQuery,
     HolderReply,
     HoldSummary,
@@ -77,6 +81,8 @@ HOLDER_QUERY_CODEC: Codec[HolderQuery] = Codec(HolderQuery, max_bytes=4096)
 HOLDER_REPLY_CODEC: Codec[HolderReply] = Codec(HolderReply, max_bytes=4096)
 DEVICES_QUERY_CODEC: Codec[DevicesQuery] = Codec(DevicesQuery, max_bytes=64 * 1024)
 HELD_REPLY_CODEC: Codec[HeldReply] = Codec(HeldReply, max_bytes=256 * 1024)
+DEVICE_PLUGIN_STATUS_CODEC: Codec[DevicePluginStatus] = Codec(DevicePluginStatus, max_bytes=4 * DEFAULT_MAX_BYTES)
+WITHDRAW_REPLY_CODEC: Codec[WithdrawReply] = Codec(WithdrawReply, max_bytes=64 * 1024)
 EVICT_REPLY_CODEC: Codec[EvictReply] = Codec(EvictReply, max_bytes=256 * 1024)
 FREED_CODEC: Codec[Freed] = Codec(Freed, max_bytes=64 * 1024)
 ORPHAN_QUERY_CODEC: Codec[OrphanQuery] = Codec(OrphanQuery, max_bytes=4 * DEFAULT_MAX_BYTES)
@@ -135,6 +141,12 @@ __all__ = [  # noqa: PLE0604
     "OrphanReply",
     "DEVICES_QUERY_CODEC",
     "HELD_REPLY_CODEC",
+    "DEVICE_PLUGIN_STATUS_CODEC",
+    "WITHDRAW_REPLY_CODEC",
+    "AdvertisedHold",
+    "DevicePluginStatus",
+    "PluginResource",
+    "WithdrawReply",
     "EVICT_REPLY_CODEC",
     "FREED_CODEC",
     "ORPHAN_QUERY_CODEC",

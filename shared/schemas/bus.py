@@ -167,6 +167,63 @@ class Freed(msgspec.Struct, frozen=True, kw_only=True):
     devices: list[AtomId] = []
 
 
+# --------------------------------------------------------------------------- device_plugin
+
+#: the most resources, holds and devices a DevicePluginStatus lists.
+DEVICE_PLUGIN_LIST_MAX = 4096
+
+
+class PluginResource(msgspec.Struct, frozen=True, kw_only=True):
+    """One extended resource the device plugin serves (one socket, one Register)."""
+
+    #: e.g. "bcd.dev/gpu".
+    name: Name
+    #: the plugin's socket file name in the kubelet's device-plugins directory.
+    endpoint: Name
+    registered: bool = False
+    devices: int = 0
+    healthy: int = 0
+    #: ListAndWatch streams the kubelet holds open.
+    streams: int = 0
+    #: why the last Register failed, or "".
+    error: Text = ""
+
+
+class AdvertisedHold(msgspec.Struct, frozen=True, kw_only=True):
+    """A Kubernetes hold as the device plugin sees it."""
+
+    allocation_id: Id
+    advertised: bool
+    #: the kubelet device ids (CDI device names) advertised, in file order.
+    devices: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    resources: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    #: why it is not advertised (withdrawn, atom unknown to the inventory), or the unhealthy reason.
+    reason: Text = ""
+
+
+class DevicePluginStatus(msgspec.Struct, frozen=True, kw_only=True):
+    #: the kubelet's Registration socket.
+    kubelet_socket: Text
+    #: that socket exists.
+    kubelet_present: bool = False
+    #: every resource is registered with the kubelet that is there now.
+    registered: bool = False
+    resources: Annotated[list[PluginResource], msgspec.Meta(max_length=DEVICE_PLUGIN_LIST_MAX)] = []
+    holds: Annotated[list[AdvertisedHold], msgspec.Meta(max_length=DEVICE_PLUGIN_LIST_MAX)] = []
+    #: Allocate calls answered since start.
+    allocations: int = 0
+
+
+class WithdrawReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The device plugin's answer to a withdrawal: what left the advertisement, and whom it told."""
+
+    #: device ids no longer advertised.
+    withdrawn: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    #: ListAndWatch streams that were sent the update (and took it) before this reply.
+    streams: int = 0
+    detail: Text = ""
+
+
 class OrphanQuery(msgspec.Struct, frozen=True, kw_only=True):
     """Atoms of every allocation the node knows; anything else a pod holds is an orphan."""
 
@@ -428,6 +485,11 @@ __all__ = [
     "HolderReply",
     "DevicesQuery",
     "HeldReply",
+    "PluginResource",
+    "AdvertisedHold",
+    "DevicePluginStatus",
+    "WithdrawReply",
+    "DEVICE_PLUGIN_LIST_MAX",
     "EvictReply",
     "Freed",
     "OrphanQuery",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import asyncio
 import subprocess
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from testcontainers.core.container import DockerContainer
 
 from shared.subjects import NodeSubjects
+from tests.integration.kubelet_standin import KubeletStandIn, run_pod
 
 from .conftest import ROOT, free_port
 
@@ -32,6 +34,7 @@ SERVICE_UIDS = {
     "gateway_bridge": 10005,
     "kube_reaper": 10006,
     "vfio_switcher": 10007,
+    "device_plugin": 10009,
     "helper": 0,  # the root helper: uid 0, no capability (compose.yaml says why)
     "upstream": 10001,
     "controlplane": 10008,
@@ -234,8 +237,8 @@ def _status(node: ComposeNode) -> dict | None:
 
 
 def test_containers_recreated_from_a_new_image_keep_their_holds_without_a_second_bound(compose_node, bcd_image):
-    """The upgrade: every container recreated from a new image (the module's last test:
-    it replaces the node the others used). The holds stay as they were and no event
+    """The upgrade: every container recreated from a new image (it replaces the node the
+    others used; only the device plugin's test, which changes the spec, comes after it). The holds stay as they were and no event
     for them goes upstream again: a kept hold is not bound twice."""
     node = compose_node
     wait_for("the demo bound", lambda: {e["allocation_id"] for e in node.events() if e["type"] == "bound"} == DEMO_BOUND, timeout=90)
@@ -284,3 +287,28 @@ def test_containers_recreated_from_a_new_image_keep_their_holds_without_a_second
         # the containers still use it: untagged now, removed with them at the module's end
         subprocess.run(["docker", "rmi", "-f", new_tag], capture_output=True)
         node.images_to_remove.append(new_image)
+
+
+async def test_the_device_plugin_container_registers_with_a_kubelet_on_the_host(compose_node):
+    """The device_plugin container (uid 10009, read-only CDI and run dirs) and a kubelet
+    stand-in on the host sharing the bind-mounted device-plugins directory: a Kubernetes
+    hold put through the control plane is advertised and allocated with bcd's CDI names."""
+    node = compose_node
+    plugin_dir = node.dir / "kubelet" / "device-plugins"
+    gpu = "GPU-5f1c2a90-0000-4000-8000-000000000003"
+    async with KubeletStandIn(plugin_dir) as kubelet:
+        # what setfacl does on a worker: the plugin's user may connect to kubelet.sock
+        os.chmod(kubelet.socket, 0o666)
+        await kubelet.wait_registered("bcd.dev/gpu", timeout=60)
+        spec = json.loads((ROOT / "examples" / "specs" / "demo.json").read_text())
+        spec["devices"].append({"allocation_id": "pods-01", "reservation_id": "rsv-pods-01", "binding": "BINDING_KUBERNETES", "devices": [gpu]})
+        (node.dir / "spec" / "kube.json").write_text(json.dumps(spec))
+        put = await asyncio.to_thread(node.compose, "exec", "-T", "controlplane", "python3", "-m", "bcd.controlplane", "put", "/spec/kube.json")
+        assert put.returncode == 0, put.stderr[-2000:]
+        await kubelet.wait_devices("bcd.dev/gpu", lambda d: set(d) == {gpu}, timeout=90)
+        response = await kubelet.allocate("bcd.dev/gpu", [[gpu]])
+        pod = run_pod(node.dir / "cdi", response.container_responses[0])
+        assert pod.device_ids == [gpu] and pod.spec_files == ["bcd-pods-01.json"]
+        assert pod.env["BCD_ALLOCATION_ID"] == "pods-01" and pod.env["NVIDIA_VISIBLE_DEVICES"] == gpu
+        st = await asyncio.to_thread(node.bcd, "status")
+        assert "kubelet: advertised as bcd.dev/gpu (1 device(s))" in st.stdout, st.stdout

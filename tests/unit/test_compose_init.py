@@ -28,7 +28,7 @@ def test_each_secret_belongs_to_the_one_user_that_reads_it(tmp_path: Path) -> No
     d = tmp_path / "node"
     init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
     creds = d / "bus" / "creds"
-    for svc in ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher"):
+    for svc in ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher"):
         assert owner_mode(creds / f"{svc}.password") == (UIDS[svc], GROUP_ID, 0o400), svc
     assert owner_mode(creds / "controlplane.password") == (UIDS["controlplane"], GROUP_ID, 0o400)
     assert owner_mode(creds / "node-node-7.password") == (UIDS["gateway_bridge"], GROUP_ID, 0o400)  # the bridge's upstream user
@@ -40,6 +40,9 @@ def test_each_secret_belongs_to_the_one_user_that_reads_it(tmp_path: Path) -> No
     # the hold directories are root's (the helper writes them); cdi/ is group-writable for the fake vendor spec
     assert owner_mode(d / "cdi") == (0, GROUP_ID, 0o2775)
     assert owner_mode(d / "run") == (0, GROUP_ID, 0o2755)
+    # the device plugin's stand-in kubelet dir: it makes its sockets in device-plugins/
+    assert owner_mode(d / "kubelet" / "device-plugins") == (UIDS["device_plugin"], GROUP_ID, 0o750)
+    assert f"BCD_KUBELET_DIR={d / 'kubelet'}\n" in (d / ".env").read_text()
     assert owner_mode(d / "controlplane" / "cp.key")[0::2] == (UIDS["controlplane"], 0o600)
 
 
@@ -49,7 +52,7 @@ def test_the_bus_config_gives_each_user_exactly_its_permissions(tmp_path: Path) 
     conf = json.loads((d / "bus" / "nats.conf").read_text())
     users = {u["user"]: u for u in conf["accounts"]["NODE"]["users"]}
     subjects = NodeSubjects("node-7")
-    assert set(users) == {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher", "helper", "cli"}
+    assert set(users) == {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher", "helper", "cli"}
     for name, user in users.items():
         assert user["password"] == (d / "bus" / "creds" / f"{name}.password").read_text().strip()
         assert user["permissions"]["publish"]["allow"] == list(subjects.permissions(name).publish) or ["_bcd_nothing_"]

@@ -50,6 +50,6 @@ def test_services_import_only_themselves_and_shared(path):
 
 
 def test_every_service_package_exists_with_a_docstring():
-    for name in ("inventory", "converger", "signer", "kube_reaper", "vfio_switcher", "gateway_bridge", "helper"):
+    for name in ("inventory", "converger", "signer", "kube_reaper", "device_plugin", "vfio_switcher", "gateway_bridge", "helper"):
         init = REPO / "services" / name / "__init__.py"
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"

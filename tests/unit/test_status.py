@@ -309,3 +309,69 @@ def test_gpu_list_says_what_a_card_needs():
     i = next(k for k, line in enumerate(out) if line.startswith(pci))
     assert out[i + 1].strip() == f"needs a person: run bcd gpu reclaim {pci}"
     assert sum("needs a person" in line for line in out) == 1  # the other cards need nothing
+
+
+# --------------------------------------------------------------------------- the device plugin
+
+KUBE = HoldSummary(allocation_id="k1", reservation_id="rk", generation=3, binding="BINDING_KUBERNETES", devices=[GPU0])
+WITH_PLUGIN = [*SERVICES, "device_plugin"]
+
+
+def plugin_status(*, present: bool = True, registered: bool = True, advertised: bool = True, reason: str = "", error: str = ""):
+    from shared.schemas import AdvertisedHold, DevicePluginStatus, PluginResource
+
+    return DevicePluginStatus(
+        kubelet_socket="/var/lib/kubelet/device-plugins/kubelet.sock",
+        kubelet_present=present,
+        registered=registered,
+        resources=[PluginResource(name="bcd.dev/gpu", endpoint="bcd-gpu.sock", registered=registered, devices=1, healthy=1, error=error)],
+        holds=[AdvertisedHold(allocation_id="k1", advertised=advertised, devices=[GPU0], resources=["bcd.dev/gpu"], reason=reason)],
+        allocations=4,
+    )
+
+
+def kube_report(dp, *, expected=WITH_PLUGIN):
+    return report(
+        expected=expected,
+        services={n: ping(n, **({"cp_keys": "1"} if n == "gateway_bridge" else {})) for n in expected if dp is not None or n != "device_plugin"},
+        converger=conv(holds=[KUBE]),
+        device_plugin=dp,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "dp", "hold_line", "plugin_line", "doctor"),
+    [
+        ("advertised", plugin_status(), "kubelet: advertised as bcd.dev/gpu (1 device(s))", "device plugin: registered with the kubelet; bcd.dev/gpu 1/1 healthy; 4 allocation(s)", "ok"),
+        ("no-plugin", None, "kubelet: NOT advertised: no device plugin answers", "device plugin: not answering", "warn"),
+        (
+            "no-kubelet",
+            plugin_status(present=False, registered=False, advertised=False, reason="no kubelet"),
+            "kubelet: NOT advertised: no kubelet",
+            "device plugin: waiting for a kubelet at /var/lib/kubelet/device-plugins/kubelet.sock",
+            "warn",
+        ),
+        (
+            "register-refused",
+            plugin_status(registered=False, advertised=False, error="Register refused or failed: UNKNOWN: bad"),
+            "kubelet: NOT advertised: not registered with the kubelet (Register refused or failed: UNKNOWN: bad)",
+            "device plugin: NOT registered with the kubelet; bcd.dev/gpu 1/1 healthy (not registered: Register refused or failed: UNKNOWN: bad); 4 allocation(s)",
+            "warn",
+        ),
+        ("withdrawn", plugin_status(advertised=False, reason="withdrawn: a Kubernetes release started"), "kubelet: NOT advertised: withdrawn: a Kubernetes release started", None, "ok"),
+    ],
+)
+def test_status_says_whether_each_kubernetes_hold_is_advertised(name, dp, hold_line, plugin_line, doctor):
+    r = kube_report(dp)
+    lines = [line.strip() for line in render_status(r).splitlines()]
+    assert hold_line in lines, lines
+    if plugin_line is not None:
+        assert plugin_line in lines, lines
+    assert levels(r)["device-plugin"] == doctor
+
+
+def test_no_device_plugin_line_where_the_node_runs_none_and_no_check_without_kubernetes_holds():
+    r = kube_report(None, expected=SERVICES)
+    assert not any(line.startswith("device plugin") for line in render_status(r).splitlines())
+    assert "device-plugin" not in levels(r)
+    assert "device-plugin" not in levels(report(expected=WITH_PLUGIN, device_plugin=plugin_status(registered=False)))

@@ -175,7 +175,7 @@ PUBLISH_MATRIX = [
     pytest.param(S.signer_key, {"converger", "gateway_bridge", "cli"}, id="signer.key"),
     pytest.param(S.subject("signer", "other"), set(), id="signer.other"),
     pytest.param(
-        S.inventory_get, {"converger", "gateway_bridge", "kube_reaper", "vfio_switcher", "cli"}, id="inventory.get"
+        S.inventory_get, {"converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher", "cli"}, id="inventory.get"
     ),
     pytest.param(S.inventory_rescan, {"cli"}, id="inventory.rescan"),
     pytest.param(S.inventory_changed, {"inventory"}, id="inventory.changed"),
@@ -197,6 +197,10 @@ PUBLISH_MATRIX = [
     pytest.param(S.subject("helper", "other"), set(), id="helper.other"),
     pytest.param("$SRV.PING.helper", {"cli"}, id="srv-ping-helper"),
     pytest.param(S.converger_status_changed, {"converger"}, id="converger.status_changed"),
+    # the device plugin: only the converger withdraws a hold from the kubelet; the operator looks
+    pytest.param(S.device_plugin_withdraw, {"converger"}, id="device_plugin.withdraw"),
+    pytest.param(S.device_plugin_status, {"cli"}, id="device_plugin.status"),
+    pytest.param(S.converger_holds_changed, {"converger"}, id="converger.holds_changed"),
     pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
     pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
     pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-update"),
@@ -249,7 +253,7 @@ def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
 
 
 #: what a service publishes inside its own namespace: notifications nobody answers.
-NOTIFICATIONS = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.vfio_result}
+NOTIFICATIONS = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.converger_holds_changed, S.vfio_result}
 
 
 @pytest.mark.parametrize("user", NODE_BUS_USERS)
@@ -261,7 +265,7 @@ def test_no_user_publishes_to_its_own_endpoints_or_another_node(user: str) -> No
 
 
 #: subjects of another service a user may subscribe to (notifications, not endpoints).
-FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.vfio_result}
+FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.converger_holds_changed, S.vfio_result}
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -282,7 +286,9 @@ def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> Non
         pytest.param(S.signer_sign, {"signer"}, id="signer.sign"),
         pytest.param(S.signer_sign_batch, {"signer"}, id="signer.sign_batch"),
         pytest.param(S.inventory_get, {"inventory"}, id="inventory.get"),
-        pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "cli"}, id="inventory.changed"),
+        pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "device_plugin", "cli"}, id="inventory.changed"),
+        pytest.param(S.device_plugin_withdraw, {"device_plugin"}, id="device_plugin.withdraw"),
+        pytest.param(S.converger_holds_changed, {"converger", "device_plugin"}, id="converger.holds_changed"),
         pytest.param(S.subject("vfio_switcher", "switch"), {"vfio_switcher"}, id="vfio_switcher.switch"),
         pytest.param(S.helper_file_write, {"helper"}, id="helper.file.write"),
         pytest.param(S.helper_slice_apply, {"helper"}, id="helper.slice.apply"),

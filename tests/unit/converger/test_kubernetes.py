@@ -56,6 +56,8 @@ async def test_split_release_records_first_withdraws_claims_and_reports_once_fre
     assert stat.S_IMODE((tmp_path / "data" / RELEASES_FILE).stat().st_mode) == 0o600
     assert "k1" not in node.holds() and node.env("k1") is None
     assert reaper.evictions == [("k1", [GPU[0]])]
+    # the device plugin was told after the files went and before any eviction was asked
+    assert node.consumers.withdrawals == [("k1", 0, False)]
     # not reported while a pod holds it; its GPU stays claimed
     assert node.outbox.of_type("released") == []
     failed = node.outbox.of_type("failed")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import services.converger.observe as observe_mod
+import shared.holddisk as observe_mod
 import shared.fsutil as fsutil
 import shared.holdfiles as holdfiles
 from services.converger.observe import read_disk, vendor_cache

@@ -1,0 +1,3 @@
+from services.device_plugin.service import main
+
+main()
