@@ -15,16 +15,23 @@ import base64
 import json
 import os
 import sys
+import time
+from typing import Any
 from pathlib import Path
 
 import msgspec
 
 from shared.runtime import METRICS_PORTS, VERSION
 from shared.schemas import (
+    CONVERGER_STATUS_CODEC,
+    GPU_OP_REPLY_CODEC,
     GPU_REPLY_CODEC,
     INVENTORY_CODEC,
     SIGNER_KEY_CODEC,
     Empty,
+    GpuOp,
+    GpuOpReply,
+    GpuOpRequest,
     GpuReply,
     GpuRequest,
     Inventory,
@@ -163,7 +170,17 @@ def cmd_gpu(args: argparse.Namespace) -> int:
             finally:
                 await nc.close()
 
+        async def maintenance() -> list[GpuOp] | None:
+            nc = await connect(info)
+            try:
+                return (await request(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=5)).gpu_ops
+            except Exception:  # noqa: BLE001 - the list says the converger did not answer
+                return None
+            finally:
+                await nc.close()
+
         inv = _run(listing())
+        ops = _run(maintenance())
         if args.pci:
             pci = _canonical_pci(args.pci)
             cards = [g for g in inv.gpus if g.pci_address == pci]
@@ -172,13 +189,20 @@ def cmd_gpu(args: argparse.Namespace) -> int:
                 raise UsageError(f"gpu list: no card {args.pci} on node {inv.node_id} (its cards: {listed})")
             inv = msgspec.structs.replace(inv, gpus=cards)
         if args.json:
-            print(msgspec.json.format(msgspec.json.encode([{"pci_address": g.pci_address, **msgspec.to_builtins(g.status)} for g in inv.gpus])).decode())
+            rows = [
+                {"pci_address": g.pci_address, **msgspec.to_builtins(g.status), "maintenance": [msgspec.to_builtins(o) for o in ops or () if o.pci == g.pci_address]}
+                for g in inv.gpus
+            ]
+            print(msgspec.json.format(msgspec.json.encode(rows)).decode())
         else:
-            print(render_gpus(inv))
+            print(render_gpus(inv, ops))
         return 0
 
     if not args.pci:
         raise UsageError(f"gpu {args.action}: a PCI address is needed (like 0000:3b:00.0)")
+
+    if args.action in ("reset", "diag"):
+        return _gpu_op(args, info, subjects)
 
     async def act() -> GpuReply:
         nc = await connect(info)
@@ -199,6 +223,54 @@ def cmd_gpu(args: argparse.Namespace) -> int:
             for c in st.conditions:
                 print(f"  {c.type}={c.status} {c.reason}: {c.message}")
     return 0 if reply.accepted else 1
+
+
+def _gpu_op(args: argparse.Namespace, info: Any, subjects: NodeSubjects) -> int:
+    """`bcd gpu reset|diag <pci>`: asked of the converger, then followed in its status until done."""
+    from .status import op_line
+
+    level = args.level if args.action == "diag" else 0
+    if args.action == "diag" and not level:
+        raise UsageError("gpu diag: --level N is needed (1 quick, 2 medium, 3 long, 4 extended)")
+    if args.action == "reset" and args.level:
+        raise UsageError("gpu reset: --level is for diag")
+    req = GpuOpRequest(op=args.action, pci=_canonical_pci(args.pci), level=level)
+
+    async def run() -> tuple[GpuOpReply, GpuOp | None]:
+        nc = await connect(info)
+        try:
+            reply = await request(nc, subjects.converger_gpu_op, req, GPU_OP_REPLY_CODEC, timeout=10)
+            if not reply.accepted or reply.op is None or args.no_wait:
+                return reply, None
+            if not args.json:
+                print(f"{args.action} {req.pci}: started {reply.op.id}; waiting (up to {args.wait:.0f} s; --no-wait returns at once)", flush=True)
+            deadline = time.monotonic() + args.wait
+            while time.monotonic() < deadline:
+                status = await request(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=10)
+                done = next((o for o in status.gpu_ops if o.id == reply.op.id and o.state == "done"), None)
+                if done is not None:
+                    return reply, done
+                await asyncio.sleep(0.5)
+            return reply, None
+        finally:
+            await nc.close()
+
+    reply, done = _run(run())
+    if args.json:
+        print(msgspec.json.encode({"reply": reply, "result": done}).decode())
+    elif not reply.accepted:
+        print(f"{args.action} {req.pci}: REFUSED: {reply.message}")
+    elif done is not None:
+        print(op_line(done))
+    elif args.no_wait:
+        print(f"{args.action} {req.pci}: started {reply.op.id if reply.op else ''}; `bcd status` shows how it ends")
+    else:
+        print(f"{args.action} {req.pci}: still running after {args.wait:.0f} s ({reply.op.id if reply.op else ''}); `bcd status` shows how it ends")
+    if not reply.accepted:
+        return 1
+    if done is None:
+        return 0 if args.no_wait else 1
+    return 0 if done.outcome in ("Succeeded", "Passed") else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -583,9 +655,16 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument(
         "--clear-unreadable", action="store_true", help="remove the unreadable-releases marker (you assert no pod holds a GPU of an allocation the node does not know)"
     )
-    gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card (or one); exclude, include or reclaim one card")
-    gpu.add_argument("action", choices=("list", "exclude", "include", "reclaim"), help="list the cards (one with ADDRESS), or act on the card at ADDRESS")
-    gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by exclude, include, reclaim)")
+    gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card (or one); exclude, include, reclaim, reset or diagnose one card")
+    gpu.add_argument(
+        "action",
+        choices=("list", "exclude", "include", "reclaim", "reset", "diag"),
+        help="list the cards (one with ADDRESS), or act on the card at ADDRESS; reset: a PCI function reset; diag: DCGM's diagnostic (--level)",
+    )
+    gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by every action but list)")
+    gpu.add_argument("--level", type=int, default=0, choices=range(0, 5), metavar="N", help="diag: 1 quick, 2 medium, 3 long, 4 extended (from 2: refused on a held card)")
+    gpu.add_argument("--wait", type=float, default=600.0, metavar="SECONDS", help="reset, diag: how long to follow the operation (default 600)")
+    gpu.add_argument("--no-wait", action="store_true", help="reset, diag: return once it started")
     ev = client("events", cmd_events, "the control plane's verified event log: the last events, then follow")
     ev.add_argument("--no-follow", action="store_true", help="print the past events and exit instead of following")
     which = ev.add_mutually_exclusive_group()

@@ -36,6 +36,7 @@ from shared.schemas import (
     DevicePluginStatus,
     Empty,
     Gpu,
+    GpuOp,
     Inventory,
 )
 from shared.schemas.inventory import REBOOT_WAIT_REASONS
@@ -179,6 +180,9 @@ def render_status(report: NodeReport) -> str:
         lines.extend(f"  condition {c.type}: {c.reason}: {c.message}" for c in conv.conditions if c.status == "True")
     else:
         lines.append("section devices: converger unavailable")
+    if conv is not None and conv.gpu_ops:
+        lines.append("gpu maintenance:")
+        lines.extend(f"  {op_line(op)}" for op in conv.gpu_ops)
     plugin_line = device_plugin_line(report)
     if plugin_line:
         lines.append(plugin_line)
@@ -224,8 +228,21 @@ def device_plugin_line(report: NodeReport) -> str:
     return f"device plugin: {state} with the kubelet; {', '.join(parts)}; {dp.allocations} allocation(s)"
 
 
-def render_gpus(inv: Inventory) -> str:
-    """`bcd gpu list`: each card's driver binding, phase, management state and the conditions behind them."""
+def _when(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t is not None else "-"
+
+
+def op_line(op: GpuOp) -> str:
+    """One maintenance operation, as `bcd gpu` and `bcd status` print it."""
+    what = f"diag level {op.level}" if op.op == "diag" else op.op
+    if op.state == "running":
+        return f"{what} {op.pci}: running since {_when(op.started_at)} ({op.id}){'' if op.claims_card else '; the card stays usable'}"
+    return f"{what} {op.pci}: {op.outcome} at {_when(op.finished_at)} ({op.id}): {op.message}"
+
+
+def render_gpus(inv: Inventory, ops: list[GpuOp] | None = None) -> str:
+    """`bcd gpu list`: each card's driver binding, phase, management state and the conditions behind them,
+    and its maintenance: what runs on it, the last reset and the last diagnostic (from the converger)."""
     lines = [f"{'PCI':<13} {'DRIVER':<9} {'MODE':<11} {'PHASE':<13} {'MANAGEMENT':<11} CONDITIONS"]
     for g in inv.gpus:
         st = g.status
@@ -240,6 +257,11 @@ def render_gpus(inv: Inventory) -> str:
         a = card_attention(g)
         if a is not None:
             lines.append(f"{'':<13} needs a person: {'run ' if a.command else ''}{a.action}")
+        for op in ops or ():
+            if op.pci == g.pci_address:
+                lines.append(f"{'':<13} {op_line(op).replace(f' {g.pci_address}:', ':', 1)}")
+    if ops is None:
+        lines.append("(maintenance unknown: the converger did not answer)")
     return "\n".join(lines)
 
 

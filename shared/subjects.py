@@ -266,6 +266,16 @@ class NodeSubjects:
         return self.subject("device_plugin", "withdraw")
 
     @property
+    def converger_gpu_op(self) -> str:
+        """An operator's maintenance operation on a card (GpuOpRequest -> GpuOpReply): reset, diag."""
+        return self.subject("converger", "gpu_op")
+
+    @property
+    def inventory_diag(self) -> str:
+        """Run the vendor's diagnostic on a card (DiagRequest -> DiagReply); the converger asks."""
+        return self.subject("inventory", "diag")
+
+    @property
     def converger_holds_changed(self) -> str:
         """Published (plain, empty) by the converger after a pass that wrote or removed hold files."""
         return self.subject("converger", "holds_changed")
@@ -378,6 +388,8 @@ class NodeSubjects:
                     # the device plugin stops advertising a withdrawn hold before the reaper evicts
                     self.device_plugin_withdraw,
                     self.converger_holds_changed,
+                    # maintenance: the diagnostic runs where the vendor adapter is
+                    self.inventory_diag,
                 ),
                 (
                     self.service_wildcard("converger"),
@@ -437,6 +449,7 @@ class NodeSubjects:
                     self.converger_claims,
                     self.signer_key,
                     self.device_plugin_status,
+                    self.converger_gpu_op,
                     *self.kv_read_subjects(self.inventory_bucket),
                 ),
                 (self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),

@@ -24,6 +24,7 @@ from shared.schemas import (
     AllocationReleased,
     Condition,
     FailureReason,
+    GpuOp,
     Inventory,
     Limits,
     NodeSpec,
@@ -92,6 +93,11 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     #: PCI address -> boot id of a switch that answered DisruptionRequired: no
     #: switch of that card is asked for again in that boot.
     vfio_stuck: dict[str, str] = {}
+    #: PCI address -> the maintenance operation running on it (gpuops.py): written
+    #: before it is asked of anyone; the card is claimed while it is here.
+    gpu_ops: dict[str, GpuOp] = {}
+    #: "<op> <pci>" -> the last finished operation of that kind on that card.
+    gpu_op_results: dict[str, GpuOp] = {}
 
 
 # ---------------------------------------------------------------------------- observed
@@ -109,6 +115,8 @@ class Observed:
     vendor: VendorCdi | None = None
     #: PCI address -> holder text, GPUs claimed by the VFIO side (instance specs, running domains).
     vfio_claims: Mapping[str, str] = field(default_factory=dict)
+    #: PCI address -> holder text, GPUs a maintenance operation (reset, diagnostic) claims now.
+    maintenance: Mapping[str, str] = field(default_factory=dict)
     #: PCI address -> where a switch since the inventory was read left the card
     #: ("vfio-pci", "native", or the driver a DisruptionRequired left it on, "" for
     #: none): the inventory does not show it yet.

@@ -263,7 +263,8 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     p.steps.extend(_conditions(observed, config, p.pending, unreadable, spec.generation))
     # the VFIO side's driver switches, after every release of this pass (a card
     # moves from a hold to an instance in one generation)
-    vfio = plan_vfio(spec, observed, _held_cards(claims, index))
+    # a card under maintenance is not switched meanwhile either
+    vfio = plan_vfio(spec, observed, {**_held_cards(claims, index), **observed.maintenance})
     p.steps.extend(vfio.steps)
     return Plan(
         generation=spec.generation,
@@ -401,6 +402,10 @@ def claims_after_releases(p: _Pass, index: AtomIndex) -> tuple[Claims, bool]:
         gpu = index.by_pci.get(pci)
         if gpu is not None and gpu.atom_id:
             claims.vfio[gpu.atom_id] = holder
+    for pci, holder in observed.maintenance.items():
+        gpu = index.by_pci.get(pci)
+        if gpu is not None and gpu.atom_id:
+            claims.vfio.setdefault(gpu.atom_id, holder)
     claims.excluded = {g.atom_id for g in index.by_pci.values() if g.atom_id and excluded(g)}
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")

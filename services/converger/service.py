@@ -20,10 +20,13 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
 from shared.holdfiles import HoldOnDisk, VendorCache
@@ -32,24 +35,33 @@ from shared.runtime import LoopGuard, Option, Refused, ServiceApp, ServiceCallEr
 from shared.schemas import (
     CLAIMS_CODEC,
     CONVERGER_STATUS_CODEC,
+    DIAG_REPLY_CODEC,
     EMPTY_CODEC,
     FREED_CODEC,
+    GPU_OP_REPLY_CODEC,
+    GPU_OP_REQUEST_CODEC,
     HOLDER_QUERY_CODEC,
     HOLDER_REPLY_CODEC,
     INVENTORY_CODEC,
     NODE_SPEC_CODEC,
     SPEC_ACK_CODEC,
+    SWITCH_REPLY_CODEC,
     BadMessage,
     Claims,
     ConvergerStatus,
+    DiagRequest,
     Empty,
     GpuClaim,
+    GpuOp,
+    GpuOpReply,
+    GpuOpRequest,
     HolderQuery,
     HolderReply,
     HoldSummary,
     Inventory,
     NodeSpec,
     SpecAck,
+    SwitchRequest,
 )
 from shared.schemas.bus import PROBLEMS_MAX
 from shared.schemas.common import clip
@@ -57,6 +69,7 @@ from shared.schemas.strict import unknown_fields_of_json
 from shared.slices import FakeSlices, Slices, SystemdSlices
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorSpecError
 
+from . import gpuops
 from .apply import Applier
 from .crash import CrashPoints
 from .domains import Domains, FakeDomains, NoDomains
@@ -98,6 +111,8 @@ class ConvergerApp(ServiceApp):
         self.last_pass_at: datetime | None = None
         self.warned: set[str] = set()
         self.lock = asyncio.Lock()
+        #: maintenance operations in flight (their results come back through the journal)
+        self.op_tasks: set[asyncio.Task[None]] = set()
         #: the content (claims, vfio, generation) of the last Claims published.
         self.claims_sent: tuple | None = None
         #: the VFIO notes of the last pass (logged again only at DEBUG).
@@ -169,6 +184,15 @@ class ConvergerApp(ServiceApp):
         # a card stuck in an earlier boot may be switched again in this one
         self.state.vfio_stuck = {pci: b for pci, b in self.state.vfio_stuck.items() if b == boot}
         self.state.boot_id = boot
+        # an operation still running in the journal: whoever waited for it died with us
+        now = datetime.now(timezone.utc)
+        interrupted: list[GpuOp] = []
+        for pci, op in sorted(self.state.gpu_ops.items()):
+            done = gpuops.interrupted(op, now=now)
+            interrupted.append(done)
+            self.state.gpu_op_results[gpuops.result_key(done)] = done
+            ctx.log.warning("maintenance operation interrupted by a restart", op=op.op, id=op.id, pci=pci, detail=done.message)
+        self.state.gpu_ops = {}
         self.store.save(self.state)
         self.spec, unknown = self.store.load_spec_with_unknown()
         self.spec_unknown = tuple(unknown)
@@ -210,6 +234,7 @@ class ConvergerApp(ServiceApp):
         )
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
         self._metrics(ctx)
+        self._count_interrupted(interrupted)
 
         @guarded(ctx.log, "inventory notice")
         async def on_inventory(msg: Any) -> None:
@@ -236,6 +261,7 @@ class ConvergerApp(ServiceApp):
         await ctx.endpoint("holder", ctx.subjects.converger_holder, self.holder, HOLDER_QUERY_CODEC, reply=HOLDER_REPLY_CODEC)
         await ctx.endpoint("claims", ctx.subjects.converger_claims, self.claims, EMPTY_CODEC, allow_empty=True, reply=CLAIMS_CODEC)
         await ctx.endpoint("pass", ctx.subjects.converger_pass, self.request_pass, EMPTY_CODEC, allow_empty=True, reply=SPEC_ACK_CODEC)
+        await ctx.endpoint("gpu_op", ctx.subjects.converger_gpu_op, self.gpu_op, GPU_OP_REQUEST_CODEC, reply=GPU_OP_REPLY_CODEC)
 
     def _metrics(self, ctx: ServiceContext) -> None:
         reg = ctx.registry
@@ -256,6 +282,18 @@ class ConvergerApp(ServiceApp):
             "bcd_vfio_switch_requests", "Driver switches asked of vfio_switcher, by target and outcome", ["target", "outcome"], registry=reg
         )
         self.m_vfio = Gauge("bcd_vfio_recorded_gpus", "GPUs in the converger's VFIO record", registry=reg)
+        self.m_gpu_ops = Counter("bcd_gpu_operations", "Maintenance operations (reset, diag) by outcome", ["op", "outcome"], registry=reg)
+        self.m_gpu_ops_running = Gauge("bcd_gpu_operations_running", "Maintenance operations running now", ["op"], registry=reg)
+        self.m_diag = Gauge("bcd_gpu_diag_passed", "1 when the card's last diagnostic at that level passed, 0 when it did not", ["pci", "level"], registry=reg)
+        for op in gpuops.OPS:
+            self.m_gpu_ops_running.labels(op=op).set(0)
+        # the journal's last results, so the gauge is right after a restart (the counter starts afresh)
+        for r in self.state.gpu_op_results.values():
+            self._diag_gauge(r)
+
+    def _count_interrupted(self, ops: list[GpuOp]) -> None:
+        for op in ops:
+            self.m_gpu_ops.labels(op=op.op, outcome=op.outcome).inc()
 
     # ------------------------------------------------------------------ endpoints
 
@@ -328,6 +366,7 @@ class ConvergerApp(ServiceApp):
             outbox_error=clip(self.outbox.error),
             conditions=sorted(self.state.conditions.values(), key=lambda c: c.type)[:PROBLEMS_MAX],
             system_reserve_bytes=self.opts.system_reserve_bytes,
+            gpu_ops=[*sorted(self.state.gpu_ops.values(), key=lambda o: o.pci), *sorted(self.state.gpu_op_results.values(), key=lambda o: (o.pci, o.op))],
         )
 
     def _card_claims(self, inv: Inventory, holds: dict[str, HoldOnDisk] | None = None) -> list[GpuClaim]:
@@ -423,6 +462,101 @@ class ConvergerApp(ServiceApp):
         if self.inventory is None or inv.revision >= self.inventory.revision:
             self._take_inventory(inv, wake=wake)
 
+    # ------------------------------------------------------------------ maintenance (gpuops.py)
+
+    async def gpu_op(self, req: GpuOpRequest) -> GpuOpReply:
+        """Start a reset or a diagnostic on one card: checked and journaled under the pass lock, run after."""
+        problem = gpuops.check_request(req)
+        if problem:
+            return GpuOpReply(accepted=False, message=problem)
+        async with self.lock:
+            inv = self.inventory
+            if inv is None:
+                await self._fetch_inventory(wake=False)
+                inv = self.inventory
+            if inv is None:
+                return GpuOpReply(accepted=False, message=f"refused {req.pci}: no inventory yet, so whether anything holds it is not known")
+            claims = await asyncio.to_thread(self._card_claims, inv)
+            problem = gpuops.refusal(req, (g.pci_address for g in inv.gpus), claims, self.state.gpu_ops)
+            if problem:
+                self.ctx.log.info("maintenance operation refused", op=req.op, pci=req.pci, level=req.level, reason=problem)
+                self.m_gpu_ops.labels(op=req.op, outcome="Refused").inc()
+                return GpuOpReply(accepted=False, message=problem)
+            op = gpuops.new_op(req, now=datetime.now(timezone.utc), boot_id=self.state.boot_id)
+            # recorded first: from here the card is claimed, and a crash finishes it as Interrupted
+            self.state.gpu_ops[req.pci] = op
+            await asyncio.to_thread(self.store.save, self.state)
+        self.m_gpu_ops_running.labels(op=op.op).inc()
+        self.ctx.log.info("maintenance operation started", op=op.op, id=op.id, pci=op.pci, level=op.level, claims_card=op.claims_card)
+        task = asyncio.create_task(self._run_gpu_op(op), name=f"gpu op {op.id}")
+        self.op_tasks.add(task)
+        task.add_done_callback(self.op_tasks.discard)
+        return GpuOpReply(accepted=True, message=f"{op.op} of {op.pci} started ({op.id})", op=op)
+
+    async def _run_gpu_op(self, op: GpuOp) -> None:
+        ctx = self.ctx
+        try:
+            if op.op == "reset":
+                reply = await call(
+                    ctx.nc, ctx.subjects.vfio_switch, SwitchRequest(pci=op.pci, target="reset", why=f"bcd gpu reset ({op.id})"),
+                    SWITCH_REPLY_CODEC, timeout=gpuops.RESET_TIMEOUT_S,
+                )
+                outcome, message = reply.outcome, reply.message
+            else:
+                answer = await self._diag(op)
+                outcome = answer.outcome
+                message = answer.message + (f" (failed: {', '.join(answer.failures)})" if answer.failures else "")
+        except asyncio.CancelledError:
+            raise  # stopping: the journal still says running; the next start finishes it as Interrupted
+        except Exception as exc:  # noqa: BLE001 - the answer did not come: that is the outcome
+            who = "vfio_switcher" if op.op == "reset" else "the inventory"
+            outcome, message = ("Failed" if op.op == "reset" else "Error"), f"{who} did not answer: {type(exc).__name__}: {exc}".rstrip(": ")
+            if isinstance(exc, TimeoutError) and op.op == "diag" and str(exc):
+                message = str(exc)
+        done = gpuops.finished(op, outcome, clip(message), now=datetime.now(timezone.utc))
+        async with self.lock:
+            if self.state.gpu_ops.get(op.pci) == op:
+                del self.state.gpu_ops[op.pci]
+            self.state.gpu_op_results[gpuops.result_key(done)] = done
+            await asyncio.to_thread(self.store.save, self.state)
+        self.m_gpu_ops_running.labels(op=op.op).dec()
+        self._count_op(done)
+        (ctx.log.info if outcome in gpuops.OK_OUTCOMES else ctx.log.warning)(
+            "maintenance operation done", op=op.op, id=op.id, pci=op.pci, level=op.level, outcome=outcome, detail=message
+        )
+        # the card is free again: holds and switches that waited for it go now
+        self.loop.trigger(f"{op.op} of {op.pci} done")
+
+    async def _diag(self, op: GpuOp) -> Any:
+        """Start the inventory's diagnostic, then poll it until it ends (an inventory that restarts
+        meanwhile answers that it knows no such run). Unanswered polls are retried until the deadline."""
+        ctx = self.ctx
+        deadline = time.monotonic() + gpuops.DIAG_TIMEOUT_S.get(op.level, 3600.0)
+        req = DiagRequest(pci=op.pci, level=op.level, op_id=op.id)
+        answer = await call(ctx.nc, ctx.subjects.inventory_diag, req, DIAG_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
+        poll = msgspec.structs.replace(req, poll=True)
+        unanswered = ""
+        while answer.outcome == "Running":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the level {op.level} diagnostic did not end in {gpuops.DIAG_TIMEOUT_S.get(op.level, 3600.0):.0f} s" + unanswered)
+            await asyncio.sleep(gpuops.POLL_INTERVAL_S)
+            try:
+                answer = await call(ctx.nc, ctx.subjects.inventory_diag, poll, DIAG_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
+                unanswered = ""
+            except (nats.errors.Error, TimeoutError, ServiceCallError) as exc:
+                unanswered = f"; the inventory did not answer the last poll ({type(exc).__name__})"
+        return answer
+
+    def _count_op(self, op: GpuOp) -> None:
+        if op.state != "done":
+            return
+        self.m_gpu_ops.labels(op=op.op, outcome=op.outcome).inc()
+        self._diag_gauge(op)
+
+    def _diag_gauge(self, op: GpuOp) -> None:
+        if op.op == "diag" and op.outcome in ("Passed", "Failed"):
+            self.m_diag.labels(pci=op.pci, level=str(op.level)).set(1 if op.outcome == "Passed" else 0)
+
     async def run_pass(self, reason: str) -> bool:
         """One pass, then the claims if they changed; returns True when something is left to retry."""
         if self.helper_writer is not None and not self.privileged and await self._look_for_helper():
@@ -459,6 +593,7 @@ class ConvergerApp(ServiceApp):
                     switched=self.applier.switched,
                     spec_unknown_fields=self.spec_unknown,
                 )
+                observed = dataclasses.replace(observed, maintenance=gpuops.maintenance_claims(self.state.gpu_ops))
                 # a success the inventory already shows no longer needs remembering
                 for pci in [pci for pci in self.applier.switched if pci not in observed.switched]:
                     del self.applier.switched[pci]
@@ -577,6 +712,12 @@ class ConvergerApp(ServiceApp):
             await self.loop.run(ctx.stopping)
 
     async def close(self, ctx: ServiceContext) -> None:
+        # an operation cut short stays "running" in the journal: the next start says Interrupted
+        for task in list(self.op_tasks):
+            task.cancel()
+        for task in list(self.op_tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self.helper_writer is not None:
             await asyncio.to_thread(self.helper_writer.close)
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -43,6 +45,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
 from shared.schemas import (
     CLAIMS_CODEC,
+    DIAG_REPLY_CODEC,
+    DIAG_REQUEST_CODEC,
     EMPTY_CODEC,
     GPU_REPLY_CODEC,
     GPU_REQUEST_CODEC,
@@ -51,6 +55,8 @@ from shared.schemas import (
     SWITCH_REPLY_CODEC,
     BadMessage,
     Claims,
+    DiagReply,
+    DiagRequest,
     Empty,
     Gpu,
     GpuReply,
@@ -59,10 +65,12 @@ from shared.schemas import (
     SchemaViolation,
     SwitchReply,
 )
-from shared.schemas.common import PCI_RE
+from shared.schemas.bus import DIAG_RUN_S
+from shared.schemas.common import PCI_RE, clip
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
+from .adapters.base import Diagnosable
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
     GpuState,
@@ -75,6 +83,18 @@ from .gpustate import (
 )
 
 
+#: finished diagnostics kept for the converger's polls.
+DIAG_JOBS_KEPT = 64
+
+
+@dataclasses.dataclass
+class DiagJob:
+    pci: str
+    level: int
+    result: DiagReply | None = None
+    task: asyncio.Task[DiagReply] | None = None
+
+
 class InventoryApp(ServiceApp):
     name = "inventory"
     description = "discovers GPUs, MIG instances, slots and host resources"
@@ -83,6 +103,8 @@ class InventoryApp(ServiceApp):
         self.adapter: Any = None
         self.kv: KeyValue | None = None
         self.current: Inventory | None = None
+        #: op id -> a diagnostic started or done (the converger polls it)
+        self.diag_jobs: dict[str, DiagJob] = {}
         self.content_key: bytes = b""
         self.lock = asyncio.Lock()
         #: set after every evaluation: the run loop re-reads whether a timer runs.
@@ -205,6 +227,7 @@ class InventoryApp(ServiceApp):
         await ctx.endpoint("get", ctx.subjects.inventory_get, lambda _: self.get(), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
         await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
         await ctx.endpoint("gpu", ctx.subjects.inventory_gpu, lambda req: self.gpu_request(ctx, req), GPU_REQUEST_CODEC, reply=GPU_REPLY_CODEC)
+        await ctx.endpoint("diag", ctx.subjects.inventory_diag, lambda req: self.diag(ctx, req), DIAG_REQUEST_CODEC, reply=DIAG_REPLY_CODEC)
 
         @guarded(ctx.log, "claims notice")
         async def on_claims(msg: Msg) -> None:
@@ -514,6 +537,50 @@ class InventoryApp(ServiceApp):
 
     # ------------------------------------------------------------------ endpoints
 
+    async def diag(self, ctx: ServiceContext, req: DiagRequest) -> DiagReply:
+        """The vendor's diagnostic on one listed card, as a job: started by the first request of its
+        op id (answered Running at once), its result answered to a poll. A poll for an id this
+        process does not know (it restarted meanwhile) is an Error, so the converger never waits
+        for a run that died with an earlier inventory."""
+        job = self.diag_jobs.get(req.op_id) if req.op_id else None
+        if job is not None:
+            if job.pci != req.pci or job.level != req.level:
+                return DiagReply(pci=req.pci, level=req.level, outcome="Error", message=f"diagnostic {req.op_id} is of another card or level")
+            return job.result or DiagReply(pci=req.pci, level=req.level, outcome="Running", message=f"diagnostic {req.op_id} runs")
+        if req.poll:
+            return DiagReply(
+                pci=req.pci, level=req.level, outcome="Error",
+                message=f"the inventory knows no diagnostic {req.op_id or '(no id)'}: it restarted while it ran, so there is no result",
+            )
+        gpu = next((g for g in self.current.gpus if g.pci_address == req.pci), None) if self.current is not None else None
+        if gpu is None:
+            return DiagReply(pci=req.pci, level=req.level, outcome="Error", message=f"the inventory lists no GPU at {req.pci}")
+        if not isinstance(self.adapter, Diagnosable):
+            return DiagReply(pci=req.pci, level=req.level, outcome="NotInstalled", message=f"the {ctx.opts.adapter} adapter runs no diagnostics")
+        job = DiagJob(pci=req.pci, level=req.level)
+        if not req.op_id:
+            # no id to poll with: answered when done
+            return await self._run_diag(ctx, job)
+        self.diag_jobs[req.op_id] = job
+        while len(self.diag_jobs) > DIAG_JOBS_KEPT:
+            oldest = next(iter(self.diag_jobs))
+            if self.diag_jobs[oldest].result is None:
+                break
+            del self.diag_jobs[oldest]
+        job.task = asyncio.create_task(self._run_diag(ctx, job), name=f"diag {req.op_id}")
+        return DiagReply(pci=req.pci, level=req.level, outcome="Running", message=f"diagnostic {req.op_id} started")
+
+    async def _run_diag(self, ctx: ServiceContext, job: "DiagJob") -> DiagReply:
+        ctx.log.info("diagnostic started", pci=job.pci, level=job.level)
+        result = await _in_daemon_thread(self.adapter.run_diag, job.pci, job.level, DIAG_RUN_S.get(job.level, 3600.0))
+        (ctx.log.info if result.outcome == "Passed" else ctx.log.warning)(
+            "diagnostic done", pci=job.pci, level=job.level, outcome=result.outcome, detail=result.message, failures=list(result.failures)
+        )
+        job.result = DiagReply(
+            pci=job.pci, level=job.level, outcome=result.outcome, message=clip(result.message), failures=[clip(f) for f in result.failures[:64]]
+        )
+        return job.result
+
     async def gpu_request(self, ctx: ServiceContext, req: GpuRequest) -> GpuReply:
         """`bcd gpu exclude|include|reclaim <pci>`: recorded in gpus.json first, then evaluated."""
         pci, action = req.pci, req.action
@@ -612,8 +679,37 @@ class InventoryApp(ServiceApp):
         return bool(done)
 
     async def close(self, ctx: ServiceContext) -> None:
+        # a diagnostic still running is not waited for (its thread is a daemon); the
+        # converger's next poll finds no such job and ends the operation as an Error
+        jobs = [j.task for j in self.diag_jobs.values() if j.task is not None and not j.task.done()]
+        for task in jobs:
+            task.cancel()
+        for task in jobs:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self.adapter is not None:
             self.adapter.close()
+
+
+async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """fn(*args) in a daemon thread: a stop of the service never waits for it (a diagnostic can take an hour)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def worker() -> None:
+        try:
+            value, ok = fn(*args), True
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            value, ok = exc, False
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=worker, name="bcd-diagnostic", daemon=True).start()
+    return await done
 
 
 def _with_revision(inv: Inventory, revision: int) -> Inventory:

@@ -46,7 +46,7 @@ _PCI_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 _DRIVER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 UnbindHang = Literal["unbound", "bound"]
-WriteOp = Literal["unbind", "set_driver_override", "bind", "drivers_probe"]
+WriteOp = Literal["unbind", "set_driver_override", "bind", "drivers_probe", "reset"]
 
 
 def is_canonical_pci(pci: object) -> bool:
@@ -82,6 +82,10 @@ class DriverTimeout(DriverError):
 
 class DriverBusy(DriverError):
     """An earlier write to the device has not returned; a new one would queue behind it."""
+
+
+class NotResettable(DriverError):
+    """The kernel offers no function reset for the device (no `reset` attribute in sysfs)."""
 
 
 class DeviceVanished(DriverError):
@@ -120,6 +124,10 @@ class DriverPort(Protocol):
 
     async def drivers_probe(self, pci: str, timeout: float) -> None:
         """Let the kernel pick (the override, else the native driver); silent when nothing binds."""
+        ...
+
+    async def reset(self, pci: str, timeout: float) -> None:
+        """A PCI function reset (sysfs `reset`); NotResettable when the kernel offers none."""
         ...
 
 
@@ -206,6 +214,15 @@ class SysfsDriver:
         _check_pci(pci)
         self._require_device(pci, "drivers_probe")
         await self._write(pci, self.root / "bus" / "pci" / "drivers_probe", pci, timeout, "drivers_probe")
+
+    async def reset(self, pci: str, timeout: float) -> None:
+        _check_pci(pci)
+        self._require_device(pci, "reset")
+        path = self.device_dir(pci) / "reset"
+        # the kernel makes the attribute only where some reset method works (FLR, PM, bus)
+        if not path.is_file():
+            raise NotResettable(pci, f"reset of {pci}: the kernel offers no function reset for it (no {path})")
+        await self._write(pci, path, "1", timeout, "reset")
 
     def _write_file(self, path: Path, data: str) -> None:
         """The one blocking write, run in the worker thread (tests subclass it to emulate the kernel)."""
@@ -309,6 +326,10 @@ class FakeDriver:
         self._hang_unbind: dict[str, UnbindHang] = {}
         self._vanish_at: dict[str, str] = {}
         self._pending: dict[str, str] = {}
+        self._fail_reset: set[str] = set()
+        self._no_reset: set[str] = set()
+        #: pci -> function resets done
+        self.resets: dict[str, int] = {}
 
     # ----------------------------------------------------------------- setup and faults
 
@@ -333,6 +354,14 @@ class FakeDriver:
     def vanish_at(self, pci: str, op: WriteOp) -> None:
         """The device drops off the bus when `op` is next attempted on it."""
         self._vanish_at[pci] = op
+
+    def fail_reset(self, pci: str) -> None:
+        """The next reset of `pci` fails (the write returns an error)."""
+        self._fail_reset.add(pci)
+
+    def not_resettable(self, pci: str) -> None:
+        """The kernel offers no reset for `pci`."""
+        self._no_reset.add(pci)
 
     def release(self, pci: str) -> None:
         """The hung write on `pci` finally returns."""
@@ -403,6 +432,15 @@ class FakeDriver:
         if candidate in self.loaded and (pci, candidate) not in self._fail_bind:
             device.driver = candidate
 
+    async def reset(self, pci: str, timeout: float) -> None:
+        await self._enter("reset", pci, timeout)
+        if pci in self._no_reset:
+            raise NotResettable(pci, f"reset of {pci}: the kernel offers no function reset for it")
+        if pci in self._fail_reset:
+            self._fail_reset.discard(pci)
+            raise DriverError(pci, f"reset of {pci} failed: the device did not come back from the reset")
+        self.resets[pci] = self.resets.get(pci, 0) + 1
+
     # ----------------------------------------------------------------- model
 
     @staticmethod
@@ -442,6 +480,7 @@ __all__ = [
     "DriverTimeout",
     "DriverBusy",
     "DeviceVanished",
+    "NotResettable",
     "DriverPort",
     "SysfsDriver",
     "FakeDevice",

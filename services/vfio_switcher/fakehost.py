@@ -64,6 +64,7 @@ from .driver import (
     DriverBusy,
     DriverError,
     DriverTimeout,
+    NotResettable,
     WriteOp,
     _check_driver,
     _check_pci,
@@ -86,8 +87,9 @@ class FakeHostError(Exception):
 
 class _Faults(msgspec.Struct, kw_only=True):
     unbind: Literal["", "fail", "hang", "hang-unbound"] = ""
+    reset: Literal["", "fail", "hang", "unsupported"] = ""
     fail_bind: list[str] = []
-    vanish_at: Literal["", "unbind", "set_driver_override", "bind", "drivers_probe"] = ""
+    vanish_at: Literal["", "unbind", "set_driver_override", "bind", "drivers_probe", "reset"] = ""
 
 
 class _Gpu(msgspec.Struct, kw_only=True):
@@ -229,6 +231,9 @@ class FakeHostDriver:
     async def drivers_probe(self, pci: str, timeout: float) -> None:
         await self._write("drivers_probe", pci, timeout)
 
+    async def reset(self, pci: str, timeout: float) -> None:
+        await self._write("reset", pci, timeout)
+
     async def _write(self, op: WriteOp, pci: str, timeout: float, driver: str = "") -> None:
         _check_pci(pci)
         if not timeout > 0:
@@ -308,6 +313,19 @@ class FakeHostDriver:
                 _consume(entry, "fail_bind", driver)
                 raise DriverError(pci, f"bind of {pci} to {driver} failed: probe returned an error")
             entry["driver"] = driver
+        elif op == "reset":
+            fault = gpu.faults.reset
+            if fault == "unsupported":  # a property of the card, not consumed
+                raise NotResettable(pci, f"reset of {pci}: the kernel offers no function reset for it")
+            if fault:
+                _consume(entry, "reset")
+            if fault == "fail":
+                raise DriverError(pci, f"reset of {pci} failed: the device did not come back from the reset")
+            if fault == "hang":
+                with self._lock:
+                    self._pending[pci] = ("reset", host.boot_id)
+                return True
+            entry["resets"] = int(entry.get("resets") or 0) + 1
         elif op == "drivers_probe":
             if current is None:
                 candidate = gpu.driver_override or gpu.base_driver

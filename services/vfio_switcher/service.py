@@ -17,6 +17,11 @@ claims do not hold: the converger asks for those switches itself; no answer
 refuses with HolderUnknown), checks the device, switches, verifies and rolls
 back. Switches of one card are serialised.
 
+Target `reset` is the sibling operation (`bcd gpu reset`, asked by the
+converger once it has claimed the card for it): the same checks, every claim
+kind holds against it (a VM's too), then the kernel's PCI function reset
+(`<device>/reset`); NotResettable when the kernel offers none.
+
 Backends: `sysfs` (real files under --sysfs-root) or `fake` (the fake host
 file, services/vfio_switcher/fakehost.py). The boot id stamped on each reply
 comes from --proc-root, or from the fake host file with the fake backend.
@@ -49,7 +54,7 @@ from shared.schemas import (
 
 from .driver import DEFAULT_SYSFS_ROOT, DriverPort, SysfsDriver, is_canonical_pci
 from .fakehost import FakeHostDriver, FakeHostError
-from .switch import TARGETS, Outcome, SwitchResult, switch
+from .switch import RESET, TARGETS, Outcome, SwitchResult, reset, switch
 
 #: how long one inventory or holder request may take (the node bus is local).
 BUS_TIMEOUT_S = 3.0
@@ -131,7 +136,7 @@ class VfioSwitcherApp(ServiceApp):
         )
         self._disruptions = Counter("bcd_vfio_disruptions", "Switches that left a card needing a node reboot", registry=reg)
         # every series from the start, so rate() and increase() see the first switch
-        for target in TARGETS:
+        for target in (*TARGETS, RESET):
             self._duration.labels(target=target)
             for outcome in Outcome:
                 self._switches.labels(target=target, outcome=outcome.value)
@@ -177,7 +182,9 @@ class VfioSwitcherApp(ServiceApp):
         assert ctx is not None and port is not None
         timeout = ctx.opts.switch_timeout
         pci, target = req.pci, req.target
-        if not is_canonical_pci(pci) or target not in TARGETS:
+        if target == RESET and not is_canonical_pci(pci):
+            return await reset(port, pci, timeout=timeout, held_by=_never_asked)
+        if target != RESET and (not is_canonical_pci(pci) or target not in TARGETS):
             # switch() refuses these itself before it asks or touches anything
             return await switch(port, pci, target, base_driver="nvidia", timeout=timeout, held_by=_never_asked)  # type: ignore[arg-type]
 
@@ -197,6 +204,8 @@ class VfioSwitcherApp(ServiceApp):
                     raise RuntimeError(f"the converger's holder check failed ({_why(exc)})") from None
                 return holder_of(answer.held, answer.kind, answer.holder, target)
 
+            if target == RESET:
+                return await reset(port, pci, timeout=timeout, held_by=held_by)
             return await switch(port, pci, target, base_driver=gpu.base_driver, timeout=timeout, held_by=held_by)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the rest
@@ -260,6 +269,9 @@ def holder_of(held: bool, kind: str, holder: str, target: str) -> str | None:
     """
     if not held:
         return None
+    if target == RESET:
+        # a reset under anything that uses the card (a VM's too) is never safe
+        return f"{kind or 'unknown'} {holder}".strip()
     if kind == "instance" or (kind == "domain" and target != "native"):
         return None
     return f"{kind or 'unknown'} {holder}".strip()

@@ -33,10 +33,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .driver import VFIO_DRIVER, DeviceVanished, DriverError, DriverPort, DriverTimeout, is_canonical_pci, is_driver_name
+from .driver import VFIO_DRIVER, DeviceVanished, DriverError, DriverPort, DriverTimeout, NotResettable, is_canonical_pci, is_driver_name
 
 Target = Literal["vfio-pci", "native"]
 TARGETS: tuple[str, ...] = ("vfio-pci", "native")
+#: the sibling operation on the same endpoint: a PCI function reset (`bcd gpu reset`).
+RESET = "reset"
 
 EVENT_PREPARE_SUCCEEDED = "VFIOPrepareSucceeded"
 EVENT_PREPARE_FAILED = "VFIOPrepareFailed"
@@ -143,6 +145,46 @@ async def switch(
     if target == "vfio-pci":
         return await _Switch(port, pci, target, base_driver, timeout, current).prepare()
     return await _Switch(port, pci, target, base_driver, timeout, current).unprepare()
+
+
+async def reset(port: DriverPort, pci: str, *, timeout: float, held_by: HeldBy) -> SwitchResult:
+    """A PCI function reset of GPU `pci`: the same checks as a switch (address, holder, device), then
+    the kernel's `reset`. Every holder holds against it: a reset under a workload kills it."""
+    if not is_canonical_pci(pci):
+        return SwitchResult(
+            pci=repr(pci), target=RESET, outcome=Outcome.REFUSED, reason="InvalidAddress",
+            message=f"refused: {pci!r} is not a canonical PCI address (like 0000:3b:00.0)",
+        )
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        return _refused(pci, RESET, "InvalidRequest", f"refused {pci}: timeout must be a positive number of seconds, not {timeout!r}")
+    try:
+        holder = await held_by(pci)
+    except Exception as exc:
+        return _refused(pci, RESET, "HolderUnknown", f"refused {pci}: whether anything holds it could not be established: {exc}")
+    if holder:
+        return SwitchResult(
+            pci=pci, target=RESET, outcome=Outcome.REFUSED, reason="Held", holder=holder,
+            message=f"refused {pci}: it is held by {holder}",
+        )
+    if not port.exists(pci):
+        return _refused(pci, RESET, "NoSuchDevice", f"refused {pci}: no such PCI device")
+    if not port.is_gpu(pci):
+        return _refused(pci, RESET, "NotAGPU", f"refused {pci}: the device is not a GPU (PCI class is not 0x0300/0x0302)")
+    driver = port.current_driver(pci)
+    try:
+        await port.reset(pci, timeout)
+    except NotResettable as exc:
+        return _refused(pci, RESET, "NotResettable", f"refused {pci}: {exc}")
+    except DriverTimeout as exc:
+        return SwitchResult(pci=pci, target=RESET, outcome=Outcome.FAILED, reason="ResetTimedOut", driver=driver, message=f"reset of {pci} failed: {exc}")
+    except DeviceVanished as exc:
+        return SwitchResult(pci=pci, target=RESET, outcome=Outcome.FAILED, reason="DeviceVanished", message=f"reset of {pci} failed: {exc}")
+    except DriverError as exc:
+        return SwitchResult(pci=pci, target=RESET, outcome=Outcome.FAILED, reason="ResetFailed", driver=driver, message=f"reset of {pci} failed: {exc}")
+    return SwitchResult(
+        pci=pci, target=RESET, outcome=Outcome.SUCCEEDED, reason="Reset", driver=port.current_driver(pci),
+        message=f"{pci} was reset (PCI function reset); driver {port.current_driver(pci) or '(none)'}",
+    )
 
 
 def _refused(pci: str, target: str, reason: str, message: str) -> SwitchResult:
@@ -325,6 +367,8 @@ __all__ = [
     "EVENT_UNPREPARE_FAILED",
     "DISRUPTION_REQUIRED",
     "HeldBy",
+    "RESET",
+    "reset",
     "Outcome",
     "SwitchResult",
     "switch",

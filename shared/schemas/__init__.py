@@ -12,6 +12,11 @@ from .bus import (
     ClaimKind,
     ConvergerStatus,
     GpuAction,
+    DiagReply,
+    DiagRequest,
+    GpuOp,
+    GpuOpReply,
+    GpuOpRequest,
     GpuClaim,
     GpuReply,
     GpuRequest,
@@ -81,6 +86,10 @@ HOLDER_QUERY_CODEC: Codec[HolderQuery] = Codec(HolderQuery, max_bytes=4096)
 HOLDER_REPLY_CODEC: Codec[HolderReply] = Codec(HolderReply, max_bytes=4096)
 DEVICES_QUERY_CODEC: Codec[DevicesQuery] = Codec(DevicesQuery, max_bytes=64 * 1024)
 HELD_REPLY_CODEC: Codec[HeldReply] = Codec(HeldReply, max_bytes=256 * 1024)
+GPU_OP_REQUEST_CODEC: Codec[GpuOpRequest] = Codec(GpuOpRequest, max_bytes=4096)
+GPU_OP_REPLY_CODEC: Codec[GpuOpReply] = Codec(GpuOpReply, max_bytes=64 * 1024)
+DIAG_REQUEST_CODEC: Codec[DiagRequest] = Codec(DiagRequest, max_bytes=4096)
+DIAG_REPLY_CODEC: Codec[DiagReply] = Codec(DiagReply, max_bytes=512 * 1024)
 DEVICE_PLUGIN_STATUS_CODEC: Codec[DevicePluginStatus] = Codec(DevicePluginStatus, max_bytes=4 * DEFAULT_MAX_BYTES)
 WITHDRAW_REPLY_CODEC: Codec[WithdrawReply] = Codec(WithdrawReply, max_bytes=64 * 1024)
 EVICT_REPLY_CODEC: Codec[EvictReply] = Codec(EvictReply, max_bytes=256 * 1024)
@@ -142,6 +151,15 @@ __all__ = [  # noqa: PLE0604
     "DEVICES_QUERY_CODEC",
     "HELD_REPLY_CODEC",
     "DEVICE_PLUGIN_STATUS_CODEC",
+    "GPU_OP_REQUEST_CODEC",
+    "GPU_OP_REPLY_CODEC",
+    "DIAG_REQUEST_CODEC",
+    "DIAG_REPLY_CODEC",
+    "GpuOp",
+    "GpuOpReply",
+    "GpuOpRequest",
+    "DiagRequest",
+    "DiagReply",
     "WITHDRAW_REPLY_CODEC",
     "AdvertisedHold",
     "DevicePluginStatus",

@@ -116,6 +116,8 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     conditions: Annotated[list[Condition], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
     #: host memory the converger never promises to holds (--system-reserve-bytes): what a dry run plans with.
     system_reserve_bytes: int = 0
+    #: maintenance operations: those running, then the last of each kind per card.
+    gpu_ops: Annotated[list["GpuOp"], msgspec.Meta(max_length=4096)] = []
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -247,7 +249,7 @@ class SwitchRequest(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     pci: Annotated[str, msgspec.Meta(max_length=64)]
-    #: "vfio-pci" or "native"
+    #: "vfio-pci" or "native"; "reset": a PCI function reset instead of a switch
     target: Annotated[str, msgspec.Meta(max_length=16)]
     #: who asks and why (logs and the result notice only)
     why: Annotated[str, msgspec.Meta(max_length=256)] = ""
@@ -325,6 +327,73 @@ class GpuReply(msgspec.Struct, frozen=True, kw_only=True):
     #: the card after the request, with its PhysicalGPU status
     gpu: Gpu | None = None
 
+
+
+GpuOpKind = Literal["reset", "diag"]
+#: DCGM's diagnostic levels (`dcgmi diag -r N`): 1 quick, 2 medium, 3 long, 4 extended.
+DIAG_LEVEL_MAX = 4
+#: how long one diagnostic may run, by level (DCGM's own run times with room); the
+#: converger waits a minute longer for the answer.
+DIAG_RUN_S: dict[int, float] = {1: 240.0, 2: 1140.0, 3: 3540.0, 4: 3 * 3600.0 - 60.0}
+
+
+class GpuOpRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator's maintenance operation on one card (`bcd gpu reset|diag <pci>`), run by the converger."""
+
+    #: "reset" or "diag" (a plain bounded string: anything else is refused with a reason)
+    op: Annotated[str, msgspec.Meta(max_length=16)]
+    pci: Annotated[str, msgspec.Meta(max_length=64)]
+    #: the diagnostic level (1-4); 0 for a reset
+    level: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+
+
+class GpuOp(msgspec.Struct, frozen=True, kw_only=True):
+    """One maintenance operation: journaled (state "running") before it starts, "done" with one outcome."""
+
+    id: Name
+    op: Name
+    pci: Annotated[str, msgspec.Meta(max_length=128)]
+    level: int = 0
+    state: Literal["running", "done"] = "running"
+    #: reset: Succeeded | Failed | Refused | Interrupted; diag: Passed | Failed | NotInstalled | Error | Interrupted
+    outcome: Name = ""
+    message: Text = ""
+    #: the card is claimed while it runs (a reset, a diagnostic from level 2): no hold, switch or VM takes it
+    claims_card: bool = True
+    started_at: datetime
+    finished_at: datetime | None = None
+    boot_id: Name = ""
+
+
+class GpuOpReply(msgspec.Struct, frozen=True, kw_only=True):
+    #: False: refused (the message names the holder, or says what is wrong with the request)
+    accepted: bool
+    message: Text = ""
+    op: GpuOp | None = None
+
+
+class DiagRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The vendor's diagnostic on one card (inventory.diag; the converger asks, having claimed the card).
+
+    The first request of an `op_id` starts the run and is answered at once
+    (outcome Running); asking again (`poll`) answers Running or the result. An
+    `op_id` the inventory does not know when polled (it restarted) is Error.
+    """
+
+    pci: PciAddress
+    level: Annotated[int, msgspec.Meta(ge=1, le=DIAG_LEVEL_MAX)]
+    op_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    poll: bool = False
+
+
+class DiagReply(msgspec.Struct, frozen=True, kw_only=True):
+    pci: Annotated[str, msgspec.Meta(max_length=128)]
+    level: int
+    #: Running | Passed | Failed | NotInstalled | Error
+    outcome: Name
+    message: Text = ""
+    #: the tests that did not pass, as the tool names them (at most 64)
+    failures: Annotated[list[Text], msgspec.Meta(max_length=64)] = []
 
 
 # --------------------------------------------------------------------------- root helper
@@ -469,6 +538,14 @@ __all__ = [
     "Claims",
     "GpuAction",
     "GpuRequest",
+    "GpuOpKind",
+    "GpuOpRequest",
+    "GpuOp",
+    "GpuOpReply",
+    "DiagRequest",
+    "DiagReply",
+    "DIAG_LEVEL_MAX",
+    "DIAG_RUN_S",
     "GpuReply",
     "SignRequest",
     "SIGN_BATCH_MAX",

@@ -130,6 +130,17 @@ class _Endpoint:
     task: asyncio.Task[None] | None = None
 
 
+async def _grpc_calls_settled(timeout: float = 5.0) -> None:
+    """Let grpc.aio finish the status tasks of the calls just cancelled: a closed channel leaves one per
+    call (`_handle_status_once_received`, "cancelling") for a few loop ticks, more under load."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if not any(not t.done() and "_handle_status_once_received" in repr(t.get_coro()) for t in asyncio.all_tasks()):
+            return
+        await asyncio.sleep(0.01)
+
+
 class KubeletStandIn(pb_grpc.RegistrationServicer):
     """The kubelet's device manager over a plugin directory (see the module docstring)."""
 
@@ -173,6 +184,7 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         for name in list(self._endpoints):
             await self._retire(self._endpoints.pop(name))
         self.socket.unlink(missing_ok=True)
+        await _grpc_calls_settled()
         self._bump()
 
     async def restart(self) -> None:

@@ -375,3 +375,26 @@ def test_no_device_plugin_line_where_the_node_runs_none_and_no_check_without_kub
     assert not any(line.startswith("device plugin") for line in render_status(r).splitlines())
     assert "device-plugin" not in levels(r)
     assert "device-plugin" not in levels(report(expected=WITH_PLUGIN, device_plugin=plugin_status(registered=False)))
+
+
+# --------------------------------------------------------------------------- maintenance
+
+
+def test_status_and_gpu_list_show_running_and_finished_maintenance():
+    from bcd.status import op_line, render_gpus
+    from services.converger import gpuops
+    from shared.schemas import GpuOpRequest
+
+    inv = host_inventory()
+    pci = inv.gpus[0].pci_address
+    running = gpuops.new_op(GpuOpRequest(op="reset", pci=pci), now=NOW, boot_id="b")
+    done = gpuops.finished(gpuops.new_op(GpuOpRequest(op="diag", pci=pci, level=3), now=NOW, boot_id="b"), "Failed", "Memory: ECC", now=NOW)
+    assert op_line(running) == f"reset {pci}: running since 2026-11-30 09:00:00 ({running.id})"
+    assert op_line(done) == f"diag level 3 {pci}: Failed at 2026-11-30 09:00:00 ({done.id}): Memory: ECC"
+    level1 = gpuops.new_op(GpuOpRequest(op="diag", pci=pci, level=1), now=NOW, boot_id="b")
+    assert op_line(level1).endswith("; the card stays usable")
+    text = render_status(report(converger=conv(gpu_ops=[running, done])))
+    assert "gpu maintenance:" in text and op_line(done) in text
+    listing = render_gpus(inv, [done])
+    assert f"diag level 3: Failed at 2026-11-30 09:00:00 ({done.id}): Memory: ECC" in listing
+    assert "maintenance unknown" in render_gpus(inv, None)

@@ -201,6 +201,9 @@ PUBLISH_MATRIX = [
     pytest.param(S.device_plugin_withdraw, {"converger"}, id="device_plugin.withdraw"),
     pytest.param(S.device_plugin_status, {"cli"}, id="device_plugin.status"),
     pytest.param(S.converger_holds_changed, {"converger"}, id="converger.holds_changed"),
+    # maintenance: only an operator starts one; only the converger asks for a diagnostic
+    pytest.param(S.converger_gpu_op, {"cli"}, id="converger.gpu_op"),
+    pytest.param(S.inventory_diag, {"converger"}, id="inventory.diag"),
     pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
     pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
     pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-update"),

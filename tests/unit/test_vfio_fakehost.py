@@ -70,6 +70,15 @@ class MemHost:
     def end_hang(self, pci: str) -> None:
         self.port.release(pci)
 
+    def fail_reset(self, pci: str) -> None:
+        self.port.fail_reset(pci)
+
+    def no_reset(self, pci: str) -> None:
+        self.port.not_resettable(pci)
+
+    def resets(self, pci: str) -> int:
+        return self.port.resets.get(pci, 0)
+
     def close(self) -> None:
         pass
 
@@ -116,6 +125,15 @@ class SysfsHost:
     def end_hang(self, pci: str) -> None:
         self.tree.gate.set()
         join_writer_threads()
+
+    def fail_reset(self, pci: str) -> None:
+        self.tree.fail_reset.add(pci)
+
+    def no_reset(self, pci: str) -> None:
+        (self.tree.real_dir(pci) / "reset").unlink()
+
+    def resets(self, pci: str) -> int:
+        return self.tree.resets.get(pci, 0)
 
     def close(self) -> None:
         self.tree.gate.set()
@@ -182,6 +200,15 @@ class FileHost:
     def end_hang(self, pci: str) -> None:
         # a hung write never returns; the fake host's hang ends when it reboots
         self.edit(lambda doc: doc.update(boot_id="boot-2"))
+
+    def fail_reset(self, pci: str) -> None:
+        self.edit(lambda doc: self.faults(doc, pci).update(reset="fail"))
+
+    def no_reset(self, pci: str) -> None:
+        self.edit(lambda doc: self.faults(doc, pci).update(reset="unsupported"))
+
+    def resets(self, pci: str) -> int:
+        return self.gpu(self.doc(), pci).get("resets", 0)
 
     def close(self) -> None:
         # whatever the test did, the inventory can still read the file
@@ -546,3 +573,69 @@ def test_holder_rule(held, kind, target, holds):
     assert (got is not None) is holds
     if holds:
         assert got.endswith("who")
+
+
+# --------------------------------------------------------------------------- the sibling operation: a reset
+
+
+@pytest.mark.parametrize(
+    ("setup", "holder", "outcome", "reason", "resets"),
+    [
+        ("free", None, "Succeeded", "Reset", 1),
+        ("held", "allocation a1", "Refused", "Held", 0),
+        ("fail", None, "Failed", "ResetFailed", 0),
+        ("unsupported", None, "Refused", "NotResettable", 0),
+        ("not-a-gpu", None, "Refused", "NotAGPU", 0),
+        ("absent", None, "Refused", "NoSuchDevice", 0),
+    ],
+)
+async def test_reset(host, setup, holder, outcome, reason, resets):
+    from services.vfio_switcher.switch import reset
+
+    pci = "0000:3b:00.0"
+    if setup == "not-a-gpu":
+        host.add(pci, cls="0x020000", driver="mlx5_core")
+    elif setup != "absent":
+        host.add(pci, driver=BASE)
+    if setup == "fail":
+        host.fail_reset(pci)
+    if setup == "unsupported":
+        host.no_reset(pci)
+
+    async def held_by(card: str) -> str | None:
+        return holder
+
+    result = await reset(host.port, pci, timeout=5.0, held_by=held_by)
+    assert (result.outcome, result.reason) == (outcome, reason), result.message
+    if setup not in ("not-a-gpu", "absent"):
+        assert host.resets(pci) == resets
+        # a reset leaves the binding alone
+        assert host.port.current_driver(pci) == BASE
+    if holder:
+        assert result.message == f"refused {pci}: it is held by {holder}"
+
+
+async def test_reset_asks_the_holder_and_fails_closed_without_an_answer(host):
+    from services.vfio_switcher.switch import reset
+
+    pci = "0000:3b:00.0"
+    host.add(pci, driver=BASE)
+
+    async def unknown(card: str) -> str | None:
+        raise RuntimeError("the converger did not answer")
+
+    result = await reset(host.port, pci, timeout=5.0, held_by=unknown)
+    assert (result.outcome, result.reason) == ("Refused", "HolderUnknown") and host.resets(pci) == 0
+    bad = await reset(host.port, "0000:3B:00.0", timeout=5.0, held_by=unknown)
+    assert bad.reason == "InvalidAddress"
+
+
+@pytest.mark.parametrize(
+    ("kind", "target", "holds"),
+    [("allocation", "reset", True), ("release", "reset", True), ("instance", "reset", True), ("domain", "reset", True)],
+)
+def test_every_claim_holds_a_card_against_a_reset(kind, target, holds):
+    from services.vfio_switcher.service import holder_of
+
+    assert (holder_of(True, kind, "x", target) is not None) is holds
+    assert holder_of(False, kind, "x", target) is None

@@ -65,6 +65,9 @@ class FakeTree:
         self.fail_bind: set[tuple[str, str]] = set()
         self.hang_unbind: dict[str, str] = {}
         self.vanish_at: dict[str, str] = {}
+        self.fail_reset: set[str] = set()
+        #: pci -> function resets the kernel did
+        self.resets: dict[str, int] = {}
         self.gate = threading.Event()
 
     def load(self, driver: str) -> None:
@@ -88,6 +91,7 @@ class FakeTree:
         (d / "class").write_text(cls + "\n")
         (d / "vendor").write_text("0x10de\n")
         (d / "driver_override").write_text((override or "(null)") + "\n")
+        (d / "reset").write_text("")  # the kernel makes it where a reset method works
         os.symlink(os.path.relpath(d, self.pci_bus / "devices"), self.pci_bus / "devices" / pci)
         self.native[pci] = native
         self.set_driver(pci, driver)
@@ -130,6 +134,9 @@ class FakeTree:
             return "bind", data.strip(), parts[1]
         if parts == ("drivers_probe",):
             return "drivers_probe", data.strip(), None
+        if parts[0] == "devices" and parts[2:] == ("reset",):
+            assert data == "1", data
+            return "reset", parts[1], None
         raise AssertionError(f"the backend wrote an unexpected path: {path}")
 
     def before(self, op: str, pci: str) -> None:
@@ -144,7 +151,12 @@ class FakeTree:
     def after(self, op: str, pci: str, driver: str | None, data: str) -> None:
         if op in ("bind", "drivers_probe") and not self.present(pci):
             raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
-        if op == "unbind":
+        if op == "reset":
+            if pci in self.fail_reset:
+                self.fail_reset.discard(pci)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            self.resets[pci] = self.resets.get(pci, 0) + 1
+        elif op == "unbind":
             self.set_driver(pci, None)
         elif op == "set_driver_override":
             (self.real_dir(pci) / "driver_override").write_text((data.strip() or "(null)") + "\n")

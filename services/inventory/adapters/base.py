@@ -108,6 +108,17 @@ class RunningDomain:
     gpus: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class DiagResult:
+    """One run of the vendor's diagnostic on one card."""
+
+    #: Passed | Failed | NotInstalled | Error
+    outcome: str
+    message: str
+    #: the tests that failed, as the tool names them
+    failures: tuple[str, ...] = ()
+
+
 # --------------------------------------------------------------------------- reading the vendor spec
 
 
@@ -194,6 +205,13 @@ class SharingCapable(Protocol):
 
 
 @runtime_checkable
+class Diagnosable(Protocol):
+    def run_diag(self, pci_address: str, level: int, timeout: float) -> DiagResult:
+        """Run the vendor's diagnostic at `level` on one card (blocking; bounded by `timeout`); never raises."""
+        ...
+
+
+@runtime_checkable
 class DomainLister(Protocol):
     """Running VMs and their GPUs, read-only (the converger's Domains port builds on it)."""
 
@@ -209,6 +227,8 @@ __all__ = [
     "GpuFacts",
     "HostScan",
     "RunningDomain",
+    "DiagResult",
+    "Diagnosable",
     "VendorCdi",
     "vendor_cdi_from_json",
     "read_vendor_cdi",

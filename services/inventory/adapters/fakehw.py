@@ -13,6 +13,7 @@ spec the file declares into cdi_dir, as the NVIDIA toolkit would on a real host.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -30,6 +31,7 @@ from .. import hostfs
 from .base import (
     VENDOR_CDI_FILE,
     AdapterError,
+    DiagResult,
     GpuFacts,
     HostScan,
     MigInstanceFacts,
@@ -99,7 +101,9 @@ class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
 
     unbind: Literal["", "fail", "hang", "hang-unbound"] = ""
     fail_bind: list[DriverName] = []
-    vanish_at: Literal["", "unbind", "set_driver_override", "bind", "drivers_probe"] = ""
+    vanish_at: Literal["", "unbind", "set_driver_override", "bind", "drivers_probe", "reset"] = ""
+    #: a function reset: "fail" (once), "hang" (once: never returns), "unsupported" (the kernel offers none; kept)
+    reset: Literal["", "fail", "hang", "unsupported"] = ""
 
 
 class HostPciDevice(_HostStruct, frozen=True, kw_only=True):
@@ -135,6 +139,12 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     present: bool = True
     #: failures the vfio_switcher's fake backend injects on this card.
     faults: HostGpuFaults = HostGpuFaults()
+    #: function resets the vfio_switcher's fake backend did on this card.
+    resets: NonNegInt = 0
+    #: what DCGM's diagnostic says of this card (`bcd gpu diag`), and after how long.
+    diag: Literal["pass", "fail"] = "pass"
+    diag_message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    diag_seconds: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
 
 
 class HostProcess(_HostStruct, frozen=True, kw_only=True):
@@ -264,7 +274,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 class FakeHwAdapter:
-    """VendorAdapter + MigCapable + VfioCapable + SharingCapable + DomainLister over a host file."""
+    """VendorAdapter + MigCapable + VfioCapable + SharingCapable + DomainLister + Diagnosable over a host file."""
 
     def __init__(self, host_file: Path | str, *, cdi_dir: Path | str) -> None:
         self.host_file = Path(host_file)
@@ -285,6 +295,27 @@ class FakeHwAdapter:
 
     def vendor(self) -> str:
         return self._host.vendor
+
+    # ----------------------------------------------------------------- diagnostics
+
+    def run_diag(self, pci_address: str, level: int, timeout: float) -> DiagResult:
+        """DCGM as the host file says: each card's `diag` (pass or fail), after `diag_seconds`."""
+        try:
+            host = load_host_file(self.host_file)
+        except AdapterError as exc:
+            return DiagResult("Error", f"the fake host file could not be read: {exc}")
+        card = next((g for g in host.gpus if g.pci_address == pci_address and g.present), None)
+        if card is None:
+            return DiagResult("Error", f"no card at {pci_address} on the fake host")
+        if card.diag_seconds:
+            if card.diag_seconds > timeout:
+                time.sleep(timeout)
+                return DiagResult("Error", f"dcgmi diag -r {level} did not finish within {timeout:.0f} s")
+            time.sleep(card.diag_seconds)
+        if card.diag == "fail":
+            why = card.diag_message or "the fake host says this card fails its diagnostic"
+            return DiagResult("Failed", f"DCGM diagnostic level {level}: 1 test(s) failed (fake host)", (f"fake: {why}",))
+        return DiagResult("Passed", f"DCGM diagnostic level {level} passed (fake host)")
 
     def read_capabilities(self) -> HostScan:
         host = self.reload()

@@ -37,6 +37,7 @@ from .base import (
     VENDOR_CDI_FILE,
     AdapterError,
     AdapterUnavailable,
+    DiagResult,
     GpuFacts,
     HostScan,
     MigInstanceFacts,
@@ -272,7 +273,7 @@ def _profile_name(nvml_name: str) -> str:
 
 
 class NvidiaAdapter:
-    """VendorAdapter + MigCapable + VfioCapable + SharingCapable on NVML and sysfs."""
+    """VendorAdapter + MigCapable + VfioCapable + SharingCapable + Diagnosable on NVML, sysfs and DCGM."""
 
     def __init__(
         self,
@@ -306,6 +307,17 @@ class NvidiaAdapter:
             self.nvml.init()
         except (NvmlError, pynvml.NVMLError) as exc:
             raise AdapterUnavailable(unavailable_message(str(exc) or type(exc).__name__)) from None
+
+    # ----------------------------------------------------------------- diagnostics
+
+    def run_diag(self, pci_address: str, level: int, timeout: float) -> DiagResult:
+        """DCGM's `dcgmi diag` on the card NVML listed at that address in the last scan."""
+        from ..dcgm import run_dcgmi
+
+        facts = self._last.get(pci_address)
+        if facts is None or not facts.readable:
+            return DiagResult("Error", f"NVML does not see the card at {pci_address} (not on its native driver?): no diagnostic")
+        return run_dcgmi(facts.index, level, timeout)
 
     # ----------------------------------------------------------------- helpers
 
