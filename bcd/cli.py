@@ -201,7 +201,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     if not args.pci:
         raise UsageError(f"gpu {args.action}: a PCI address is needed (like 0000:3b:00.0)")
 
-    if args.action in ("reset", "diag"):
+    if args.action in ("reset", "diag", "mig-layout"):
         return _gpu_op(args, info, subjects)
 
     async def act() -> GpuReply:
@@ -232,9 +232,15 @@ def _gpu_op(args: argparse.Namespace, info: Any, subjects: NodeSubjects) -> int:
     level = args.level if args.action == "diag" else 0
     if args.action == "diag" and not level:
         raise UsageError("gpu diag: --level N is needed (1 quick, 2 medium, 3 long, 4 extended)")
-    if args.action == "reset" and args.level:
-        raise UsageError("gpu reset: --level is for diag")
-    req = GpuOpRequest(op=args.action, pci=_canonical_pci(args.pci), level=level)
+    if args.action != "diag" and args.level:
+        raise UsageError(f"gpu {args.action}: --level is for diag")
+    if args.action == "mig-layout" and not args.layout:
+        raise UsageError("gpu mig-layout: a LAYOUT is needed: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")
+    if args.action != "mig-layout" and args.layout:
+        raise UsageError(f"gpu {args.action}: only mig-layout takes a LAYOUT")
+    req = GpuOpRequest(op=args.action, pci=_canonical_pci(args.pci), level=level, layout=args.layout or "")
+    if args.action == "mig-layout":
+        return _mig_layout(args, info, subjects, req)
 
     async def run() -> tuple[GpuOpReply, GpuOp | None]:
         nc = await connect(info)
@@ -271,6 +277,42 @@ def _gpu_op(args: argparse.Namespace, info: Any, subjects: NodeSubjects) -> int:
     if done is None:
         return 0 if args.no_wait else 1
     return 0 if done.outcome in ("Succeeded", "Passed") else 1
+
+
+def _mig_layout(args: argparse.Namespace, info: Any, subjects: NodeSubjects, req: GpuOpRequest) -> int:
+    """`bcd gpu mig-layout <pci> <layout>`: the desired layout set, then followed until Applied or Failed."""
+
+    async def run() -> tuple[GpuOpReply, Any]:
+        nc = await connect(info)
+        try:
+            reply = await request(nc, subjects.converger_gpu_op, req, GPU_OP_REPLY_CODEC, timeout=10)
+            if not reply.accepted or args.no_wait:
+                return reply, None
+            if not args.json:
+                print(f"{reply.message}; waiting (up to {args.wait:.0f} s; --no-wait returns at once)", flush=True)
+            deadline, last = time.monotonic() + args.wait, None
+            while time.monotonic() < deadline:
+                status = await request(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=10)
+                last = next((m for m in status.mig_layouts if m.pci_address == req.pci), None)
+                if last is not None and last.state in ("Applied", "Failed"):
+                    return reply, last
+                await asyncio.sleep(0.5)
+            return reply, last
+        finally:
+            await nc.close()
+
+    reply, state = _run(run())
+    if args.json:
+        print(msgspec.json.encode({"reply": reply, "layout": state}).decode())
+    elif not reply.accepted:
+        print(f"mig-layout {req.pci}: REFUSED: {reply.message}")
+    elif state is not None:
+        print(f"mig-layout {req.pci} {state.layout}: {state.state}" + (f": {state.message}" if state.message else ""))
+    else:
+        print(reply.message)
+    if not reply.accepted:
+        return 1
+    return 0 if args.no_wait or (state is not None and state.state == "Applied") else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -658,13 +700,17 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card (or one); exclude, include, reclaim, reset or diagnose one card")
     gpu.add_argument(
         "action",
-        choices=("list", "exclude", "include", "reclaim", "reset", "diag"),
-        help="list the cards (one with ADDRESS), or act on the card at ADDRESS; reset: a PCI function reset; diag: DCGM's diagnostic (--level)",
+        choices=("list", "exclude", "include", "reclaim", "reset", "diag", "mig-layout"),
+        metavar="ACTION",
+        help="list, exclude, include, reclaim, reset, diag or mig-layout: list the cards (one with ADDRESS), or act on the card at ADDRESS; "
+        "reset: a PCI function reset; diag: DCGM's diagnostic (--level); "
+        "mig-layout: the card's desired MIG layout (LAYOUT), applied once nothing holds the card",
     )
     gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by every action but list)")
+    gpu.add_argument("layout", nargs="?", metavar="LAYOUT", help="mig-layout: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")
     gpu.add_argument("--level", type=int, default=0, choices=range(0, 5), metavar="N", help="diag: 1 quick, 2 medium, 3 long, 4 extended (from 2: refused on a held card)")
-    gpu.add_argument("--wait", type=float, default=600.0, metavar="SECONDS", help="reset, diag: how long to follow the operation (default 600)")
-    gpu.add_argument("--no-wait", action="store_true", help="reset, diag: return once it started")
+    gpu.add_argument("--wait", type=float, default=600.0, metavar="SECONDS", help="reset, diag, mig-layout: how long to follow it (default 600)")
+    gpu.add_argument("--no-wait", action="store_true", help="reset, diag, mig-layout: return once it started (or was set)")
     ev = client("events", cmd_events, "the control plane's verified event log: the last events, then follow")
     ev.add_argument("--no-follow", action="store_true", help="print the past events and exit instead of following")
     which = ev.add_mutually_exclusive_group()

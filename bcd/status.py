@@ -183,6 +183,9 @@ def render_status(report: NodeReport) -> str:
     if conv is not None and conv.gpu_ops:
         lines.append("gpu maintenance:")
         lines.extend(f"  {op_line(op)}" for op in conv.gpu_ops)
+    if conv is not None and conv.mig_layouts:
+        lines.append("MIG layouts:")
+        lines.extend(f"  {m.pci_address} {m.layout}: {m.state}" + (f": {m.message}" if m.message else "") for m in conv.mig_layouts)
     plugin_line = device_plugin_line(report)
     if plugin_line:
         lines.append(plugin_line)
@@ -252,7 +255,7 @@ def render_gpus(inv: Inventory, ops: list[GpuOp] | None = None) -> str:
             f"{st.phase:<13} {st.driver_binding.management_state:<11} {conds}"
         )
         for c in st.conditions:
-            if c.type in ("Reclaim", "Reconfiguring") or (c.type == "AdapterReady" and c.status == "False"):
+            if c.type in ("Reclaim", "Reconfiguring", "MigLayout") or (c.type == "AdapterReady" and c.status == "False"):
                 lines.append(f"{'':<13} {c.type}: {c.message}")
         a = card_attention(g)
         if a is not None:

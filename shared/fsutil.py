@@ -18,12 +18,14 @@ directory fsync per directory - with each file's promise unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -442,3 +444,35 @@ __all__ = [
     "in_the_way",
     "read_regular",
 ]
+
+
+class LockTimeout(OSError):
+    """Another holder kept the lock longer than the wait."""
+
+
+def lock_file_of(path: Path) -> Path:
+    """The sibling lock file every writer of `path` takes: `.<name>.lock` beside it."""
+    return Path(path).with_name(f".{Path(path).name}.lock")
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, wait: float) -> Iterator[None]:
+    """Hold the fcntl lock on `path`'s sibling lock file (never following a symlink there): one
+    read-modify-write of `path` at a time across processes. OSError when the lock file cannot be
+    opened, LockTimeout when it stays locked for `wait` seconds."""
+    fd = os.open(lock_file_of(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                if time.monotonic() > deadline:
+                    raise LockTimeout(errno.EWOULDBLOCK, f"{lock_file_of(path)} stayed locked for {wait:g} s") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the lock

@@ -276,6 +276,11 @@ class NodeSubjects:
         return self.subject("inventory", "diag")
 
     @property
+    def inventory_mig_layout(self) -> str:
+        """Make a card's MIG layout this (MigLayoutRequest -> MigLayoutReply); the converger asks."""
+        return self.subject("inventory", "mig_layout")
+
+    @property
     def converger_holds_changed(self) -> str:
         """Published (plain, empty) by the converger after a pass that wrote or removed hold files."""
         return self.subject("converger", "holds_changed")
@@ -388,8 +393,9 @@ class NodeSubjects:
                     # the device plugin stops advertising a withdrawn hold before the reaper evicts
                     self.device_plugin_withdraw,
                     self.converger_holds_changed,
-                    # maintenance: the diagnostic runs where the vendor adapter is
+                    # maintenance: the diagnostic and MIG layouts run where the vendor adapter is
                     self.inventory_diag,
+                    self.inventory_mig_layout,
                 ),
                 (
                     self.service_wildcard("converger"),

@@ -28,22 +28,120 @@ from datetime import datetime
 
 import msgspec
 
-from shared.schemas import GpuClaim, GpuOp, GpuOpRequest
-from shared.schemas.bus import DIAG_LEVEL_MAX, DIAG_RUN_S
+from shared.schemas import Gpu, GpuClaim, GpuOp, GpuOpRequest
+from shared.schemas.bus import DIAG_LEVEL_MAX, DIAG_RUN_S, MIG_ALL_DISABLED
 
-OPS = ("reset", "diag")
+from .model import MigLayoutRecord
+
+OPS = ("reset", "diag", "mig-layout")
 #: the lowest diagnostic level that is disruptive (DCGM: from level 2 the tests load the card).
 DISRUPTIVE_DIAG_LEVEL = 2
 #: how long the converger waits for the switcher's reset.
 RESET_TIMEOUT_S = 60.0
 #: how long it waits for the inventory's diagnostic, by level: the inventory's bound plus a minute.
 DIAG_TIMEOUT_S = {level: run + 60.0 for level, run in DIAG_RUN_S.items()}
+#: how long the converger waits for a MIG layout change (NVML's are seconds; a GPU reset is not part of it).
+MIG_TIMEOUT_S = 600.0
 #: how often a running diagnostic is asked about, and how long one answer may take.
 POLL_INTERVAL_S = 1.0
 POLL_TIMEOUT_S = 10.0
 #: outcomes that are a success (`bcd gpu` exits 0).
 OK_OUTCOMES = frozenset({"Succeeded", "Passed"})
 _PCI = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+# ---------------------------------------------------------------------------- MIG layouts
+#
+# A card's desired layout (`bcd gpu mig-layout`, or the node's --mig-layouts) is a
+# record in the journal; each pass's `plan_mig_layouts` says where each stands:
+# Applied (the inventory shows it), Applying (its operation runs), Pending (something
+# holds the card, named; or a mode change waits for a GPU reset in this boot),
+# Failed (the last attempt failed; tried again only when the layout is set again),
+# or "start" (the card is free: the converger journals a mig-layout operation, which
+# claims the card, and asks the inventory's adapter to make it).
+
+
+
+def parse_layout(text: str) -> tuple[tuple[str, ...], bool]:
+    """("all-disabled" -> ((), True)), ("1g.18gb,3g.71gb" -> (("1g.18gb", "3g.71gb"), False)); ValueError says why not."""
+    text = text.strip()
+    if text == MIG_ALL_DISABLED:
+        return (), True
+    profiles = tuple(p.strip() for p in text.split(","))
+    if not text or any(not p for p in profiles):
+        raise ValueError(f"a MIG layout is {MIG_ALL_DISABLED!r} or GPU instance profiles, comma-separated (like 1g.18gb,1g.18gb,3g.71gb); not {text!r}")
+    bad = [p for p in profiles if not re.match(r"^[0-9]+g\.[0-9]+gb(\+[a-z0-9]+)?$", p)]
+    if bad:
+        raise ValueError(f"{', '.join(repr(b) for b in bad)} is not a GPU instance profile (like 1g.18gb or 1g.18gb+me)")
+    if len(profiles) > 7:
+        raise ValueError(f"a card has at most 7 GPU instances; the layout has {len(profiles)}")
+    return profiles, False
+
+
+def layout_text(profiles: Iterable[str], disable: bool) -> str:
+    return MIG_ALL_DISABLED if disable else ",".join(profiles)
+
+
+def layout_problem(gpu: Gpu, profiles: tuple[str, ...], disable: bool) -> str | None:
+    """What the card itself rules out (a profile it does not have, no MIG at all); None: nothing."""
+    if disable:
+        return None
+    if not gpu.mig_profiles:
+        return f"{gpu.pci_address} supports no MIG profiles"
+    known = {p.name for p in gpu.mig_profiles}
+    unknown = sorted(set(profiles) - known)
+    if unknown:
+        return f"{gpu.pci_address} has no MIG profile {', '.join(unknown)} (it has {', '.join(sorted(known))})"
+    return None
+
+
+def layout_applied(gpu: Gpu, profiles: tuple[str, ...], disable: bool) -> bool:
+    """The inventory shows the layout: MIG off, or exactly these GPU instances (one full compute instance each)."""
+    if disable:
+        return not gpu.mig_mode
+    return gpu.mig_mode and sorted(m.profile for m in gpu.mig_instances) == sorted(profiles)
+
+
+def plan_mig_layouts(
+    layouts: Mapping[str, MigLayoutRecord],
+    gpus: Mapping[str, Gpu],
+    claims: Iterable[GpuClaim],
+    running: Mapping[str, GpuOp],
+    *,
+    boot_id: str,
+) -> dict[str, tuple[str, str]]:
+    """PCI address -> (state, message) for every desired layout; state "start" means: start it now."""
+    held: dict[str, list[str]] = {}
+    for c in claims:
+        held.setdefault(c.pci_address, []).append(holder_text(c))
+    out: dict[str, tuple[str, str]] = {}
+    for pci, rec in sorted(layouts.items()):
+        try:
+            profiles, disable = parse_layout(rec.layout)
+        except ValueError as exc:
+            out[pci] = ("Failed", str(exc))
+            continue
+        gpu = gpus.get(pci)
+        op = running.get(pci)
+        if gpu is None:
+            out[pci] = ("Pending", f"the inventory does not list {pci} now")
+        elif op is not None and op.op == "mig-layout":
+            out[pci] = ("Applying", f"{op.id} runs")
+        elif layout_applied(gpu, profiles, disable):
+            out[pci] = ("Applied", rec.message if rec.state == "Applied" else "")
+        elif rec.state == "Failed":
+            out[pci] = ("Failed", rec.message)
+        elif rec.blocked_boot and rec.blocked_boot == boot_id:
+            out[pci] = ("Pending", rec.message)
+        elif op is not None:
+            out[pci] = ("Pending", f"waits for {op_holder(op)}")
+        elif pci in held:
+            more = f" (and {len(held[pci]) - 1} more)" if len(held[pci]) > 1 else ""
+            out[pci] = ("Pending", f"waits: {pci} is held by {held[pci][0]}{more}")
+        else:
+            problem = layout_problem(gpu, profiles, disable)
+            out[pci] = ("Failed", problem) if problem else ("start", "")
+    return out
 
 
 def holder_text(claim: GpuClaim) -> str:
@@ -58,12 +156,12 @@ def holder_text(claim: GpuClaim) -> str:
 
 
 def op_holder(op: GpuOp) -> str:
-    what = f"diagnostic level {op.level}" if op.op == "diag" else op.op
+    what = f"diagnostic level {op.level}" if op.op == "diag" else ("MIG layout " + op.layout if op.op == "mig-layout" else op.op)
     return f"maintenance ({what}, {op.id})"
 
 
 def claims_card(op: str, level: int) -> bool:
-    return op == "reset" or (op == "diag" and level >= DISRUPTIVE_DIAG_LEVEL)
+    return op in ("reset", "mig-layout") or (op == "diag" and level >= DISRUPTIVE_DIAG_LEVEL)
 
 
 def check_request(req: GpuOpRequest) -> str | None:
@@ -74,8 +172,15 @@ def check_request(req: GpuOpRequest) -> str | None:
         return f"refused: {req.pci!r} is not a canonical PCI address (like 0000:3b:00.0)"
     if req.op == "diag" and not 1 <= req.level <= DIAG_LEVEL_MAX:
         return f"refused {req.pci}: a diagnostic level is 1 to {DIAG_LEVEL_MAX}, not {req.level}"
-    if req.op == "reset" and req.level:
-        return f"refused {req.pci}: a reset has no level"
+    if req.op != "diag" and req.level:
+        return f"refused {req.pci}: a {req.op} has no level"
+    if req.op == "mig-layout":
+        try:
+            parse_layout(req.layout)
+        except ValueError as exc:
+            return f"refused {req.pci}: {exc}"
+    elif req.layout:
+        return f"refused {req.pci}: a {req.op} has no layout"
     return None
 
 
@@ -103,6 +208,7 @@ def new_op(req: GpuOpRequest, *, now: datetime, boot_id: str) -> GpuOp:
         op=req.op,
         pci=req.pci,
         level=req.level,
+        layout=req.layout,
         claims_card=claims_card(req.op, req.level),
         started_at=now,
         boot_id=boot_id,
@@ -117,6 +223,8 @@ def interrupted(op: GpuOp, *, now: datetime) -> GpuOp:
     """A record still running when the converger starts: the process that waited for it died."""
     if op.op == "reset":
         why = "the converger stopped while the reset ran: whether the card was reset is not known; the inventory reads it again"
+    elif op.op == "mig-layout":
+        why = "the converger stopped while the MIG layout was made: the inventory reads the card again, and the layout is tried again"
     else:
         why = f"the converger stopped while the level {op.level} diagnostic ran: no result; run it again"
     return finished(op, "Interrupted", why, now=now)
@@ -146,5 +254,10 @@ __all__ = [
     "finished",
     "interrupted",
     "maintenance_claims",
+    "parse_layout",
+    "layout_text",
+    "layout_problem",
+    "layout_applied",
+    "plan_mig_layouts",
     "result_key",
 ]

@@ -62,6 +62,20 @@ class Refusal(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
+class MigLayoutRecord(msgspec.Struct, kw_only=True):
+    """A card's desired MIG layout and where it stands (gpuops.plan_mig_layouts)."""
+
+    layout: str
+    #: "operator" (bcd gpu mig-layout; kept over the node's configuration) or "config" (--mig-layouts)
+    source: str = "operator"
+    #: Pending | Applying | Applied | Failed
+    state: str = "Pending"
+    message: str = ""
+    since: datetime
+    #: the boot in which a mode change waits for a GPU reset: not tried again in it
+    blocked_boot: str = ""
+
+
 class ConvergerState(msgspec.Struct, kw_only=True):
     """`<data_dir>/converger/state.json` (0600, written atomically)."""
 
@@ -98,6 +112,8 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     gpu_ops: dict[str, GpuOp] = {}
     #: "<op> <pci>" -> the last finished operation of that kind on that card.
     gpu_op_results: dict[str, GpuOp] = {}
+    #: PCI address -> the card's desired MIG layout and its state.
+    mig_layouts: dict[str, MigLayoutRecord] = {}
 
 
 # ---------------------------------------------------------------------------- observed

@@ -37,6 +37,7 @@ from shared.schemas import (
     CONVERGER_STATUS_CODEC,
     DIAG_REPLY_CODEC,
     EMPTY_CODEC,
+    MIG_LAYOUT_REPLY_CODEC,
     FREED_CODEC,
     GPU_OP_REPLY_CODEC,
     GPU_OP_REQUEST_CODEC,
@@ -59,6 +60,8 @@ from shared.schemas import (
     HolderReply,
     HoldSummary,
     Inventory,
+    MigLayoutRequest,
+    MigLayoutState,
     NodeSpec,
     SpecAck,
     SwitchRequest,
@@ -84,7 +87,7 @@ from .hostwriter import (
     writer_kind,
 )
 from .loop import PassLoop
-from .model import ConvergerState, PlanConfig
+from .model import ConvergerState, MigLayoutRecord, PlanConfig
 from .observe import DiskView, observe, read_disk, release_facts
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import UNREADABLE, plan
@@ -123,6 +126,12 @@ class ConvergerApp(ServiceApp):
     def options(self) -> list[Option]:
         return [
             Option("--cdi-dir", "CDI spec directory", default=Path("/etc/cdi"), type=Path),
+            Option(
+                "--mig-layouts",
+                "desired MIG layouts of this node's cards: PCI=LAYOUT;PCI=LAYOUT (LAYOUT: all-disabled, or GPU instance "
+                "profiles comma-separated); `bcd gpu mig-layout` overrides a card's",
+                default="",
+            ),
             Option("--run-dir", "runtime directory (env files; tmpfs)", default=Path("/run/bcd"), type=Path),
             Option("--data-dir", "state directory", default=Path("/var/lib/bcd"), type=Path),
             Option("--proc-root", "root of /proc (boot id)", default=Path("/proc"), type=Path),
@@ -193,6 +202,14 @@ class ConvergerApp(ServiceApp):
             self.state.gpu_op_results[gpuops.result_key(done)] = done
             ctx.log.warning("maintenance operation interrupted by a restart", op=op.op, id=op.id, pci=pci, detail=done.message)
         self.state.gpu_ops = {}
+        try:
+            configured = parse_layout_config(o.mig_layouts)
+        except ValueError as exc:
+            raise StartupError(f"--mig-layouts: {exc}") from None
+        for pci, layout in configured.items():
+            rec = self.state.mig_layouts.get(pci)
+            if rec is None or (rec.source == "config" and rec.layout != layout):
+                self.state.mig_layouts[pci] = MigLayoutRecord(layout=layout, source="config", since=now)
         self.store.save(self.state)
         self.spec, unknown = self.store.load_spec_with_unknown()
         self.spec_unknown = tuple(unknown)
@@ -367,6 +384,7 @@ class ConvergerApp(ServiceApp):
             conditions=sorted(self.state.conditions.values(), key=lambda c: c.type)[:PROBLEMS_MAX],
             system_reserve_bytes=self.opts.system_reserve_bytes,
             gpu_ops=[*sorted(self.state.gpu_ops.values(), key=lambda o: o.pci), *sorted(self.state.gpu_op_results.values(), key=lambda o: (o.pci, o.op))],
+            mig_layouts=self._mig_states(),
         )
 
     def _card_claims(self, inv: Inventory, holds: dict[str, HoldOnDisk] | None = None) -> list[GpuClaim]:
@@ -410,7 +428,14 @@ class ConvergerApp(ServiceApp):
             vfio=sorted(self.state.vfio),
             generation=self.spec.generation if self.spec is not None else None,
             at=datetime.now(timezone.utc),
+            mig_layouts=self._mig_states(),
         )
+
+    def _mig_states(self) -> list[MigLayoutState]:
+        return [
+            MigLayoutState(pci_address=pci, layout=r.layout, state=r.state, message=clip(r.message), since=r.since)
+            for pci, r in sorted(self.state.mig_layouts.items())
+        ]
 
     async def claims(self, _: Empty) -> Claims:
         c = await self._claims_now()
@@ -424,7 +449,7 @@ class ConvergerApp(ServiceApp):
         if c is None:
             return
         # a new generation with the same claims is nothing new for the inventory
-        key = (c.claims, c.vfio)
+        key = (c.claims, c.vfio, [(m.pci_address, m.layout, m.state, m.message) for m in c.mig_layouts])
         if key == self.claims_sent:
             return
         try:
@@ -476,6 +501,8 @@ class ConvergerApp(ServiceApp):
                 inv = self.inventory
             if inv is None:
                 return GpuOpReply(accepted=False, message=f"refused {req.pci}: no inventory yet, so whether anything holds it is not known")
+            if req.op == "mig-layout":
+                return await self._set_mig_layout(req, inv)
             claims = await asyncio.to_thread(self._card_claims, inv)
             problem = gpuops.refusal(req, (g.pci_address for g in inv.gpus), claims, self.state.gpu_ops)
             if problem:
@@ -493,6 +520,55 @@ class ConvergerApp(ServiceApp):
         task.add_done_callback(self.op_tasks.discard)
         return GpuOpReply(accepted=True, message=f"{op.op} of {op.pci} started ({op.id})", op=op)
 
+    async def _set_mig_layout(self, req: GpuOpRequest, inv: Inventory) -> GpuOpReply:
+        """`bcd gpu mig-layout`: the card's desired layout, journaled; a pass applies it once nothing holds the card."""
+        gpu = next((g for g in inv.gpus if g.pci_address == req.pci), None)
+        if gpu is None:
+            return GpuOpReply(accepted=False, message=f"refused {req.pci}: the inventory lists no GPU at that address")
+        profiles, disable = gpuops.parse_layout(req.layout)
+        problem = gpuops.layout_problem(gpu, profiles, disable)
+        if problem:
+            return GpuOpReply(accepted=False, message=f"refused {req.pci}: {problem}")
+        layout = gpuops.layout_text(profiles, disable)
+        self.state.mig_layouts[req.pci] = MigLayoutRecord(layout=layout, source="operator", since=datetime.now(timezone.utc))
+        await asyncio.to_thread(self.store.save, self.state)
+        self.ctx.log.info("MIG layout set", pci=req.pci, layout=layout)
+        self.loop.trigger(f"MIG layout of {req.pci} set")
+        return GpuOpReply(accepted=True, message=f"MIG layout of {req.pci} set to {layout}: applied once nothing holds the card")
+
+    async def _mig_step(self) -> None:
+        """After a pass: where every desired MIG layout stands; a free card's layout is started."""
+        if not self.state.mig_layouts or self.inventory is None:
+            return
+        async with self.lock:
+            inv = self.inventory
+            claims = await asyncio.to_thread(self._card_claims, inv)
+            plan = gpuops.plan_mig_layouts(
+                self.state.mig_layouts, {g.pci_address: g for g in inv.gpus}, claims, self.state.gpu_ops, boot_id=self.state.boot_id
+            )
+            now = datetime.now(timezone.utc)
+            changed, started = False, []
+            for pci, (state, message) in plan.items():
+                rec = self.state.mig_layouts[pci]
+                if state == "start":
+                    op = gpuops.new_op(GpuOpRequest(op="mig-layout", pci=pci, layout=rec.layout), now=now, boot_id=self.state.boot_id)
+                    self.state.gpu_ops[pci] = op
+                    state, message = "Applying", f"{op.id} runs"
+                    started.append(op)
+                if (state, message) != (rec.state, rec.message):
+                    if state != rec.state:
+                        rec.since = now
+                        self.ctx.log.info("MIG layout", pci=pci, layout=rec.layout, state=state, detail=message)
+                    rec.state, rec.message = state, message
+                    changed = True
+            if changed or started:
+                await asyncio.to_thread(self.store.save, self.state)
+        for op in started:
+            self.m_gpu_ops_running.labels(op=op.op).inc()
+            task = asyncio.create_task(self._run_gpu_op(op), name=f"gpu op {op.id}")
+            self.op_tasks.add(task)
+            task.add_done_callback(self.op_tasks.discard)
+
     async def _run_gpu_op(self, op: GpuOp) -> None:
         ctx = self.ctx
         try:
@@ -502,6 +578,10 @@ class ConvergerApp(ServiceApp):
                     SWITCH_REPLY_CODEC, timeout=gpuops.RESET_TIMEOUT_S,
                 )
                 outcome, message = reply.outcome, reply.message
+            elif op.op == "mig-layout":
+                mig = await self._mig(op)
+                outcome = mig.outcome
+                message = mig.message + (f"; the card was left {mig.left}" if mig.left and outcome != "Applied" else "")
             else:
                 answer = await self._diag(op)
                 outcome = answer.outcome
@@ -518,6 +598,17 @@ class ConvergerApp(ServiceApp):
             if self.state.gpu_ops.get(op.pci) == op:
                 del self.state.gpu_ops[op.pci]
             self.state.gpu_op_results[gpuops.result_key(done)] = done
+            rec = self.state.mig_layouts.get(op.pci) if op.op == "mig-layout" else None
+            if rec is not None and rec.layout == op.layout:
+                rec.since = done.finished_at or rec.since
+                if outcome == "Applied":
+                    rec.state, rec.message = "Applied", message
+                elif outcome == "DisruptionRequired":
+                    # the existing disruption path says what to do (Reconfiguring on the card); not again in this boot
+                    rec.state, rec.blocked_boot = "Pending", self.state.boot_id
+                    rec.message = f"{message}: waits for a GPU reset or a node reboot (Reconfiguring=DisruptionRequired)"
+                else:
+                    rec.state, rec.message = "Failed", message
             await asyncio.to_thread(self.store.save, self.state)
         self.m_gpu_ops_running.labels(op=op.op).dec()
         self._count_op(done)
@@ -526,6 +617,22 @@ class ConvergerApp(ServiceApp):
         )
         # the card is free again: holds and switches that waited for it go now
         self.loop.trigger(f"{op.op} of {op.pci} done")
+
+    async def _mig(self, op: GpuOp) -> Any:
+        """The inventory's MIG layout change, started then polled (as `_diag`)."""
+        ctx = self.ctx
+        profiles, disable = gpuops.parse_layout(op.layout)
+        req = MigLayoutRequest(pci=op.pci, profiles=list(profiles), disable=disable, op_id=op.id)
+        deadline = time.monotonic() + gpuops.MIG_TIMEOUT_S
+        answer = await call(ctx.nc, ctx.subjects.inventory_mig_layout, req, MIG_LAYOUT_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
+        poll = msgspec.structs.replace(req, poll=True)
+        while answer.outcome == "Running":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the MIG layout change did not end in {gpuops.MIG_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(gpuops.POLL_INTERVAL_S)
+            with contextlib.suppress(nats.errors.Error, TimeoutError, ServiceCallError):
+                answer = await call(ctx.nc, ctx.subjects.inventory_mig_layout, poll, MIG_LAYOUT_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
+        return answer
 
     async def _diag(self, op: GpuOp) -> Any:
         """Start the inventory's diagnostic, then poll it until it ends (an inventory that restarts
@@ -563,6 +670,10 @@ class ConvergerApp(ServiceApp):
             await self._become_privileged()
         self.holds_after_pass = None
         retry = await self._pass(reason)
+        try:
+            await self._mig_step()
+        except Exception:  # noqa: BLE001 - the next pass looks again
+            self.ctx.log.exception("MIG layout step failed")
         # the hold directories as the pass left them, read once for the metric and the claims
         await self._publish_claims(self.holds_after_pass)
         return retry
@@ -720,6 +831,22 @@ class ConvergerApp(ServiceApp):
                 await task
         if self.helper_writer is not None:
             await asyncio.to_thread(self.helper_writer.close)
+
+
+def parse_layout_config(text: str) -> dict[str, str]:
+    """--mig-layouts "PCI=LAYOUT;PCI=LAYOUT" -> {pci: layout text}; ValueError names what is wrong."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        pci, sep, layout = part.partition("=")
+        pci = pci.strip().lower()
+        problem = gpuops.check_request(GpuOpRequest(op="mig-layout", pci=pci, layout=layout)) if sep else f"{part!r} is not PCI=LAYOUT"
+        if problem:
+            raise ValueError(problem.removeprefix("refused: ").removeprefix(f"refused {pci}: "))
+        profiles, disable = gpuops.parse_layout(layout)
+        out[pci] = gpuops.layout_text(profiles, disable)
+    return out
 
 
 def bounded_problems(problems: list[str]) -> list[str]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -42,7 +42,7 @@ import msgspec
 from shared import logs
 from shared.eventids import gpu_id
 from shared.fsutil import atomic_write, fsync_dir, read_regular
-from shared.schemas import Claims, Condition, DriverBinding, Gpu, GpuChanged, GpuClaim, Inventory, PhysicalGPUStatus, SwitchReply
+from shared.schemas import Claims, Condition, DriverBinding, Gpu, GpuChanged, GpuClaim, Inventory, MigLayoutState, PhysicalGPUStatus, SwitchReply
 from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import PCI_RE
 
@@ -202,6 +202,30 @@ def _cut(text: str) -> str:
     return text if len(text) <= _TEXT_MAX else text[: _TEXT_MAX - 1] + "…"
 
 
+#: the condition a card's desired MIG layout shows as (status True once Applied).
+MIG_LAYOUT = "MigLayout"
+
+
+def with_mig_layout(status: PhysicalGPUStatus, previous: PhysicalGPUStatus | None, layouts: Mapping[str, MigLayoutState] | None, pci: str) -> PhysicalGPUStatus:
+    """`status` with condition MigLayout from the converger's layout state of the card (the one it had
+    when the claims could not be read; none when no layout is desired)."""
+    if layouts is None:
+        kept = condition_of(previous.conditions, MIG_LAYOUT) if previous is not None else None
+        return status if kept is None else msgspec.structs.replace(status, conditions=[*status.conditions, kept])
+    m = layouts.get(pci)
+    if m is None:
+        return status
+    old = condition_of(previous.conditions, MIG_LAYOUT) if previous is not None else None
+    cond = Condition(
+        type=MIG_LAYOUT,
+        status="True" if m.state == "Applied" else "False",
+        reason=m.state,
+        message=_cut(f"{m.layout}: {m.message}" if m.message else m.layout),
+        since=old.since if old is not None and old.reason == m.state and old.status == ("True" if m.state == "Applied" else "False") else m.since,
+    )
+    return msgspec.structs.replace(status, conditions=[*status.conditions, cond])
+
+
 def status_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
     """What makes a change an event: phase, managementState, each condition's status and reason."""
     if status is None:
@@ -358,6 +382,7 @@ class GpuTracker:
         claims_known = claims is not None
         self.claims_known = claims_known
         by_card = claims_by_card(claims)
+        layouts = {m.pci_address: m for m in claims.mig_layouts} if claims is not None else None
         result = Evaluation(inventory=inv, new_boot=new_boot, claims_known=claims_known)
         switch_event = switch if switch is not None and switch.event else None
 
@@ -380,6 +405,7 @@ class GpuTracker:
                 boot_id=inv.boot_id,
                 outcomes=result.reclaims,
             )
+            status = with_mig_layout(status, rec.status, layouts, pci)
             rec.status = status
             gpus.append(msgspec.structs.replace(g, status=status))
             notice = switch_event if switch_event is not None and switch_event.pci == pci else None

@@ -48,6 +48,8 @@ from shared.schemas import (
     DIAG_REPLY_CODEC,
     DIAG_REQUEST_CODEC,
     EMPTY_CODEC,
+    MIG_LAYOUT_REPLY_CODEC,
+    MIG_LAYOUT_REQUEST_CODEC,
     GPU_REPLY_CODEC,
     GPU_REQUEST_CODEC,
     INVENTORY_CODEC,
@@ -60,6 +62,8 @@ from shared.schemas import (
     Empty,
     Gpu,
     GpuReply,
+    MigLayoutReply,
+    MigLayoutRequest,
     GpuRequest,
     Inventory,
     SchemaViolation,
@@ -70,7 +74,7 @@ from shared.schemas.common import PCI_RE, clip
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
-from .adapters.base import Diagnosable
+from .adapters.base import Diagnosable, MigPartitioner
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
     GpuState,
@@ -95,6 +99,14 @@ class DiagJob:
     task: asyncio.Task[DiagReply] | None = None
 
 
+@dataclasses.dataclass
+class MigJob:
+    pci: str
+    layout: tuple[tuple[str, ...], bool]
+    result: MigLayoutReply | None = None
+    task: asyncio.Task[MigLayoutReply] | None = None
+
+
 class InventoryApp(ServiceApp):
     name = "inventory"
     description = "discovers GPUs, MIG instances, slots and host resources"
@@ -105,6 +117,8 @@ class InventoryApp(ServiceApp):
         self.current: Inventory | None = None
         #: op id -> a diagnostic started or done (the converger polls it)
         self.diag_jobs: dict[str, DiagJob] = {}
+        #: op id -> a MIG layout change started or done (the converger polls it)
+        self.mig_jobs: dict[str, MigJob] = {}
         self.content_key: bytes = b""
         self.lock = asyncio.Lock()
         #: set after every evaluation: the run loop re-reads whether a timer runs.
@@ -228,6 +242,9 @@ class InventoryApp(ServiceApp):
         await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
         await ctx.endpoint("gpu", ctx.subjects.inventory_gpu, lambda req: self.gpu_request(ctx, req), GPU_REQUEST_CODEC, reply=GPU_REPLY_CODEC)
         await ctx.endpoint("diag", ctx.subjects.inventory_diag, lambda req: self.diag(ctx, req), DIAG_REQUEST_CODEC, reply=DIAG_REPLY_CODEC)
+        await ctx.endpoint(
+            "mig_layout", ctx.subjects.inventory_mig_layout, lambda req: self.mig_layout(ctx, req), MIG_LAYOUT_REQUEST_CODEC, reply=MIG_LAYOUT_REPLY_CODEC
+        )
 
         @guarded(ctx.log, "claims notice")
         async def on_claims(msg: Msg) -> None:
@@ -570,6 +587,58 @@ class InventoryApp(ServiceApp):
         job.task = asyncio.create_task(self._run_diag(ctx, job), name=f"diag {req.op_id}")
         return DiagReply(pci=req.pci, level=req.level, outcome="Running", message=f"diagnostic {req.op_id} started")
 
+    async def mig_layout(self, ctx: ServiceContext, req: MigLayoutRequest) -> MigLayoutReply:
+        """Make one listed card's MIG layout this, as a job (like `diag`): started by the first request of
+        its op id, polled after. The card is scanned again when it is done; a mode change that waits
+        for a GPU reset goes the DisruptionRequired way (Reconfiguring on the card)."""
+        layout = (tuple(req.profiles), req.disable)
+        job = self.mig_jobs.get(req.op_id) if req.op_id else None
+        if job is not None:
+            if job.pci != req.pci or job.layout != layout:
+                return MigLayoutReply(pci=req.pci, outcome="Error", message=f"MIG layout change {req.op_id} is of another card or layout")
+            return job.result or MigLayoutReply(pci=req.pci, outcome="Running", message=f"MIG layout change {req.op_id} runs")
+        if req.poll:
+            return MigLayoutReply(
+                pci=req.pci, outcome="Error", left="unknown",
+                message=f"the inventory knows no MIG layout change {req.op_id or '(no id)'}: it restarted while it ran; the card is read again",
+            )
+        gpu = next((g for g in self.current.gpus if g.pci_address == req.pci), None) if self.current is not None else None
+        if gpu is None:
+            return MigLayoutReply(pci=req.pci, outcome="Error", message=f"the inventory lists no GPU at {req.pci}", left="as before")
+        if not isinstance(self.adapter, MigPartitioner):
+            return MigLayoutReply(pci=req.pci, outcome="NotSupported", message=f"the {ctx.opts.adapter} adapter changes no MIG layout", left="as before")
+        job = MigJob(pci=req.pci, layout=layout)
+        if req.op_id:
+            self.mig_jobs[req.op_id] = job
+            while len(self.mig_jobs) > DIAG_JOBS_KEPT and self.mig_jobs[next(iter(self.mig_jobs))].result is not None:
+                del self.mig_jobs[next(iter(self.mig_jobs))]
+        job.task = asyncio.create_task(self._run_mig(ctx, job), name=f"mig layout {req.op_id}")
+        if not req.op_id:
+            return await job.task
+        return MigLayoutReply(pci=req.pci, outcome="Running", message=f"MIG layout change {req.op_id} started")
+
+    async def _run_mig(self, ctx: ServiceContext, job: "MigJob") -> MigLayoutReply:
+        profiles, disable = job.layout
+        ctx.log.info("MIG layout change started", pci=job.pci, profiles=list(profiles), disable=disable)
+        result = await _in_daemon_thread(lambda: self.adapter.apply_mig_layout(job.pci, profiles, disable=disable))
+        (ctx.log.info if result.outcome == "Applied" else ctx.log.warning)(
+            "MIG layout change done", pci=job.pci, outcome=result.outcome, detail=result.message, left=result.left
+        )
+        reply = MigLayoutReply(pci=job.pci, outcome=result.outcome, message=clip(result.message), left=result.left)
+        # the card as it is now (new MIG atoms, or what a failure left), before the converger hears the result
+        disruption = None
+        if result.outcome == "DisruptionRequired":
+            disruption = SwitchReply(
+                pci=job.pci, target="mig-layout", outcome="DisruptionRequired", reason="MigModePending",
+                message=clip(result.message), boot_id=self.current.boot_id if self.current is not None else "", at=datetime.now(timezone.utc),
+            )
+        try:
+            await self.scan_and_publish(ctx, "MIG layout changed", switch=disruption)
+        except Exception:  # noqa: BLE001 - the periodic scan sees it; the result stands
+            ctx.log.exception("scan after a MIG layout change failed")
+        job.result = reply
+        return reply
+
     async def _run_diag(self, ctx: ServiceContext, job: "DiagJob") -> DiagReply:
         ctx.log.info("diagnostic started", pci=job.pci, level=job.level)
         result = await _in_daemon_thread(self.adapter.run_diag, job.pci, job.level, DIAG_RUN_S.get(job.level, 3600.0))
@@ -681,7 +750,7 @@ class InventoryApp(ServiceApp):
     async def close(self, ctx: ServiceContext) -> None:
         # a diagnostic still running is not waited for (its thread is a daemon); the
         # converger's next poll finds no such job and ends the operation as an Error
-        jobs = [j.task for j in self.diag_jobs.values() if j.task is not None and not j.task.done()]
+        jobs = [j.task for j in (*self.diag_jobs.values(), *self.mig_jobs.values()) if j.task is not None and not j.task.done()]
         for task in jobs:
             task.cancel()
         for task in jobs:

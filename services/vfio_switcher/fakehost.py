@@ -41,19 +41,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from shared.fsutil import atomic_write, read_regular
+from shared.fsutil import LockTimeout, atomic_write, exclusive, lock_file_of, read_regular
 from shared.host import HOST_FILE_MAX_BYTES
 from shared.schemas.codec import bounded_json_loads
 
@@ -162,7 +159,7 @@ class FakeHostDriver:
 
     def __init__(self, host_file: Path | str, *, unloaded: Iterable[str] = ()) -> None:
         self.host_file = Path(host_file)
-        self.lock_file = self.host_file.with_name(f".{self.host_file.name}.lock")
+        self.lock_file = lock_file_of(self.host_file)
         #: drivers to treat as not loaded (tests: a missing vfio-pci module).
         self.unloaded: set[str] = set(unloaded)
         self._lock = threading.Lock()
@@ -356,22 +353,12 @@ class FakeHostDriver:
     @contextlib.contextmanager
     def _file_lock(self, pci: str, op: str) -> Iterator[None]:
         try:
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with exclusive(self.host_file, LOCK_WAIT_S):
+                yield
+        except LockTimeout:
+            raise DriverError(pci, f"{op} of {pci}: the fake host file stayed locked ({self.lock_file})") from None
         except OSError as exc:
             raise DriverError(pci, f"{op} of {pci}: cannot open {self.lock_file} ({exc.strerror})") from None
-        try:
-            deadline = time.monotonic() + LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                        raise DriverError(pci, f"{op} of {pci}: the fake host file stayed locked ({self.lock_file})") from None
-                    time.sleep(0.005)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor drops the lock
 
 
 def _consume(entry: dict[str, Any], fault: str, driver: str = "") -> None:

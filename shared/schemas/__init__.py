@@ -14,6 +14,9 @@ from .bus import (
     GpuAction,
     DiagReply,
     DiagRequest,
+    MigLayoutReply,
+    MigLayoutRequest,
+    MigLayoutState,
     GpuOp,
     GpuOpReply,
     GpuOpRequest,
@@ -90,6 +93,8 @@ GPU_OP_REQUEST_CODEC: Codec[GpuOpRequest] = Codec(GpuOpRequest, max_bytes=4096)
 GPU_OP_REPLY_CODEC: Codec[GpuOpReply] = Codec(GpuOpReply, max_bytes=64 * 1024)
 DIAG_REQUEST_CODEC: Codec[DiagRequest] = Codec(DiagRequest, max_bytes=4096)
 DIAG_REPLY_CODEC: Codec[DiagReply] = Codec(DiagReply, max_bytes=512 * 1024)
+MIG_LAYOUT_REQUEST_CODEC: Codec[MigLayoutRequest] = Codec(MigLayoutRequest, max_bytes=64 * 1024)
+MIG_LAYOUT_REPLY_CODEC: Codec[MigLayoutReply] = Codec(MigLayoutReply, max_bytes=64 * 1024)
 DEVICE_PLUGIN_STATUS_CODEC: Codec[DevicePluginStatus] = Codec(DevicePluginStatus, max_bytes=4 * DEFAULT_MAX_BYTES)
 WITHDRAW_REPLY_CODEC: Codec[WithdrawReply] = Codec(WithdrawReply, max_bytes=64 * 1024)
 EVICT_REPLY_CODEC: Codec[EvictReply] = Codec(EvictReply, max_bytes=256 * 1024)
@@ -155,6 +160,11 @@ __all__ = [  # noqa: PLE0604
     "GPU_OP_REPLY_CODEC",
     "DIAG_REQUEST_CODEC",
     "DIAG_REPLY_CODEC",
+    "MIG_LAYOUT_REQUEST_CODEC",
+    "MIG_LAYOUT_REPLY_CODEC",
+    "MigLayoutRequest",
+    "MigLayoutReply",
+    "MigLayoutState",
     "GpuOp",
     "GpuOpReply",
     "GpuOpRequest",

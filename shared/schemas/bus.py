@@ -118,6 +118,8 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     system_reserve_bytes: int = 0
     #: maintenance operations: those running, then the last of each kind per card.
     gpu_ops: Annotated[list["GpuOp"], msgspec.Meta(max_length=4096)] = []
+    #: the cards with a desired MIG layout and where each stands.
+    mig_layouts: Annotated[list["MigLayoutState"], msgspec.Meta(max_length=1024)] = []
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -293,6 +295,22 @@ class GpuClaim(msgspec.Struct, frozen=True, kw_only=True):
     holder: Name
 
 
+#: the MIG layout that turns MIG mode off on a card.
+MIG_ALL_DISABLED = "all-disabled"
+
+
+class MigLayoutState(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a card's desired MIG layout stands (the converger's; the inventory shows it as condition MigLayout)."""
+
+    pci_address: PciAddress
+    #: "all-disabled", or the GPU instance profiles, comma-separated ("1g.18gb,1g.18gb,3g.71gb")
+    layout: Annotated[str, msgspec.Meta(max_length=1024)]
+    #: Pending | Applying | Applied | Failed
+    state: Name
+    message: Text = ""
+    since: datetime
+
+
 class Claims(msgspec.Struct, frozen=True, kw_only=True):
     """The converger's claims on every GPU (endpoint `converger.claims`, notice `converger.claims_changed`).
 
@@ -305,6 +323,8 @@ class Claims(msgspec.Struct, frozen=True, kw_only=True):
     vfio: list[PciAddress] = []
     generation: int | None = None
     at: datetime
+    #: the cards with a desired MIG layout, and where each stands.
+    mig_layouts: Annotated[list[MigLayoutState], msgspec.Meta(max_length=1024)] = []
 
 
 GpuAction = Literal["exclude", "include", "reclaim"]
@@ -329,7 +349,7 @@ class GpuReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 
-GpuOpKind = Literal["reset", "diag"]
+GpuOpKind = Literal["reset", "diag", "mig-layout"]
 #: DCGM's diagnostic levels (`dcgmi diag -r N`): 1 quick, 2 medium, 3 long, 4 extended.
 DIAG_LEVEL_MAX = 4
 #: how long one diagnostic may run, by level (DCGM's own run times with room); the
@@ -345,6 +365,8 @@ class GpuOpRequest(msgspec.Struct, frozen=True, kw_only=True):
     pci: Annotated[str, msgspec.Meta(max_length=64)]
     #: the diagnostic level (1-4); 0 for a reset
     level: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+    #: mig-layout: "all-disabled" or GPU instance profiles, comma-separated
+    layout: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 class GpuOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -354,6 +376,8 @@ class GpuOp(msgspec.Struct, frozen=True, kw_only=True):
     op: Name
     pci: Annotated[str, msgspec.Meta(max_length=128)]
     level: int = 0
+    #: mig-layout: the layout being made
+    layout: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     state: Literal["running", "done"] = "running"
     #: reset: Succeeded | Failed | Refused | Interrupted; diag: Passed | Failed | NotInstalled | Error | Interrupted
     outcome: Name = ""
@@ -384,6 +408,30 @@ class DiagRequest(msgspec.Struct, frozen=True, kw_only=True):
     level: Annotated[int, msgspec.Meta(ge=1, le=DIAG_LEVEL_MAX)]
     op_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     poll: bool = False
+
+
+class MigLayoutRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Make a card's MIG layout this (inventory.mig_layout; the converger asks, having claimed the card).
+
+    A job like DiagRequest: the first request of an `op_id` starts it, a `poll` asks how it stands.
+    """
+
+    pci: PciAddress
+    #: GPU instance profiles, one full compute instance in each; empty with `disable`
+    profiles: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    #: MIG mode off (all-disabled)
+    disable: bool = False
+    op_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    poll: bool = False
+
+
+class MigLayoutReply(msgspec.Struct, frozen=True, kw_only=True):
+    pci: Annotated[str, msgspec.Meta(max_length=128)]
+    #: Running | Applied | Failed | DisruptionRequired | NotSupported | Error
+    outcome: Name
+    message: Text = ""
+    #: after a failure: "rolled back" (as before), "all-disabled", or "unknown"
+    left: Name = ""
 
 
 class DiagReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -544,6 +592,10 @@ __all__ = [
     "GpuOpReply",
     "DiagRequest",
     "DiagReply",
+    "MigLayoutRequest",
+    "MigLayoutReply",
+    "MigLayoutState",
+    "MIG_ALL_DISABLED",
     "DIAG_LEVEL_MAX",
     "DIAG_RUN_S",
     "GpuReply",

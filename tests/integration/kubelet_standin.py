@@ -136,7 +136,8 @@ async def _grpc_calls_settled(timeout: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        if not any(not t.done() and "_handle_status_once_received" in repr(t.get_coro()) for t in asyncio.all_tasks()):
+        # repr(task) names the coroutine; a Cython coroutine's own repr does not
+        if not any(not t.done() and "_handle_status_once_received" in repr(t) for t in asyncio.all_tasks()):
             return
         await asyncio.sleep(0.01)
 

@@ -159,3 +159,110 @@ def test_the_inventory_killed_mid_diagnostic_is_an_error_and_frees_the_card(main
     # the supervisor restarted the inventory: the card is free and the next diagnostic runs
     out = wait_for(lambda: (r := gpu(node, "diag", PCI[5], "--level", "1")).returncode == 1 and "Failed" in r.stdout and r, 60, "a diagnostic after the restart")
     assert "3 uncorrectable ECC errors" in out.stdout
+
+
+# --------------------------------------------------------------------------- MIG layouts
+
+G7, G8 = GPU[6], GPU[7]  # the example host's two MIG cards: 0000:ba:00.0 and 0000:db:00.0
+
+
+def mig_state(node: Node, pci: str) -> dict | None:
+    conv = node.status().get("converger") or {}
+    return next((m for m in conv.get("mig_layouts", []) if m["pci_address"] == pci), None)
+
+
+def card(node: Node, pci: str) -> dict:
+    return next(g for g in json.loads(node.host.read_text())["gpus"] if g["pci_address"] == pci)
+
+
+@pytest.fixture
+def mig_node(tmp_path):
+    host = json.loads((EXAMPLE_HOSTS / "h200x8.json").read_text())
+    host["processes"] = []
+    (tmp_path / "host.json").write_text(json.dumps(host))
+    # the node's configuration asks card 7 for all-disabled
+    node = Node(tmp_path, host=tmp_path / "host.json", env={"BCD_MIG_LAYOUTS": f"{PCI[6]}=all-disabled"}).start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def test_a_mig_layout_waits_for_the_card_to_be_free_then_a_device_missing_mig_hold_binds(mig_node):
+    node = mig_node
+    # from the configuration: card 7 is free, so MIG goes off at once
+    wait_for(lambda: (m := mig_state(node, PCI[6])) and m["state"] == "Applied" and m, 30, "card 7 all-disabled")
+    assert card(node, PCI[6])["mig_mode"] is False and card(node, PCI[6])["mig_instances"] == []
+
+    # card 8: one of its MIG instances is held; m1 wants an instance the layout makes
+    gen = node.apply({"node_id": "node-1", "devices": [assignment("m9", f"{G8}/gi9/ci0"), assignment("m1", f"{G8}/gi1/ci0")]})
+    node.wait_generation(gen)
+    missing = [e for e in applied(node, "failed") if e.allocation_id == "m1"]
+    assert missing and missing[-1].event["reason"] == "device-missing"
+    out = gpu(node, "mig-layout", PCI[7], "1g.18gb,1g.18gb", "--wait", "3")
+    assert out.returncode == 1 and "Pending: waits: 0000:db:00.0 is held by m9" in out.stdout, out.stdout + out.stderr
+    assert len(card(node, PCI[7])["mig_instances"]) == 4  # nothing touched while held
+    listing = gpu(node, "list", PCI[7])
+    assert "MigLayout=False/Pending" in listing.stdout, listing.stdout
+
+    # m9 released: the layout is made; the inventory lists the new instances; m1 binds at the next generation
+    gen = node.apply({"node_id": "node-1", "devices": [assignment("m1", f"{G8}/gi1/ci0")]})
+    node.wait_generation(gen)
+    wait_for(lambda: (m := mig_state(node, PCI[7])) and m["state"] == "Applied" and m, 30, "card 8 applied")
+    assert [(m["gi"], m["profile"]) for m in card(node, PCI[7])["mig_instances"]] == [(1, "1g.18gb"), (2, "1g.18gb")]
+    gen = node.apply({"node_id": "node-1", "devices": [assignment("m1", f"{G8}/gi1/ci0")]})
+    node.wait_generation(gen)
+    wait_for(lambda: "m1" in node.holds(), 30, "m1 bound")
+    # a PhysicalGPU condition, a gpu event upstream, a metric
+    listing = gpu(node, "list", PCI[7])
+    assert "MigLayout=True/Applied" in listing.stdout, listing.stdout
+    events = wait_for(
+        lambda: [e for e in node.events() if e.type == "gpu" and any(c["type"] == "MigLayout" and c["reason"] == "Applied" for c in (e.event or {}).get("status", {}).get("conditions", []))],
+        30,
+        "a gpu event with MigLayout=Applied",
+    )
+    assert events[-1].event["pci_address"] in (PCI[6], PCI[7])
+    addr = node.ping()["inventory"]["metadata"]["metrics"]
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'bcd_gpu_condition{pci_address="0000:db:00.0",reason="Applied",status="True",type="MigLayout"} 1.0' in text
+
+
+def test_mig_layout_refusals_failures_and_a_mode_change_that_needs_a_reset(mig_node):
+    node = mig_node
+    for args, why in (
+        (("mig-layout", PCI[0], "1g.18gb"), "supports no MIG profiles"),
+        (("mig-layout", PCI[7], "5g.99gb"), "has no MIG profile 5g.99gb"),
+        (("mig-layout", PCI[7], "one,two"), "is not a GPU instance profile"),
+        (("mig-layout", "0000:99:00.0", "1g.18gb"), "the inventory lists no GPU at that address"),
+    ):
+        out = gpu(node, *args)
+        assert out.returncode == 1 and "REFUSED" in out.stdout and why in out.stdout, (args, out.stdout, out.stderr)
+    usage = gpu(node, "mig-layout", PCI[7])
+    assert usage.returncode == 2 and "a LAYOUT is needed" in usage.stderr
+
+    before = card(node, PCI[7])["mig_instances"]
+
+    def fault(kind: str) -> None:
+        doc = json.loads(node.host.read_text())
+        next(g for g in doc["gpus"] if g["pci_address"] == PCI[7]).setdefault("faults", {})["mig"] = kind
+        node.host.write_text(json.dumps(doc))
+
+    # a failure rolls back to what was there, and says so
+    fault("fail")
+    out = gpu(node, "mig-layout", PCI[7], "3g.71gb,3g.71gb")
+    assert out.returncode == 1 and "Failed" in out.stdout and "the card was left rolled back" in out.stdout, out.stdout
+    assert card(node, PCI[7])["mig_instances"] == before
+    # a rollback that fails too leaves MIG off, and says so
+    fault("fail-rollback")
+    out = gpu(node, "mig-layout", PCI[7], "7g.141gb")
+    assert out.returncode == 1 and "the card was left all-disabled" in out.stdout, out.stdout
+    assert card(node, PCI[7])["mig_mode"] is False
+    # turning MIG on again waits for a GPU reset: the DisruptionRequired way
+    fault("needs-reset")
+    out = gpu(node, "mig-layout", PCI[7], "7g.141gb", "--wait", "10")
+    assert out.returncode == 1 and "Pending" in out.stdout and "DisruptionRequired" in out.stdout, out.stdout
+    # the disruption flow of a driver switch that could not be rolled back: DisruptionRequired, then on
+    waiting = ("Reconfiguring=True/DisruptionRequired", "Reconfiguring=True/DisruptionPending", "Reconfiguring=True/RebootRequested")
+    listing = wait_for(lambda: (r := gpu(node, "list", PCI[7])) and any(w in r.stdout for w in waiting) and r, 30, "the disruption on the card")
+    assert "MigLayout=False/Pending" in listing.stdout

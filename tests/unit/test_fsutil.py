@@ -266,3 +266,40 @@ def test_fsync_dirs_raises_for_a_directory_that_is_not_there(tmp_path: Path) -> 
 
     with pytest.raises(FileNotFoundError):
         fsutil.fsync_dirs([tmp_path, tmp_path / "gone"])
+
+
+def test_exclusive_serialises_writers_of_a_file_and_gives_up_after_the_wait(tmp_path):
+    import threading
+
+    from shared.fsutil import LockTimeout, exclusive, lock_file_of
+
+    target = tmp_path / "host.json"
+    target.write_text("{}")
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with exclusive(target, 5):
+            held.set()
+            release.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(5)
+        with pytest.raises(LockTimeout):
+            with exclusive(target, 0.05):
+                pass
+    finally:
+        release.set()
+        t.join()
+    with exclusive(target, 1):  # free again
+        pass
+    assert lock_file_of(target) == tmp_path / ".host.json.lock"
+    # a symlink where the lock file goes is never followed
+    other = tmp_path / "other"
+    lock_file_of(target).unlink()
+    lock_file_of(target).symlink_to(other)
+    with pytest.raises(OSError):
+        with exclusive(target, 0.05):
+            pass
+    assert not other.exists()

@@ -204,6 +204,7 @@ PUBLISH_MATRIX = [
     # maintenance: only an operator starts one; only the converger asks for a diagnostic
     pytest.param(S.converger_gpu_op, {"cli"}, id="converger.gpu_op"),
     pytest.param(S.inventory_diag, {"converger"}, id="inventory.diag"),
+    pytest.param(S.inventory_mig_layout, {"converger"}, id="inventory.mig_layout"),
     pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
     pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
     pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-update"),

@@ -204,6 +204,27 @@ class SharingCapable(Protocol):
     def mps_pipe_dir(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class MigLayoutResult:
+    """What making a card's MIG layout did."""
+
+    #: Applied | Failed | DisruptionRequired | NotSupported
+    outcome: str
+    message: str
+    #: after a failure: "as before" (nothing changed), "rolled back", "all-disabled" or "unknown"
+    left: str = ""
+
+
+@runtime_checkable
+class MigPartitioner(Protocol):
+    def apply_mig_layout(self, pci_address: str, profiles: Sequence[str], *, disable: bool) -> MigLayoutResult:
+        """Make the card's MIG layout exactly `profiles` (GPU instances, one full compute instance each),
+        or MIG mode off with `disable`: every instance there now is destroyed first. A failure is rolled
+        back to what was there, or, where that fails too, to MIG off; the result says which. A mode
+        change the card takes only after a GPU reset is DisruptionRequired. Blocking; never raises."""
+        ...
+
+
 @runtime_checkable
 class Diagnosable(Protocol):
     def run_diag(self, pci_address: str, level: int, timeout: float) -> DiagResult:
@@ -229,6 +250,8 @@ __all__ = [
     "RunningDomain",
     "DiagResult",
     "Diagnosable",
+    "MigLayoutResult",
+    "MigPartitioner",
     "VendorCdi",
     "vendor_cdi_from_json",
     "read_vendor_cdi",

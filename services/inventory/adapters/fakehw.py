@@ -13,7 +13,9 @@ spec the file declares into cdi_dir, as the NVIDIA toolkit would on a real host.
 
 from __future__ import annotations
 
+import json
 import time
+import uuid as uuid_mod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,6 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from shared.fsutil import atomic_write as shared_atomic_write
+from shared.fsutil import exclusive
 from shared.fsutil import read_regular
 from shared.host import HOST_FILE_MAX_BYTES
 from shared.schemas import HostResources, HugePagePool, MigProfile, NumaNode, RunningProcess
@@ -33,6 +36,7 @@ from .base import (
     AdapterError,
     DiagResult,
     GpuFacts,
+    MigLayoutResult,
     HostScan,
     MigInstanceFacts,
     RunningDomain,
@@ -104,6 +108,9 @@ class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
     vanish_at: Literal["", "unbind", "set_driver_override", "bind", "drivers_probe", "reset"] = ""
     #: a function reset: "fail" (once), "hang" (once: never returns), "unsupported" (the kernel offers none; kept)
     reset: Literal["", "fail", "hang", "unsupported"] = ""
+    #: a MIG layout change: "fail" (a compute instance fails; rolled back), "fail-rollback" (the rollback
+    #: fails too: MIG off), "needs-reset" (the mode change waits for a GPU reset); each once
+    mig: Literal["", "fail", "fail-rollback", "needs-reset"] = ""
 
 
 class HostPciDevice(_HostStruct, frozen=True, kw_only=True):
@@ -295,6 +302,78 @@ class FakeHwAdapter:
 
     def vendor(self) -> str:
         return self._host.vendor
+
+    # ----------------------------------------------------------------- MIG layouts
+
+    def apply_mig_layout(self, pci_address: str, profiles: Sequence[str], *, disable: bool) -> MigLayoutResult:
+        """NVML as the host file models it: the card's mig_mode and mig_instances are rewritten."""
+        try:
+            # the switcher's fake backend writes the same file under the same lock
+            with exclusive(self.host_file, 10.0):
+                return self._apply_mig_layout(pci_address, list(profiles), disable)
+        except (OSError, ValueError, AdapterError) as exc:
+            return MigLayoutResult("Failed", f"the fake host file could not be changed: {exc}", "unknown")
+
+    def _apply_mig_layout(self, pci: str, profiles: list[str], disable: bool) -> MigLayoutResult:
+        host = load_host_file(self.host_file)
+        doc = json.loads(read_regular(self.host_file, max_bytes=HOST_FILE_MAX_BYTES))
+        index = next((i for i, g in enumerate(host.gpus) if g.pci_address == pci and g.present), None)
+        if index is None:
+            return MigLayoutResult("Failed", f"no card at {pci} on the fake host", "as before")
+        card, entry = host.gpus[index], doc["gpus"][index]
+        if not card.mig_profiles:
+            return MigLayoutResult("NotSupported", f"{pci} supports no MIG profiles", "as before")
+        known = {p.name: p for p in card.mig_profiles}
+        unknown = [p for p in profiles if p not in known]
+        if unknown:
+            return MigLayoutResult("Failed", f"{pci} has no MIG profile {', '.join(unknown)} (it has {', '.join(sorted(known))})", "as before")
+        for name in set(profiles):
+            most = known[name].instances_max
+            if most and profiles.count(name) > most:
+                return MigLayoutResult("Failed", f"{pci} fits at most {most} GPU instance(s) of {name}", "as before")
+        slices = sum(known[p].slices for p in profiles)
+        if slices > 7:
+            return MigLayoutResult("Failed", f"{pci}: the layout needs {slices} slices, the card has 7", "as before")
+        faults = entry.get("faults")
+        if not isinstance(faults, dict):
+            faults = entry["faults"] = {}
+        fault = card.faults.mig
+        if fault:
+            faults["mig"] = ""  # consumed when it fires
+        want_mode = not disable
+        if fault == "needs-reset" and want_mode != card.mig_mode:
+            self._save(doc)
+            return MigLayoutResult(
+                "DisruptionRequired", f"MIG mode {'on' if want_mode else 'off'} on {pci} is pending until the GPU is reset", "as before"
+            )
+        before = (entry.get("mig_mode", False), list(entry.get("mig_instances", [])))
+        if disable:
+            entry["mig_mode"], entry["mig_instances"] = False, []
+            self._save(doc)
+            return MigLayoutResult("Applied", f"MIG mode off on {pci} (all-disabled)")
+        made = []
+        for gi, name in enumerate(profiles, start=1):
+            made.append(
+                {"gi": gi, "ci": 0, "profile": name, "uuid": f"MIG-{uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f'{card.uuid}/gi{gi}/{name}')}", "memory_bytes": known[name].memory_bytes}
+            )
+        if fault in ("fail", "fail-rollback"):
+            failed_at = made[-1]["gi"] if made else 0
+            if fault == "fail":
+                entry["mig_mode"], entry["mig_instances"] = before
+                self._save(doc)
+                return MigLayoutResult("Failed", f"creating the compute instance of GPU instance {failed_at} on {pci} failed; the layout before was restored", "rolled back")
+            entry["mig_mode"], entry["mig_instances"] = False, []
+            self._save(doc)
+            return MigLayoutResult(
+                "Failed", f"creating the compute instance of GPU instance {failed_at} on {pci} failed, and so did restoring the layout before: MIG is off", "all-disabled"
+            )
+        entry["mig_mode"], entry["mig_instances"], entry["slots"] = True, made, 0
+        self._save(doc)
+        return MigLayoutResult("Applied", f"{pci}: {len(made)} GPU instance(s): {', '.join(profiles) or '(none)'}")
+
+    def _save(self, doc: dict[str, Any]) -> None:
+        mode = self.host_file.stat().st_mode & 0o777
+        shared_atomic_write(self.host_file, (json.dumps(doc, indent=2) + "\n").encode(), mode)
 
     # ----------------------------------------------------------------- diagnostics
 

@@ -23,7 +23,7 @@ Two NVML facts shape the code:
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -38,6 +38,7 @@ from .base import (
     AdapterError,
     AdapterUnavailable,
     DiagResult,
+    MigLayoutResult,
     GpuFacts,
     HostScan,
     MigInstanceFacts,
@@ -119,6 +120,18 @@ class NvmlPort(Protocol):
     def gpu_instances(self, index: int) -> list[NvmlGpuInstance]: ...
     def mig_devices(self, index: int) -> list[NvmlMigDevice]: ...
     def compute_processes(self, index: int) -> list[NvmlProcess]: ...
+    # MIG changes (bcd gpu mig-layout); they need NVML's MIG config capability (root)
+    def set_mig_mode(self, index: int, enabled: bool) -> bool:
+        """Set MIG mode; True when the new mode is pending until the GPU is reset."""
+        ...
+    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None: ...
+    def destroy_gpu_instance(self, index: int, gi_id: int) -> None: ...
+    def create_gpu_instance(self, index: int, profile_id: int) -> int:
+        """A GPU instance of that profile (NVML places it); its id."""
+        ...
+    def create_compute_instance(self, index: int, gi_id: int) -> int:
+        """One compute instance spanning the whole GPU instance; its id."""
+        ...
 
 
 def _text(value: object) -> str:
@@ -242,6 +255,39 @@ class PynvmlNvml:
             )
         return found
 
+    def set_mig_mode(self, index: int, enabled: bool) -> bool:
+        handle = self._handle(index)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        self._call(pynvml.nvmlDeviceSetMigMode, handle, mode)
+        current, pending = self._call(pynvml.nvmlDeviceGetMigMode, handle)
+        return int(current) != int(mode) or int(pending) != int(mode)
+
+    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
+        gi = self._call(pynvml.nvmlDeviceGetGpuInstanceById, self._handle(index), gi_id)
+        self._call(pynvml.nvmlComputeInstanceDestroy, self._call(pynvml.nvmlGpuInstanceGetComputeInstanceById, gi, ci_id))
+
+    def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
+        self._call(pynvml.nvmlGpuInstanceDestroy, self._call(pynvml.nvmlDeviceGetGpuInstanceById, self._handle(index), gi_id))
+
+    def create_gpu_instance(self, index: int, profile_id: int) -> int:
+        gi = self._call(pynvml.nvmlDeviceCreateGpuInstance, self._handle(index), profile_id)
+        return int(self._call(pynvml.nvmlGpuInstanceGetInfo, gi).id)
+
+    def create_compute_instance(self, index: int, gi_id: int) -> int:
+        gi = self._call(pynvml.nvmlDeviceGetGpuInstanceById, self._handle(index), gi_id)
+        best = None
+        for k in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = self._call(pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi, k, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            except NvmlError:
+                continue
+            if best is None or int(info.sliceCount) > int(best.sliceCount):
+                best = info  # the largest compute instance: the whole GPU instance
+        if best is None:
+            raise NvmlError("no compute instance profile on this GPU instance")
+        ci = self._call(pynvml.nvmlGpuInstanceCreateComputeInstance, gi, int(best.id))
+        return int(self._call(pynvml.nvmlComputeInstanceGetInfo, ci).id)
+
     def compute_processes(self, index: int) -> list[NvmlProcess]:
         procs = self._call(pynvml.nvmlDeviceGetComputeRunningProcesses, self._handle(index))
         out: list[NvmlProcess] = []
@@ -307,6 +353,70 @@ class NvidiaAdapter:
             self.nvml.init()
         except (NvmlError, pynvml.NVMLError) as exc:
             raise AdapterUnavailable(unavailable_message(str(exc) or type(exc).__name__)) from None
+
+    # ----------------------------------------------------------------- MIG layouts
+
+    def apply_mig_layout(self, pci_address: str, profiles: Sequence[str], *, disable: bool) -> MigLayoutResult:
+        """Every compute and GPU instance destroyed, MIG mode set, then one GPU instance per profile with one
+        full compute instance each; a failure is rolled back to what was there, or to MIG off."""
+        facts = self._last.get(pci_address)
+        index = self._nvml_index.get(facts.uuid) if facts is not None else None
+        if facts is None or index is None:
+            return MigLayoutResult("Failed", f"NVML does not see the card at {pci_address} (not on its native driver?)", "as before")
+        try:
+            known = {_profile_name(p.name): p for p in self.nvml.gpu_instance_profiles(index)}
+            before = [(d.gi_id, d.ci_id) for d in self.nvml.mig_devices(index)] if self.nvml.device_mig_mode(index) else []
+            before_profiles = self._gi_profiles_now(index, known)
+        except (NvmlError, pynvml.NVMLError) as exc:
+            return MigLayoutResult("Failed", f"{pci_address}: NVML could not read the card's MIG state: {exc}", "as before")
+        if not disable:
+            unknown = [p for p in profiles if p not in known]
+            if unknown:
+                return MigLayoutResult("Failed", f"{pci_address} has no MIG profile {', '.join(unknown)} (it has {', '.join(sorted(known))})", "as before")
+        try:
+            self._destroy_all(index, before)
+            if self.nvml.set_mig_mode(index, not disable):
+                return MigLayoutResult(
+                    "DisruptionRequired", f"MIG mode {'on' if not disable else 'off'} on {pci_address} is pending until the GPU is reset", "unknown"
+                )
+            if disable:
+                return MigLayoutResult("Applied", f"MIG mode off on {pci_address} (all-disabled)")
+            self._make(index, [known[p].profile_id for p in profiles])
+        except (NvmlError, pynvml.NVMLError) as exc:
+            return self._roll_back(index, pci_address, exc, before_profiles)
+        return MigLayoutResult("Applied", f"{pci_address}: {len(profiles)} GPU instance(s): {', '.join(profiles)}")
+
+    def _gi_profiles_now(self, index: int, known: Mapping[str, NvmlGiProfile]) -> list[int]:
+        """The profile ids of the GPU instances there now, to restore them after a failure."""
+        if not self.nvml.device_mig_mode(index):
+            return []
+        return [gi.profile_id for gi in sorted(self.nvml.gpu_instances(index), key=lambda g: g.gi_id)]
+
+    def _destroy_all(self, index: int, devices: Sequence[tuple[int, int]]) -> None:
+        for gi, ci in devices:
+            self.nvml.destroy_compute_instance(index, gi, ci)
+        for gi in sorted({gi for gi, _ in devices}):
+            self.nvml.destroy_gpu_instance(index, gi)
+
+    def _make(self, index: int, profile_ids: Sequence[int]) -> None:
+        for pid in profile_ids:
+            gi = self.nvml.create_gpu_instance(index, pid)
+            self.nvml.create_compute_instance(index, gi)
+
+    def _roll_back(self, index: int, pci: str, exc: BaseException, before: Sequence[int]) -> MigLayoutResult:
+        why = f"{pci}: NVML failed ({exc})"
+        try:
+            self._destroy_all(index, [(d.gi_id, d.ci_id) for d in self.nvml.mig_devices(index)])
+            if before:
+                self._make(index, before)
+            return MigLayoutResult("Failed", f"{why}; the layout before was restored", "rolled back")
+        except (NvmlError, pynvml.NVMLError) as again:
+            try:
+                self._destroy_all(index, [(d.gi_id, d.ci_id) for d in self.nvml.mig_devices(index)])
+                self.nvml.set_mig_mode(index, False)
+            except (NvmlError, pynvml.NVMLError) as last:
+                return MigLayoutResult("Failed", f"{why}; restoring failed ({again}) and so did turning MIG off ({last})", "unknown")
+            return MigLayoutResult("Failed", f"{why}; restoring the layout before failed ({again}): MIG is off", "all-disabled")
 
     # ----------------------------------------------------------------- diagnostics
 
