@@ -42,6 +42,7 @@ man: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m services.kube_reaper.proto.generate
 	$(BIN)/python -m services.device_plugin.proto.generate
+	$(BIN)/python -m services.dra_plugin.proto.generate
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
