@@ -225,6 +225,19 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     return 0 if reply.accepted else 1
 
 
+async def _follow(nc: Any, subjects: NodeSubjects, wait: float, pick: Any) -> tuple[Any, Any]:
+    """Ask the converger's status every half second until `pick(status)` is something, or `wait` is over:
+    (what pick gave or None, the last status)."""
+    deadline, status = time.monotonic() + wait, None
+    while time.monotonic() < deadline:
+        status = await request(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=10)
+        found = pick(status)
+        if found is not None:
+            return found, status
+        await asyncio.sleep(0.5)
+    return None, status
+
+
 def _gpu_op(args: argparse.Namespace, info: Any, subjects: NodeSubjects) -> int:
     """`bcd gpu reset|diag <pci>`: asked of the converger, then followed in its status until done."""
     from .status import op_line
@@ -250,14 +263,9 @@ def _gpu_op(args: argparse.Namespace, info: Any, subjects: NodeSubjects) -> int:
                 return reply, None
             if not args.json:
                 print(f"{args.action} {req.pci}: started {reply.op.id}; waiting (up to {args.wait:.0f} s; --no-wait returns at once)", flush=True)
-            deadline = time.monotonic() + args.wait
-            while time.monotonic() < deadline:
-                status = await request(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=10)
-                done = next((o for o in status.gpu_ops if o.id == reply.op.id and o.state == "done"), None)
-                if done is not None:
-                    return reply, done
-                await asyncio.sleep(0.5)
-            return reply, None
+            op_id = reply.op.id
+            done, _ = await _follow(nc, subjects, args.wait, lambda st: next((o for o in st.gpu_ops if o.id == op_id and o.state == "done"), None))
+            return reply, done
         finally:
             await nc.close()
 
@@ -290,14 +298,14 @@ def _mig_layout(args: argparse.Namespace, info: Any, subjects: NodeSubjects, req
                 return reply, None
             if not args.json:
                 print(f"{reply.message}; waiting (up to {args.wait:.0f} s; --no-wait returns at once)", flush=True)
-            deadline, last = time.monotonic() + args.wait, None
-            while time.monotonic() < deadline:
-                status = await request(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=10)
-                last = next((m for m in status.mig_layouts if m.pci_address == req.pci), None)
-                if last is not None and last.state in ("Applied", "Failed"):
-                    return reply, last
-                await asyncio.sleep(0.5)
-            return reply, last
+            def ended(st: Any) -> Any:
+                m = next((m for m in st.mig_layouts if m.pci_address == req.pci), None)
+                return m if m is not None and m.state in ("Applied", "Failed") else None
+
+            done, status = await _follow(nc, subjects, args.wait, ended)
+            if done is None and status is not None:  # still Pending or Applying: say where it stands
+                done = next((m for m in status.mig_layouts if m.pci_address == req.pci), None)
+            return reply, done
         finally:
             await nc.close()
 

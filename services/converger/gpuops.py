@@ -30,6 +30,7 @@ import msgspec
 
 from shared.schemas import Gpu, GpuClaim, GpuOp, GpuOpRequest
 from shared.schemas.bus import DIAG_LEVEL_MAX, DIAG_RUN_S, MIG_ALL_DISABLED
+from shared.schemas.common import PCI_RE
 
 from .model import MigLayoutRecord
 
@@ -47,7 +48,6 @@ POLL_INTERVAL_S = 1.0
 POLL_TIMEOUT_S = 10.0
 #: outcomes that are a success (`bcd gpu` exits 0).
 OK_OUTCOMES = frozenset({"Succeeded", "Passed"})
-_PCI = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
 # ---------------------------------------------------------------------------- MIG layouts
@@ -168,7 +168,7 @@ def check_request(req: GpuOpRequest) -> str | None:
     """What is wrong with the request itself, before any card is looked at (None: nothing)."""
     if req.op not in OPS:
         return f"refused: {req.op!r} is not one of {', '.join(OPS)}"
-    if not _PCI.match(req.pci):
+    if not PCI_RE.match(req.pci):
         return f"refused: {req.pci!r} is not a canonical PCI address (like 0000:3b:00.0)"
     if req.op == "diag" and not 1 <= req.level <= DIAG_LEVEL_MAX:
         return f"refused {req.pci}: a diagnostic level is 1 to {DIAG_LEVEL_MAX}, not {req.level}"

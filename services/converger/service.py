@@ -513,11 +513,7 @@ class ConvergerApp(ServiceApp):
             # recorded first: from here the card is claimed, and a crash finishes it as Interrupted
             self.state.gpu_ops[req.pci] = op
             await asyncio.to_thread(self.store.save, self.state)
-        self.m_gpu_ops_running.labels(op=op.op).inc()
-        self.ctx.log.info("maintenance operation started", op=op.op, id=op.id, pci=op.pci, level=op.level, claims_card=op.claims_card)
-        task = asyncio.create_task(self._run_gpu_op(op), name=f"gpu op {op.id}")
-        self.op_tasks.add(task)
-        task.add_done_callback(self.op_tasks.discard)
+        self._start_op(op)
         return GpuOpReply(accepted=True, message=f"{op.op} of {op.pci} started ({op.id})", op=op)
 
     async def _set_mig_layout(self, req: GpuOpRequest, inv: Inventory) -> GpuOpReply:
@@ -564,10 +560,15 @@ class ConvergerApp(ServiceApp):
             if changed or started:
                 await asyncio.to_thread(self.store.save, self.state)
         for op in started:
-            self.m_gpu_ops_running.labels(op=op.op).inc()
-            task = asyncio.create_task(self._run_gpu_op(op), name=f"gpu op {op.id}")
-            self.op_tasks.add(task)
-            task.add_done_callback(self.op_tasks.discard)
+            self._start_op(op)
+
+    def _start_op(self, op: GpuOp) -> None:
+        """Run a journaled operation in the background (its result comes back through the journal)."""
+        self.m_gpu_ops_running.labels(op=op.op).inc()
+        self.ctx.log.info("maintenance operation started", op=op.op, id=op.id, pci=op.pci, level=op.level, layout=op.layout, claims_card=op.claims_card)
+        task = asyncio.create_task(self._run_gpu_op(op), name=f"gpu op {op.id}")
+        self.op_tasks.add(task)
+        task.add_done_callback(self.op_tasks.discard)
 
     async def _run_gpu_op(self, op: GpuOp) -> None:
         ctx = self.ctx
@@ -590,9 +591,8 @@ class ConvergerApp(ServiceApp):
             raise  # stopping: the journal still says running; the next start finishes it as Interrupted
         except Exception as exc:  # noqa: BLE001 - the answer did not come: that is the outcome
             who = "vfio_switcher" if op.op == "reset" else "the inventory"
-            outcome, message = ("Failed" if op.op == "reset" else "Error"), f"{who} did not answer: {type(exc).__name__}: {exc}".rstrip(": ")
-            if isinstance(exc, TimeoutError) and op.op == "diag" and str(exc):
-                message = str(exc)
+            outcome = "Failed" if op.op == "reset" else "Error"
+            message = str(exc) if isinstance(exc, JobTimeout) else f"{who} did not answer: {type(exc).__name__}: {exc}".rstrip(": ")
         done = gpuops.finished(op, outcome, clip(message), now=datetime.now(timezone.utc))
         async with self.lock:
             if self.state.gpu_ops.get(op.pci) == op:
@@ -618,41 +618,35 @@ class ConvergerApp(ServiceApp):
         # the card is free again: holds and switches that waited for it go now
         self.loop.trigger(f"{op.op} of {op.pci} done")
 
-    async def _mig(self, op: GpuOp) -> Any:
-        """The inventory's MIG layout change, started then polled (as `_diag`)."""
+    async def _job(self, subject: str, req: Any, codec: Any, timeout: float, what: str) -> Any:
+        """Start an inventory job (a diagnostic, a MIG layout change), then poll it until it ends: an
+        inventory that restarts meanwhile answers that it knows no such job. Unanswered polls are
+        retried until `timeout`; then JobTimeout, whose text is the operation's message."""
         ctx = self.ctx
-        profiles, disable = gpuops.parse_layout(op.layout)
-        req = MigLayoutRequest(pci=op.pci, profiles=list(profiles), disable=disable, op_id=op.id)
-        deadline = time.monotonic() + gpuops.MIG_TIMEOUT_S
-        answer = await call(ctx.nc, ctx.subjects.inventory_mig_layout, req, MIG_LAYOUT_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
-        poll = msgspec.structs.replace(req, poll=True)
-        while answer.outcome == "Running":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the MIG layout change did not end in {gpuops.MIG_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(gpuops.POLL_INTERVAL_S)
-            with contextlib.suppress(nats.errors.Error, TimeoutError, ServiceCallError):
-                answer = await call(ctx.nc, ctx.subjects.inventory_mig_layout, poll, MIG_LAYOUT_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
-        return answer
-
-    async def _diag(self, op: GpuOp) -> Any:
-        """Start the inventory's diagnostic, then poll it until it ends (an inventory that restarts
-        meanwhile answers that it knows no such run). Unanswered polls are retried until the deadline."""
-        ctx = self.ctx
-        deadline = time.monotonic() + gpuops.DIAG_TIMEOUT_S.get(op.level, 3600.0)
-        req = DiagRequest(pci=op.pci, level=op.level, op_id=op.id)
-        answer = await call(ctx.nc, ctx.subjects.inventory_diag, req, DIAG_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
+        deadline = time.monotonic() + timeout
+        answer = await call(ctx.nc, subject, req, codec, timeout=gpuops.POLL_TIMEOUT_S)
         poll = msgspec.structs.replace(req, poll=True)
         unanswered = ""
         while answer.outcome == "Running":
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the level {op.level} diagnostic did not end in {gpuops.DIAG_TIMEOUT_S.get(op.level, 3600.0):.0f} s" + unanswered)
+                raise JobTimeout(f"the {what} did not end in {timeout:.0f} s" + unanswered)
             await asyncio.sleep(gpuops.POLL_INTERVAL_S)
             try:
-                answer = await call(ctx.nc, ctx.subjects.inventory_diag, poll, DIAG_REPLY_CODEC, timeout=gpuops.POLL_TIMEOUT_S)
+                answer = await call(ctx.nc, subject, poll, codec, timeout=gpuops.POLL_TIMEOUT_S)
                 unanswered = ""
             except (nats.errors.Error, TimeoutError, ServiceCallError) as exc:
                 unanswered = f"; the inventory did not answer the last poll ({type(exc).__name__})"
         return answer
+
+    async def _mig(self, op: GpuOp) -> Any:
+        profiles, disable = gpuops.parse_layout(op.layout)
+        req = MigLayoutRequest(pci=op.pci, profiles=list(profiles), disable=disable, op_id=op.id)
+        return await self._job(self.ctx.subjects.inventory_mig_layout, req, MIG_LAYOUT_REPLY_CODEC, gpuops.MIG_TIMEOUT_S, "MIG layout change")
+
+    async def _diag(self, op: GpuOp) -> Any:
+        req = DiagRequest(pci=op.pci, level=op.level, op_id=op.id)
+        timeout = gpuops.DIAG_TIMEOUT_S.get(op.level, 3600.0)
+        return await self._job(self.ctx.subjects.inventory_diag, req, DIAG_REPLY_CODEC, timeout, f"level {op.level} diagnostic")
 
     def _count_op(self, op: GpuOp) -> None:
         if op.state != "done":
@@ -831,6 +825,10 @@ class ConvergerApp(ServiceApp):
                 await task
         if self.helper_writer is not None:
             await asyncio.to_thread(self.helper_writer.close)
+
+
+class JobTimeout(Exception):
+    """An inventory job (diagnostic, MIG layout change) did not end in time; the text says which."""
 
 
 def parse_layout_config(text: str) -> dict[str, str]:

@@ -267,7 +267,7 @@ class DevicePlugin:
 
     def _count_metrics(self) -> None:
         if self.m.kube_holds is not None:
-            self.m.kube_holds.set(sum(1 for h in self.advert.holds.values()))
+            self.m.kube_holds.set(len(self.advert.holds))
         if self.m.advertised is not None:
             for resource, devices in self.advert.resources.items():
                 healthy = sum(1 for d in devices if d.healthy)

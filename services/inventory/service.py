@@ -87,24 +87,19 @@ from .gpustate import (
 )
 
 
-#: finished diagnostics kept for the converger's polls.
-DIAG_JOBS_KEPT = 64
+#: finished jobs (diagnostics, MIG layout changes) kept for the converger's polls.
+JOBS_KEPT = 64
 
 
 @dataclasses.dataclass
-class DiagJob:
-    pci: str
-    level: int
-    result: DiagReply | None = None
-    task: asyncio.Task[DiagReply] | None = None
+class Job:
+    """A diagnostic or a MIG layout change the converger polls by its op id."""
 
-
-@dataclasses.dataclass
-class MigJob:
     pci: str
-    layout: tuple[tuple[str, ...], bool]
-    result: MigLayoutReply | None = None
-    task: asyncio.Task[MigLayoutReply] | None = None
+    #: what was asked (the level, or (profiles, disable)): a poll for other arguments is an error
+    args: Any
+    result: Any = None
+    task: asyncio.Task[Any] | None = None
 
 
 class InventoryApp(ServiceApp):
@@ -115,10 +110,8 @@ class InventoryApp(ServiceApp):
         self.adapter: Any = None
         self.kv: KeyValue | None = None
         self.current: Inventory | None = None
-        #: op id -> a diagnostic started or done (the converger polls it)
-        self.diag_jobs: dict[str, DiagJob] = {}
-        #: op id -> a MIG layout change started or done (the converger polls it)
-        self.mig_jobs: dict[str, MigJob] = {}
+        #: op id -> a diagnostic or MIG layout change started or done (the converger polls it)
+        self.jobs: dict[str, Job] = {}
         self.content_key: bytes = b""
         self.lock = asyncio.Lock()
         #: set after every evaluation: the run loop re-reads whether a timer runs.
@@ -559,9 +552,9 @@ class InventoryApp(ServiceApp):
         op id (answered Running at once), its result answered to a poll. A poll for an id this
         process does not know (it restarted meanwhile) is an Error, so the converger never waits
         for a run that died with an earlier inventory."""
-        job = self.diag_jobs.get(req.op_id) if req.op_id else None
+        job = self.jobs.get(req.op_id) if req.op_id else None
         if job is not None:
-            if job.pci != req.pci or job.level != req.level:
+            if job.pci != req.pci or job.args != req.level:
                 return DiagReply(pci=req.pci, level=req.level, outcome="Error", message=f"diagnostic {req.op_id} is of another card or level")
             return job.result or DiagReply(pci=req.pci, level=req.level, outcome="Running", message=f"diagnostic {req.op_id} runs")
         if req.poll:
@@ -569,21 +562,15 @@ class InventoryApp(ServiceApp):
                 pci=req.pci, level=req.level, outcome="Error",
                 message=f"the inventory knows no diagnostic {req.op_id or '(no id)'}: it restarted while it ran, so there is no result",
             )
-        gpu = next((g for g in self.current.gpus if g.pci_address == req.pci), None) if self.current is not None else None
-        if gpu is None:
+        if not self._listed(req.pci):
             return DiagReply(pci=req.pci, level=req.level, outcome="Error", message=f"the inventory lists no GPU at {req.pci}")
         if not isinstance(self.adapter, Diagnosable):
             return DiagReply(pci=req.pci, level=req.level, outcome="NotInstalled", message=f"the {ctx.opts.adapter} adapter runs no diagnostics")
-        job = DiagJob(pci=req.pci, level=req.level)
+        job = Job(pci=req.pci, args=req.level)
         if not req.op_id:
             # no id to poll with: answered when done
             return await self._run_diag(ctx, job)
-        self.diag_jobs[req.op_id] = job
-        while len(self.diag_jobs) > DIAG_JOBS_KEPT:
-            oldest = next(iter(self.diag_jobs))
-            if self.diag_jobs[oldest].result is None:
-                break
-            del self.diag_jobs[oldest]
+        self._keep(req.op_id, job)
         job.task = asyncio.create_task(self._run_diag(ctx, job), name=f"diag {req.op_id}")
         return DiagReply(pci=req.pci, level=req.level, outcome="Running", message=f"diagnostic {req.op_id} started")
 
@@ -592,9 +579,9 @@ class InventoryApp(ServiceApp):
         its op id, polled after. The card is scanned again when it is done; a mode change that waits
         for a GPU reset goes the DisruptionRequired way (Reconfiguring on the card)."""
         layout = (tuple(req.profiles), req.disable)
-        job = self.mig_jobs.get(req.op_id) if req.op_id else None
+        job = self.jobs.get(req.op_id) if req.op_id else None
         if job is not None:
-            if job.pci != req.pci or job.layout != layout:
+            if job.pci != req.pci or job.args != layout:
                 return MigLayoutReply(pci=req.pci, outcome="Error", message=f"MIG layout change {req.op_id} is of another card or layout")
             return job.result or MigLayoutReply(pci=req.pci, outcome="Running", message=f"MIG layout change {req.op_id} runs")
         if req.poll:
@@ -602,23 +589,32 @@ class InventoryApp(ServiceApp):
                 pci=req.pci, outcome="Error", left="unknown",
                 message=f"the inventory knows no MIG layout change {req.op_id or '(no id)'}: it restarted while it ran; the card is read again",
             )
-        gpu = next((g for g in self.current.gpus if g.pci_address == req.pci), None) if self.current is not None else None
-        if gpu is None:
+        if not self._listed(req.pci):
             return MigLayoutReply(pci=req.pci, outcome="Error", message=f"the inventory lists no GPU at {req.pci}", left="as before")
         if not isinstance(self.adapter, MigPartitioner):
             return MigLayoutReply(pci=req.pci, outcome="NotSupported", message=f"the {ctx.opts.adapter} adapter changes no MIG layout", left="as before")
-        job = MigJob(pci=req.pci, layout=layout)
+        job = Job(pci=req.pci, args=layout)
         if req.op_id:
-            self.mig_jobs[req.op_id] = job
-            while len(self.mig_jobs) > DIAG_JOBS_KEPT and self.mig_jobs[next(iter(self.mig_jobs))].result is not None:
-                del self.mig_jobs[next(iter(self.mig_jobs))]
+            self._keep(req.op_id, job)
         job.task = asyncio.create_task(self._run_mig(ctx, job), name=f"mig layout {req.op_id}")
         if not req.op_id:
             return await job.task
         return MigLayoutReply(pci=req.pci, outcome="Running", message=f"MIG layout change {req.op_id} started")
 
-    async def _run_mig(self, ctx: ServiceContext, job: "MigJob") -> MigLayoutReply:
-        profiles, disable = job.layout
+    def _listed(self, pci: str) -> bool:
+        return self.current is not None and any(g.pci_address == pci for g in self.current.gpus)
+
+    def _keep(self, op_id: str, job: Job) -> None:
+        """Keep a job for its polls; the oldest finished ones go beyond JOBS_KEPT."""
+        self.jobs[op_id] = job
+        while len(self.jobs) > JOBS_KEPT:
+            oldest = next(iter(self.jobs))
+            if self.jobs[oldest].result is None:
+                break
+            del self.jobs[oldest]
+
+    async def _run_mig(self, ctx: ServiceContext, job: Job) -> MigLayoutReply:
+        profiles, disable = job.args
         ctx.log.info("MIG layout change started", pci=job.pci, profiles=list(profiles), disable=disable)
         result = await _in_daemon_thread(lambda: self.adapter.apply_mig_layout(job.pci, profiles, disable=disable))
         (ctx.log.info if result.outcome == "Applied" else ctx.log.warning)(
@@ -639,14 +635,15 @@ class InventoryApp(ServiceApp):
         job.result = reply
         return reply
 
-    async def _run_diag(self, ctx: ServiceContext, job: "DiagJob") -> DiagReply:
-        ctx.log.info("diagnostic started", pci=job.pci, level=job.level)
-        result = await _in_daemon_thread(self.adapter.run_diag, job.pci, job.level, DIAG_RUN_S.get(job.level, 3600.0))
+    async def _run_diag(self, ctx: ServiceContext, job: Job) -> DiagReply:
+        level = job.args
+        ctx.log.info("diagnostic started", pci=job.pci, level=level)
+        result = await _in_daemon_thread(self.adapter.run_diag, job.pci, level, DIAG_RUN_S.get(level, 3600.0))
         (ctx.log.info if result.outcome == "Passed" else ctx.log.warning)(
-            "diagnostic done", pci=job.pci, level=job.level, outcome=result.outcome, detail=result.message, failures=list(result.failures)
+            "diagnostic done", pci=job.pci, level=level, outcome=result.outcome, detail=result.message, failures=list(result.failures)
         )
         job.result = DiagReply(
-            pci=job.pci, level=job.level, outcome=result.outcome, message=clip(result.message), failures=[clip(f) for f in result.failures[:64]]
+            pci=job.pci, level=level, outcome=result.outcome, message=clip(result.message), failures=[clip(f) for f in result.failures[:64]]
         )
         return job.result
 
@@ -750,7 +747,7 @@ class InventoryApp(ServiceApp):
     async def close(self, ctx: ServiceContext) -> None:
         # a diagnostic still running is not waited for (its thread is a daemon); the
         # converger's next poll finds no such job and ends the operation as an Error
-        jobs = [j.task for j in (*self.diag_jobs.values(), *self.mig_jobs.values()) if j.task is not None and not j.task.done()]
+        jobs = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
         for task in jobs:
             task.cancel()
         for task in jobs:
