@@ -19,6 +19,7 @@ SERVICES: tuple[str, ...] = (
     "signer",
     "kube_reaper",
     "device_plugin",
+    "dra_plugin",
     "vfio_switcher",
     "gateway_bridge",
     "helper",
@@ -265,6 +266,27 @@ class NodeSubjects:
         kubelet's ListAndWatch streams took the update, so the converger asks the reaper after."""
         return self.subject("device_plugin", "withdraw")
 
+    # dra_plugin
+    @property
+    def dra_plugin_status(self) -> str:
+        """What the DRA plugin publishes and has prepared, and whether the kubelet registered it."""
+        return self.subject("dra_plugin", "status")
+
+    @property
+    def converger_claim_prepare(self) -> str:
+        """Make a DRA claim's hold (ClaimPrepareRequest -> ClaimPrepareReply); only the DRA plugin asks."""
+        return self.subject("converger", "claim_prepare")
+
+    @property
+    def converger_claim_unprepare(self) -> str:
+        """Remove a DRA claim's hold (ClaimUnprepareRequest -> ClaimUnprepareReply); only the DRA plugin asks."""
+        return self.subject("converger", "claim_unprepare")
+
+    @property
+    def inventory_mig_instance(self) -> str:
+        """One NVML step on a card's MIG instances (MigInstanceRequest -> MigInstanceReply); the converger asks."""
+        return self.subject("inventory", "mig_instance")
+
     @property
     def converger_gpu_op(self) -> str:
         """An operator's maintenance operation on a card (GpuOpRequest -> GpuOpReply): reset, diag."""
@@ -396,6 +418,8 @@ class NodeSubjects:
                     # maintenance: the diagnostic and MIG layouts run where the vendor adapter is
                     self.inventory_diag,
                     self.inventory_mig_layout,
+                    # DRA: MIG instances made on prepare, destroyed on unprepare
+                    self.inventory_mig_instance,
                 ),
                 (
                     self.service_wildcard("converger"),
@@ -437,6 +461,10 @@ class NodeSubjects:
                 (self.inventory_get,),
                 (self.service_wildcard("device_plugin"), self.inventory_changed, self.converger_holds_changed),
             ),
+            "dra_plugin": (
+                (self.inventory_get, self.converger_claims, self.converger_claim_prepare, self.converger_claim_unprepare),
+                (self.service_wildcard("dra_plugin"), self.inventory_changed, self.converger_claims_changed),
+            ),
             "vfio_switcher": (
                 (self.inventory_get, self.converger_holder, self.vfio_result),
                 (self.service_wildcard("vfio_switcher"),),
@@ -455,6 +483,7 @@ class NodeSubjects:
                     self.converger_claims,
                     self.signer_key,
                     self.device_plugin_status,
+                    self.dra_plugin_status,
                     self.converger_gpu_op,
                     *self.kv_read_subjects(self.inventory_bucket),
                 ),

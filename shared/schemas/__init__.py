@@ -10,6 +10,15 @@ from __future__ import annotations
 from .bus import (
     Claims,
     ClaimKind,
+    ClaimDevice,
+    ClaimPrepareReply,
+    ClaimPrepareRequest,
+    ClaimSummary,
+    ClaimUnprepareReply,
+    ClaimUnprepareRequest,
+    MigInstanceReply,
+    MigInstanceRequest,
+    PreparedDevice,
     ConvergerStatus,
     GpuAction,
     DiagReply,
@@ -113,6 +122,12 @@ HELPER_SLICE_APPLY_CODEC: Codec[HelperSliceApply] = Codec(HelperSliceApply, max_
 HELPER_SLICE_REMOVE_CODEC: Codec[HelperSliceRemove] = Codec(HelperSliceRemove, max_bytes=4096)
 HELPER_REPLY_CODEC: Codec[HelperReply] = Codec(HelperReply, max_bytes=16 * 1024)
 HELPER_INFO_CODEC: Codec[HelperInfo] = Codec(HelperInfo, max_bytes=64 * 1024)
+MIG_INSTANCE_REQUEST_CODEC: Codec[MigInstanceRequest] = Codec(MigInstanceRequest, max_bytes=4096)
+MIG_INSTANCE_REPLY_CODEC: Codec[MigInstanceReply] = Codec(MigInstanceReply, max_bytes=64 * 1024)
+CLAIM_PREPARE_REQUEST_CODEC: Codec[ClaimPrepareRequest] = Codec(ClaimPrepareRequest, max_bytes=256 * 1024)
+CLAIM_PREPARE_REPLY_CODEC: Codec[ClaimPrepareReply] = Codec(ClaimPrepareReply, max_bytes=256 * 1024)
+CLAIM_UNPREPARE_REQUEST_CODEC: Codec[ClaimUnprepareRequest] = Codec(ClaimUnprepareRequest, max_bytes=4096)
+CLAIM_UNPREPARE_REPLY_CODEC: Codec[ClaimUnprepareReply] = Codec(ClaimUnprepareReply, max_bytes=64 * 1024)
 
 #: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
 UPSTREAM_TYPES: dict[str, object] = {

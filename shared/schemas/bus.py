@@ -120,6 +120,8 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     gpu_ops: Annotated[list["GpuOp"], msgspec.Meta(max_length=4096)] = []
     #: the cards with a desired MIG layout and where each stands.
     mig_layouts: Annotated[list["MigLayoutState"], msgspec.Meta(max_length=1024)] = []
+    #: the DRA claims held as holds of their own (bcd-claim-<uid>.json)
+    claims: Annotated[list["ClaimSummary"], msgspec.Meta(max_length=4096)] = []
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -284,7 +286,7 @@ class SwitchReply(msgspec.Struct, frozen=True, kw_only=True):
         return self.outcome in ("Succeeded", "Unchanged")
 
 
-ClaimKind = Literal["allocation", "release", "instance", "domain"]
+ClaimKind = Literal["allocation", "release", "instance", "domain", "claim"]
 
 
 class GpuClaim(msgspec.Struct, frozen=True, kw_only=True):
@@ -444,6 +446,126 @@ class DiagReply(msgspec.Struct, frozen=True, kw_only=True):
     failures: Annotated[list[Text], msgspec.Meta(max_length=64)] = []
 
 
+# --------------------------------------------------------------------------- MIG instances on demand (DRA)
+
+MigStep = Literal["create-gi", "create-ci", "destroy-ci", "destroy-gi"]
+
+
+class MigInstanceRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One NVML step on a card's MIG instances (inventory.mig_instance; only the converger asks).
+
+    The converger journals each step before it asks for it, so a crash between
+    two steps leaves a record of what may exist: create-gi (profile at the
+    placement `start`) answers the GPU instance's id, create-ci (one compute
+    instance spanning GPU instance `gi`) answers the compute instance's id and
+    the MIG device's uuid; destroy-ci and destroy-gi undo them.
+    """
+
+    step: MigStep
+    pci: PciAddress
+    profile: Name = ""
+    start: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    gi: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+    ci: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+    #: who the step is for (a claim uid), for the inventory's log
+    owner: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
+class MigInstanceReply(msgspec.Struct, frozen=True, kw_only=True):
+    pci: Annotated[str, msgspec.Meta(max_length=128)]
+    step: Name
+    #: done | failed | in-use (destroy: a process uses it) | not-found (destroy: already gone) |
+    #: not-supported (the adapter cannot) | refused (the request is wrong for this card)
+    outcome: Name
+    message: Text = ""
+    gi: int | None = None
+    ci: int | None = None
+    #: create-ci: the MIG device's uuid (MIG-...), what NVIDIA_VISIBLE_DEVICES takes
+    uuid: Annotated[str, msgspec.Meta(max_length=160)] = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "done"
+
+
+# --------------------------------------------------------------------------- DRA claims (dra_plugin -> converger)
+
+#: a Kubernetes object uid (RFC 4122, as the API server writes it): it names the claim's hold file.
+CLAIM_UID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}" + END
+ClaimUid = Annotated[str, msgspec.Meta(pattern=CLAIM_UID_PATTERN, description="a Kubernetes uid (lowercase RFC 4122)")]
+#: a DNS-1123 subdomain (namespace, claim, pool and device names are at most this long)
+K8sName = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+CLAIM_DEVICES_MAX = 32
+
+
+class ClaimDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One device of a claim's allocation for this driver, resolved by the plugin to a card."""
+
+    #: the claim's request names this result answers (DRA: request or request/subrequest)
+    requests: Annotated[list[K8sName], msgspec.Meta(max_length=32)] = []
+    pool: K8sName
+    device: K8sName
+    pci: PciAddress
+    kind: Literal["gpu", "mig"]
+    #: mig: the GPU instance profile and its placement start (memory slice)
+    profile: Name = ""
+    start: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+
+
+class ClaimPrepareRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """converger.claim_prepare: make the claim's hold (idempotent: a prepared claim answers its devices again)."""
+
+    uid: ClaimUid
+    namespace: K8sName
+    name: K8sName
+    devices: Annotated[list[ClaimDevice], msgspec.Meta(min_length=1, max_length=CLAIM_DEVICES_MAX)]
+
+
+class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
+    requests: list[Name] = []
+    pool: Name
+    device: Name
+    #: the atom the claim holds (GPU-<uuid> or GPU-<uuid>/gi<N>/ci<M>)
+    atom: Name = ""
+    #: qualified CDI device names (bcd.dev/gpu=<name>)
+    cdi_ids: list[Name] = []
+
+
+class ClaimPrepareReply(msgspec.Struct, frozen=True, kw_only=True):
+    uid: Name
+    ok: bool
+    #: refused: overlap | device-missing | unsupported-device | node-unprivileged | mig-failed | write-failed | busy
+    reason: Name = ""
+    message: Text = ""
+    devices: list[PreparedDevice] = []
+
+
+class ClaimUnprepareRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """converger.claim_unprepare: remove the claim's hold, destroy its MIG instances (idempotent)."""
+
+    uid: ClaimUid
+
+
+class ClaimUnprepareReply(msgspec.Struct, frozen=True, kw_only=True):
+    uid: Name
+    ok: bool
+    message: Text = ""
+
+
+class ClaimSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """A DRA claim the converger holds (ConvergerStatus.claims)."""
+
+    uid: Name
+    namespace: Name
+    name: Name
+    #: preparing | prepared | unpreparing
+    state: Name
+    devices: list[PreparedDevice] = []
+    message: Text = ""
+    since: datetime
+    boot_id: Name = ""
+
+
 # --------------------------------------------------------------------------- root helper
 #
 # Requests to the root helper (services/helper) forbid unknown fields: a field
@@ -510,7 +632,7 @@ class HelperHold(HelperStruct, frozen=True, kw_only=True):
     allocation_id: _HelperId
     reservation_id: _HelperId
     generation: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-    binding: Literal["BINDING_HOLD", "BINDING_KUBERNETES"]
+    binding: Literal["BINDING_HOLD", "BINDING_KUBERNETES", "BINDING_CLAIM"]
     devices: Annotated[list[HelperDevice], msgspec.Meta(min_length=1, max_length=64)]
     #: the hold runs in its slice (the helper names it bcd-alloc-<id>.slice itself).
     sliced: bool = False

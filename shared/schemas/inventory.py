@@ -45,6 +45,13 @@ class PhysicalGPUStatus(Struct, kw_only=True):
     conditions: list[Condition] = []
 
 
+class MigPlacement(Struct, kw_only=True):
+    """Where a GPU instance sits on its card, in memory slices (NVML's nvmlGpuInstancePlacement_t)."""
+
+    start: NonNegInt
+    size: NonNegInt
+
+
 class MigProfile(Struct, kw_only=True):
     """A GPU instance profile the card supports (e.g. 1g.18gb)."""
 
@@ -53,6 +60,16 @@ class MigProfile(Struct, kw_only=True):
     slices: NonNegInt = 0
     memory_bytes: NonNegInt = 0
     instances_max: NonNegInt = 0
+    #: every placement a GPU instance of this profile may take on the card (DRA publishes each one)
+    placements: Annotated[list[MigPlacement], msgspec.Meta(max_length=64)] = []
+    #: the engines one GPU instance of this profile has (NVML's GpuInstanceProfileInfo counts):
+    #: DRA's shared counters, so the scheduler keeps placements exclusive by itself.
+    multiprocessors: NonNegInt = 0
+    copy_engines: NonNegInt = 0
+    decoders: NonNegInt = 0
+    encoders: NonNegInt = 0
+    jpeg_engines: NonNegInt = 0
+    ofa_engines: NonNegInt = 0
 
 
 class MigInstance(Struct, kw_only=True):
@@ -62,6 +79,20 @@ class MigInstance(Struct, kw_only=True):
     ci: NonNegInt
     profile: Name = ""
     memory_bytes: NonNegInt = 0
+    #: the placement of its GPU instance, when the vendor says
+    placement: MigPlacement | None = None
+
+
+class GpuInstance(Struct, kw_only=True):
+    """A GPU instance on a MIG card, with or without compute instances: one without any is
+    no atom, but it holds its slices (a crash between creating it and its compute instance
+    leaves one; the converger finds it here)."""
+
+    gi: NonNegInt
+    profile: Name = ""
+    profile_id: NonNegInt | None = None
+    placement: MigPlacement | None = None
+    compute_instances: NonNegInt = 0
 
 
 class Slot(Struct, kw_only=True):
@@ -86,6 +117,8 @@ class Gpu(Struct, kw_only=True):
     mig_mode: bool = False
     mig_profiles: list[MigProfile] = []
     mig_instances: list[MigInstance] = []
+    #: every GPU instance on the card (those with no compute instance too)
+    gpu_instances: Annotated[list[GpuInstance], msgspec.Meta(max_length=64)] = []
     slots: list[Slot] = []
     #: the MPS control daemon's pipe was found (slots only).
     mps_running: bool = False
@@ -160,8 +193,10 @@ __all__ = [
     "RECONFIGURING_REASONS",
     "DriverBinding",
     "PhysicalGPUStatus",
+    "MigPlacement",
     "MigProfile",
     "MigInstance",
+    "GpuInstance",
     "Slot",
     "Gpu",
     "Atom",

@@ -175,7 +175,7 @@ PUBLISH_MATRIX = [
     pytest.param(S.signer_key, {"converger", "gateway_bridge", "cli"}, id="signer.key"),
     pytest.param(S.subject("signer", "other"), set(), id="signer.other"),
     pytest.param(
-        S.inventory_get, {"converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher", "cli"}, id="inventory.get"
+        S.inventory_get, {"converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", "cli"}, id="inventory.get"
     ),
     pytest.param(S.inventory_rescan, {"cli"}, id="inventory.rescan"),
     pytest.param(S.inventory_changed, {"inventory"}, id="inventory.changed"),
@@ -183,7 +183,12 @@ PUBLISH_MATRIX = [
     pytest.param(S.vfio_switch, {"converger"}, id="vfio_switcher.switch"),
     pytest.param(S.vfio_result, {"vfio_switcher"}, id="vfio_switcher.result"),
     pytest.param(S.inventory_gpu, {"cli"}, id="inventory.gpu"),
-    pytest.param(S.converger_claims, {"inventory", "cli"}, id="converger.claims"),
+    pytest.param(S.converger_claims, {"inventory", "dra_plugin", "cli"}, id="converger.claims"),
+    # DRA: only the DRA plugin prepares claims; only the converger makes MIG instances
+    pytest.param(S.converger_claim_prepare, {"dra_plugin"}, id="converger.claim_prepare"),
+    pytest.param(S.converger_claim_unprepare, {"dra_plugin"}, id="converger.claim_unprepare"),
+    pytest.param(S.inventory_mig_instance, {"converger"}, id="inventory.mig_instance"),
+    pytest.param(S.dra_plugin_status, {"cli"}, id="dra_plugin.status"),
     pytest.param(S.converger_claims_changed, {"converger"}, id="converger.claims_changed"),
     pytest.param(S.converger_holder, {"vfio_switcher", "cli"}, id="converger.holder"),
     pytest.param(S.outbox_subject("gpu"), {"converger", "inventory"}, id="outbox.gpu"),
@@ -290,7 +295,7 @@ def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> Non
         pytest.param(S.signer_sign, {"signer"}, id="signer.sign"),
         pytest.param(S.signer_sign_batch, {"signer"}, id="signer.sign_batch"),
         pytest.param(S.inventory_get, {"inventory"}, id="inventory.get"),
-        pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "device_plugin", "cli"}, id="inventory.changed"),
+        pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "device_plugin", "dra_plugin", "cli"}, id="inventory.changed"),
         pytest.param(S.device_plugin_withdraw, {"device_plugin"}, id="device_plugin.withdraw"),
         pytest.param(S.converger_holds_changed, {"converger", "device_plugin"}, id="converger.holds_changed"),
         pytest.param(S.subject("vfio_switcher", "switch"), {"vfio_switcher"}, id="vfio_switcher.switch"),
