@@ -339,6 +339,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "services": sorted(report.services),
                     "converger": msgspec.to_builtins(report.converger),
                     "device_plugin": msgspec.to_builtins(report.device_plugin),
+                    "dra_plugin": msgspec.to_builtins(report.dra_plugin),
                     "outbox": {"messages": report.outbox.messages, "oldest": str(report.outbox.oldest)} if report.outbox else None,
                     "problems": problems(report),
                 },

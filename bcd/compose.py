@@ -47,13 +47,14 @@ UIDS: dict[str, int] = {
     "vfio_switcher": 10007,
     "controlplane": 10008,
     "device_plugin": 10009,
+    "dra_plugin": 10010,
 }
-SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher")
+SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher")
 #: the root helper: the one container that runs as uid 0 (with no capability). It
 #: writes the hold files; the converger, an ordinary user, asks it over the bus.
 HELPER = "helper"
 #: the services that keep state under /var/lib/bcd/<name>.
-STATEFUL = ("signer", "inventory", "converger")
+STATEFUL = ("signer", "inventory", "converger", "dra_plugin")
 EXAMPLE_HOST = Path(__file__).resolve().parent.parent / "examples" / "hosts" / "h200x8.json"
 #: where the containers see what this writes (compose.yaml mounts DIR's parts there).
 IN_CONTAINER_STORE = "/data"
@@ -123,7 +124,11 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     run = _dir(d / "run", 0, 0o2755)
     # a stand-in kubelet dir: the device plugin makes its sockets in device-plugins/
     # (a worker mounts the kubelet's own /var/lib/kubelet instead: docs/install.md)
-    _dir(_dir(d / "kubelet", 0, 0o755, 0) / "device-plugins", UIDS["device_plugin"], 0o750)
+    kubelet = _dir(d / "kubelet", 0, 0o755, 0)
+    _dir(kubelet / "device-plugins", UIDS["device_plugin"], 0o750)
+    # the DRA plugin's registration socket and its own socket directory
+    _dir(kubelet / "plugins_registry", UIDS["dra_plugin"], 0o750)
+    _dir(_dir(kubelet / "plugins", 0, 0o755, 0) / "gpu.bcd.dev", UIDS["dra_plugin"], 0o750)
     host_dir = _dir(d / "host", 0, 0o2775)
     host_file = host_dir / "host.json"
     if not host_file.exists():

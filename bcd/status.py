@@ -28,12 +28,14 @@ from shared.schemas import (
     CLAIMS_CODEC,
     CONVERGER_STATUS_CODEC,
     DEVICE_PLUGIN_STATUS_CODEC,
+    DRA_PLUGIN_STATUS_CODEC,
     INVENTORY_CODEC,
     BadMessage,
     Claims,
     Condition,
     ConvergerStatus,
     DevicePluginStatus,
+    DraPluginStatus,
     Empty,
     Gpu,
     GpuOp,
@@ -62,6 +64,8 @@ class NodeReport:
     claims: Claims | None = None
     #: None when no device plugin answered (not running, or not in this node's services).
     device_plugin: DevicePluginStatus | None = None
+    #: None when no DRA plugin answered.
+    dra_plugin: DraPluginStatus | None = None
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
 
@@ -85,6 +89,9 @@ async def gather(info: NodeInfo) -> NodeReport:
         if "device_plugin" in report.services:
             with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
                 report.device_plugin = await call(nc, subjects.device_plugin_status, Empty(), DEVICE_PLUGIN_STATUS_CODEC, timeout=3)
+        if "dra_plugin" in report.services:
+            with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
+                report.dra_plugin = await call(nc, subjects.dra_plugin_status, Empty(), DRA_PLUGIN_STATUS_CODEC, timeout=3)
         with contextlib.suppress(StreamMissing, nats.errors.Error, asyncio.TimeoutError):
             report.outbox = await stream_depth(nc, subjects.outbox_stream)
     finally:
@@ -119,11 +126,12 @@ def problems(report: NodeReport) -> list[str]:
 
 
 def _holders(conv: ConvergerStatus | None) -> dict[str, str]:
-    """atom id -> allocation id."""
+    """atom id -> allocation id (a DRA claim's hold: "DRA claim <namespace>/<name>")."""
     out: dict[str, str] = {}
+    names = {f"claim-{c.uid}": f"DRA claim {c.namespace}/{c.name}" for c in conv.claims} if conv else {}
     for h in conv.holds if conv else []:
         for d in h.devices:
-            out[d] = h.allocation_id
+            out[d] = names.get(h.allocation_id, h.allocation_id)
     return out
 
 
@@ -169,6 +177,8 @@ def render_status(report: NodeReport) -> str:
             lines.append(f"section {sec.section}: {sec.state}  observed_generation {sec.observed_generation}")
             lines.extend(f"  {m}" for m in sec.message.splitlines())
         for h in conv.holds:
+            if h.binding == "BINDING_CLAIM":
+                continue  # listed with its claim below
             extra = f"  slice {h.cgroup_parent}" if h.cgroup_parent else ""
             flag = "" if h.reported else "  (Bound not yet reported)"
             lines.append(f"  hold {h.allocation_id} ({h.reservation_id}) gen {h.generation}: {', '.join(h.devices)}{extra}{flag}")
@@ -186,9 +196,16 @@ def render_status(report: NodeReport) -> str:
     if conv is not None and conv.mig_layouts:
         lines.append("MIG layouts:")
         lines.extend(f"  {m.pci_address} {m.layout}: {m.state}" + (f": {m.message}" if m.message else "") for m in conv.mig_layouts)
+    if conv is not None:
+        for c in conv.claims:
+            devices = ", ".join(f"{d.device} -> {d.atom or '(not made)'}" for d in c.devices)
+            lines.append(f"  DRA claim {c.namespace}/{c.name} ({c.uid}): {c.state}: {devices}" + (f": {c.message}" if c.message else ""))
     plugin_line = device_plugin_line(report)
     if plugin_line:
         lines.append(plugin_line)
+    dra_line = dra_plugin_line(report)
+    if dra_line:
+        lines.append(dra_line)
     attention = gpu_attention(inv)
     if attention:
         lines.append("needs a person:")
@@ -229,6 +246,20 @@ def device_plugin_line(report: NodeReport) -> str:
     state = "registered" if dp.registered else "NOT registered"
     parts = [f"{r.name} {r.healthy}/{r.devices} healthy" + ("" if r.registered else " (not registered" + (f": {r.error}" if r.error else "") + ")") for r in dp.resources]
     return f"device plugin: {state} with the kubelet; {', '.join(parts)}; {dp.allocations} allocation(s)"
+
+
+def dra_plugin_line(report: NodeReport) -> str:
+    dra = report.dra_plugin
+    if dra is None:
+        return "DRA plugin: not answering" if "dra_plugin" in report.expected else ""
+    state = "registered" if dra.registered else "NOT registered" + (f" ({dra.registration_error})" if dra.registration_error else " (no kubelet has asked)")
+    prepared = sum(1 for c in dra.claims if c.state == "PrepareCompleted")
+    line = f"DRA plugin {dra.driver}: {state} with the kubelet; "
+    if dra.api_error:
+        line += f"API: {dra.api_error}; "
+    else:
+        line += f"pool {dra.node_name} generation {dra.pool_generation}, {dra.slices} slice(s), {dra.devices} device(s) on {len(dra.cards)} card(s); "
+    return line + f"{prepared} claim(s) prepared"
 
 
 def _when(t: datetime | None) -> str:

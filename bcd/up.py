@@ -30,7 +30,7 @@ from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
 #: the services `bcd up` runs, in start order.
 EXAMPLE_HOSTS_DIR = Path(__file__).resolve().parent.parent / "examples" / "hosts"
 
-NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher")
+NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher")
 
 
 def layout(state: Path) -> dict[str, Path]:
@@ -160,6 +160,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     # serves kubelet.sock there (none on a fake host: it waits, and says so)
     kubelet_dir = getattr(args, "kubelet_dir", None)
     plugin_env = {"BCD_KUBELET_DIR": str(Path(kubelet_dir).resolve() if kubelet_dir else paths["kubelet"])}
+    # dra_plugin: serves plugins_registry/ and plugins/ under the same kubelet dir; ResourceClaims and
+    # ResourceSlices need an API server (--kubeconfig): without one it registers and refuses prepares
+    dra_env = {**plugin_env, "BCD_KUBE_API": "kubernetes" if args.kubeconfig else "none"}
+    if args.kubeconfig:
+        dra_env["BCD_KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
     # vfio_switcher: on a fake host it switches cards by editing the host file
     # (the inventory's next scan sees it); otherwise the real sysfs files.
     switcher_env = {"BCD_BACKEND": "fake" if fake_host else "sysfs"}
@@ -175,6 +180,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             **(bridge_env if name == "gateway_bridge" else {}),
             **(reaper_env if name == "kube_reaper" else {}),
             **(plugin_env if name == "device_plugin" else {}),
+            **(dra_env if name == "dra_plugin" else {}),
             **(switcher_env if name == "vfio_switcher" else {}),
         }
         if port:

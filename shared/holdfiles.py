@@ -100,6 +100,17 @@ BINDING_HOLD = "BINDING_HOLD"
 BINDING_KUBERNETES = "BINDING_KUBERNETES"
 #: the bindings that make a hold (BINDING_INSTANCE is the VFIO side's).
 HOLD_BINDINGS: tuple[str, ...] = (BINDING_HOLD, BINDING_KUBERNETES)
+#: a DRA claim's own hold (`bcd-claim-<uid>.json`): never in a NodeSpec (its binding is
+#: no DeviceAssignment's), made and removed through the kubelet plugin, reported to nobody.
+BINDING_CLAIM = "BINDING_CLAIM"
+#: what a hold file on disk may say it is.
+DISK_BINDINGS: tuple[str, ...] = (*HOLD_BINDINGS, BINDING_CLAIM)
+#: the allocation id of a claim's hold: `claim-<uid>`.
+CLAIM_HOLD_PREFIX = "claim-"
+
+
+def claim_hold_id(uid: str) -> str:
+    return f"{CLAIM_HOLD_PREFIX}{uid}"
 
 #: the vendor edits a hold copies, at spec and at device level (never env).
 COPIED_EDITS: tuple[str, ...] = ("deviceNodes", "mounts", "hooks", "additionalGids")
@@ -222,8 +233,10 @@ class HoldContent:
             raise ValueError(f"{self.allocation_id}: reservation id {self.reservation_id!r} is not a valid id")
         if self.generation < 0:
             raise ValueError(f"{self.allocation_id}: negative generation")
-        if self.binding not in HOLD_BINDINGS:
+        if self.binding not in DISK_BINDINGS:
             raise ValueError(f"{self.allocation_id}: {self.binding} does not make a hold")
+        if self.binding == BINDING_CLAIM and not self.allocation_id.startswith(CLAIM_HOLD_PREFIX):
+            raise ValueError(f"{self.allocation_id}: a DRA claim's hold is named {CLAIM_HOLD_PREFIX}<uid>")
         if not self.devices:
             # a CDI spec without devices is rejected by the runtimes.
             raise ValueError(f"{self.allocation_id}: a hold needs at least one device")
@@ -514,8 +527,8 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
     binding = annotations.get(ANN_BINDING)
     if binding is None:
         binding = _binding_without_annotation(spec)
-    elif binding not in HOLD_BINDINGS:
-        raise refuse(f"{ANN_BINDING} {binding!r} is not one of {', '.join(HOLD_BINDINGS)}")
+    elif binding not in DISK_BINDINGS:
+        raise refuse(f"{ANN_BINDING} {binding!r} is not one of {', '.join(DISK_BINDINGS)}")
     limits: Limits | None = None
     if ANN_LIMITS in annotations:
         raw = annotations[ANN_LIMITS]
@@ -937,6 +950,10 @@ __all__ = [
     "BINDING_HOLD",
     "BINDING_KUBERNETES",
     "HOLD_BINDINGS",
+    "BINDING_CLAIM",
+    "DISK_BINDINGS",
+    "CLAIM_HOLD_PREFIX",
+    "claim_hold_id",
     "COPIED_EDITS",
     "CDI_VERSIONS",
     "hold_file_name",

@@ -50,6 +50,7 @@ METRICS_PORTS: dict[str, int] = {
     "vfio_switcher": 9466,
     "helper": 9467,
     "device_plugin": 9468,
+    "dra_plugin": 9469,
 }
 
 T = TypeVar("T")

@@ -462,7 +462,7 @@ class NodeSubjects:
                 (self.service_wildcard("device_plugin"), self.inventory_changed, self.converger_holds_changed),
             ),
             "dra_plugin": (
-                (self.inventory_get, self.converger_claims, self.converger_claim_prepare, self.converger_claim_unprepare),
+                (self.inventory_get, self.converger_claims, self.converger_status, self.converger_claim_prepare, self.converger_claim_unprepare),
                 (self.service_wildcard("dra_plugin"), self.inventory_changed, self.converger_claims_changed),
             ),
             "vfio_switcher": (

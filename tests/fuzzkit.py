@@ -34,6 +34,16 @@ import shared.schemas as schemas
 from shared.holdfiles import HoldContent, HoldDevice, hold_to_wire, limits_to_wire
 from shared.schemas import (
     AllocationBound,
+    ClaimDevice,
+    ClaimPrepareReply,
+    ClaimPrepareRequest,
+    ClaimUnprepareReply,
+    ClaimUnprepareRequest,
+    DraClaimStatus,
+    DraPluginStatus,
+    MigInstanceReply,
+    MigInstanceRequest,
+    PreparedDevice,
     Atom,
     Claims,
     Codec,
@@ -147,6 +157,7 @@ NODE_KEY = Ed25519PrivateKey(bytes(range(32)))
 CP_KEY = Ed25519PrivateKey(bytes(range(32, 64)))
 UUID = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 PCI = "0000:18:00.0"
+CLAIM_UID = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab"
 SLICE = slice_name("train-01")
 
 
@@ -287,6 +298,30 @@ SAMPLES: dict[str, object] = {
     "HELPER_SLICE_APPLY_CODEC": HelperSliceApply(allocation_id="train-01", limits=limits_to_wire(HOLD_LIMITS)),
     "HELPER_SLICE_REMOVE_CODEC": HelperSliceRemove(allocation_id="train-01"),
     "HELPER_REPLY_CODEC": HelperReply(ok=True, outcome="done", changed=True, path="/etc/cdi/bcd-train-01.json"),
+    "MIG_INSTANCE_REQUEST_CODEC": MigInstanceRequest(step="create-gi", pci=PCI, profile="3g.71gb", start=4, owner=CLAIM_UID),
+    "MIG_INSTANCE_REPLY_CODEC": MigInstanceReply(pci=PCI, step="create-ci", outcome="done", gi=2, ci=0, uuid="MIG-8d8f1a44-0000-4000-8000-000000000002"),
+    "CLAIM_PREPARE_REQUEST_CODEC": ClaimPrepareRequest(
+        uid=CLAIM_UID,
+        namespace="ml",
+        name="train-gpu",
+        devices=[ClaimDevice(requests=["gpu"], pool="node-1", device="gpu-6-mig-3g-71gb-4", pci=PCI, kind="mig", profile="3g.71gb", start=4)],
+    ),
+    "CLAIM_PREPARE_REPLY_CODEC": ClaimPrepareReply(
+        uid=CLAIM_UID, ok=True, devices=[PreparedDevice(requests=["gpu"], pool="node-1", device="gpu-0", atom=UUID, cdi_ids=[f"bcd.dev/gpu={UUID}"])]
+    ),
+    "CLAIM_UNPREPARE_REQUEST_CODEC": ClaimUnprepareRequest(uid=CLAIM_UID),
+    "CLAIM_UNPREPARE_REPLY_CODEC": ClaimUnprepareReply(uid=CLAIM_UID, ok=False, message="in-use: a process uses it"),
+    "DRA_PLUGIN_STATUS_CODEC": DraPluginStatus(
+        driver="gpu.bcd.dev",
+        node_name="node-1",
+        registered=True,
+        pool_generation=3,
+        slices=2,
+        devices=9,
+        cards=[PCI],
+        left_out=["0000:db:00.0 gpu-7: a GPU instance no claim owns"],
+        claims=[DraClaimStatus(uid=CLAIM_UID, namespace="ml", name="train-gpu", state="PrepareCompleted", since=T0)],
+    ),
     "HELPER_INFO_CODEC": HelperInfo(cdi_dir="/etc/cdi", run_dir="/run/bcd", slices="fake", mps_pipe_dir="/tmp/nvidia-mps", euid=0, version="0.1.0"),
 }
 

@@ -44,8 +44,11 @@ RELEASE_POINTS: tuple[str, ...] = (
 KUBE_POINTS: tuple[str, ...] = ("kube.recorded", "kube.withdrawn", "kube.published")
 #: a driver switch: the card is in the VFIO record, the switch not yet asked for.
 VFIO_POINTS: tuple[str, ...] = ("vfio.recorded",)
+#: a DRA claim's prepare: the GPU instance made but its id not yet journaled (the journal says
+#: gi-asked), the compute instance made but not journaled, the CDI spec written before "prepared".
+CLAIM_POINTS: tuple[str, ...] = ("claim.gi-created", "claim.ci-created", "claim.cdi-written")
 CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
-ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS
+ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS + CLAIM_POINTS
 ENV = "BCD_CONVERGER_CRASH_AT"
 
 
@@ -65,4 +68,4 @@ class CrashPoints:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "VFIO_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]
+__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "VFIO_POINTS", "CLAIM_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]

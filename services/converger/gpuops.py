@@ -43,6 +43,8 @@ RESET_TIMEOUT_S = 60.0
 DIAG_TIMEOUT_S = {level: run + 60.0 for level, run in DIAG_RUN_S.items()}
 #: how long the converger waits for a MIG layout change (NVML's are seconds; a GPU reset is not part of it).
 MIG_TIMEOUT_S = 600.0
+#: one NVML step on a MIG instance (inventory.mig_instance: the step, then a rescan) for a DRA claim
+MIG_STEP_TIMEOUT_S = 60.0
 #: how often a running diagnostic is asked about, and how long one answer may take.
 POLL_INTERVAL_S = 1.0
 POLL_TIMEOUT_S = 10.0

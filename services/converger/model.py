@@ -76,6 +76,54 @@ class MigLayoutRecord(msgspec.Struct, kw_only=True):
     blocked_boot: str = ""
 
 
+class ClaimMig(msgspec.Struct, kw_only=True):
+    """The MIG instance a claim's device is made of, step by step (journaled before each NVML step).
+
+    step: "gi-asked" (create-gi asked; `gi` unknown until answered), "gi-made",
+    "ci-asked", "ci-made"; on unprepare "ci-gone" once the compute instance is
+    destroyed. A restart finds here what may exist, so no instance is left that
+    nobody owns.
+    """
+
+    profile: str
+    start: int
+    step: str = "gi-asked"
+    gi: int | None = None
+    ci: int | None = None
+    uuid: str = ""
+
+
+class ClaimDeviceRecord(msgspec.Struct, kw_only=True):
+    """One device of a claim: what the kubelet plugin asked for, and the atom it became."""
+
+    requests: list[str] = []
+    pool: str
+    device: str
+    pci: str
+    kind: str
+    #: the atom held (GPU-<uuid>, or GPU-<uuid>/gi<N>/ci<M> once its MIG instance exists)
+    atom: str = ""
+    mig: ClaimMig | None = None
+
+
+class ClaimRecord(msgspec.Struct, kw_only=True):
+    """A DRA claim's hold (`bcd-claim-<uid>.json`): journaled before its first side effect."""
+
+    uid: str
+    namespace: str
+    name: str
+    #: preparing | prepared | unpreparing
+    state: str = "preparing"
+    devices: list[ClaimDeviceRecord] = []
+    boot_id: str = ""
+    since: datetime
+    message: str = ""
+
+    @property
+    def holder(self) -> str:
+        return f"DRA claim {self.namespace}/{self.name}"
+
+
 class ConvergerState(msgspec.Struct, kw_only=True):
     """`<data_dir>/converger/state.json` (0600, written atomically)."""
 
@@ -114,6 +162,8 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     gpu_op_results: dict[str, GpuOp] = {}
     #: PCI address -> the card's desired MIG layout and its state.
     mig_layouts: dict[str, MigLayoutRecord] = {}
+    #: claim uid -> the DRA claim held as a hold of its own (claims.py).
+    claims: dict[str, ClaimRecord] = {}
 
 
 # ---------------------------------------------------------------------------- observed
@@ -157,6 +207,8 @@ class Observed:
     #: fields of the spec as received that NodeSpec does not declare, as `$.path: unknown field`
     #: (ignored; condition NodeSpecUnknownFields names them once per generation).
     spec_unknown_fields: tuple[str, ...] = ()
+    #: the DRA claims' holds on disk (bcd-claim-<uid>.json): never released by a pass, held against every new hold.
+    claim_holds: Mapping[str, HoldOnDisk] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

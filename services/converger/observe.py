@@ -32,7 +32,7 @@ from pathlib import Path
 
 from shared import logs
 from shared.holddisk import DiskView, read_disk, warn_once
-from shared.holdfiles import VendorCache
+from shared.holdfiles import BINDING_CLAIM, VendorCache
 from shared.schemas import Inventory, NodeSpec
 from shared.slices import SliceError, Slices
 from shared.vendorcdi import VendorCdi, VendorSpecError
@@ -113,7 +113,9 @@ def observe(
         log.warning("slices unreadable", error=str(exc))
         present, empty = frozenset(), frozenset()
     return Observed(
-        holds=disk.holds,
+        # a DRA claim's hold is the kubelet plugin's to remove, never the spec's
+        holds={a: h for a, h in disk.holds.items() if h.binding != BINDING_CLAIM},
+        claim_holds={a: h for a, h in disk.holds.items() if h.binding == BINDING_CLAIM},
         env_files=disk.env_files,
         slices=present,
         empty_slices=empty,

@@ -393,6 +393,22 @@ def plan_leftover_slices(p: _Pass) -> None:
 # ------------------------------------------------------------------------------ who holds what
 
 
+def claim_holders(observed: Observed) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Hold id -> (holder text, atoms) of every DRA claim: its hold on disk, and claims the
+    journal shows being prepared or unprepared (their atoms are claimed before and after the file)."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    by_id = {f"claim-{uid}": rec for uid, rec in observed.state.claims.items()}
+    for alloc, hold in observed.claim_holds.items():
+        rec = by_id.get(alloc)
+        out[alloc] = (rec.holder if rec is not None else f"DRA claim {alloc.removeprefix('claim-')}", hold.devices)
+    for alloc, rec in by_id.items():
+        atoms = tuple(d.atom for d in rec.devices if d.atom)
+        if atoms:
+            held = out.get(alloc, (rec.holder, ()))
+            out[alloc] = (rec.holder, tuple(dict.fromkeys((*held[1], *atoms))))
+    return out
+
+
 def claims_after_releases(p: _Pass, index: AtomIndex) -> tuple[Claims, bool]:
     """The claims new holds are checked against (before the kept holds add theirs), and
     whether the releases file is unreadable (every GPU held)."""
@@ -409,6 +425,9 @@ def claims_after_releases(p: _Pass, index: AtomIndex) -> tuple[Claims, bool]:
     claims.excluded = {g.atom_id for g in index.by_pci.values() if g.atom_id and excluded(g)}
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")
+    for alloc, holder in sorted(claim_holders(observed).items()):
+        for atom in holder[1]:
+            claims.add(atom, holder[0])
     for alloc, rel in [*p.pending.items(), *p.taken_back.items()]:
         for atom in rel.devices:
             claims.add(atom, f"{alloc} (pending Kubernetes release)")
@@ -533,6 +552,9 @@ def plan_new_holds(
             for atom in taken_back.devices:  # its own release does not stand in its way
                 claims.discard(atom)
         try:
+            if alloc in observed.claim_holds:
+                holder = claim_holders(observed)[alloc][0]
+                raise _Refused("overlap", f"{alloc}: its hold file bcd-{alloc}.json is {holder}'s")
             refused = state.refusals.get(alloc)
             if refused is not None and refused.generation == gen and state.reported_failures.get(alloc) == gen:
                 # FAILED is terminal at its generation: what was refused stays

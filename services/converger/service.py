@@ -29,12 +29,17 @@ import msgspec
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.holdfiles import HoldOnDisk, VendorCache
+from shared.holdfiles import BINDING_CLAIM, HoldOnDisk, VendorCache
 from shared.host import HostFactError, read_boot_id
 from shared.runtime import LoopGuard, Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
 from shared.schemas import (
+    CLAIM_PREPARE_REPLY_CODEC,
+    CLAIM_PREPARE_REQUEST_CODEC,
+    CLAIM_UNPREPARE_REPLY_CODEC,
+    CLAIM_UNPREPARE_REQUEST_CODEC,
     CLAIMS_CODEC,
     CONVERGER_STATUS_CODEC,
+    MIG_INSTANCE_REPLY_CODEC,
     DIAG_REPLY_CODEC,
     EMPTY_CODEC,
     MIG_LAYOUT_REPLY_CODEC,
@@ -48,6 +53,10 @@ from shared.schemas import (
     SPEC_ACK_CODEC,
     SWITCH_REPLY_CODEC,
     BadMessage,
+    ClaimPrepareReply,
+    ClaimPrepareRequest,
+    ClaimUnprepareReply,
+    ClaimUnprepareRequest,
     Claims,
     ConvergerStatus,
     DiagRequest,
@@ -60,6 +69,8 @@ from shared.schemas import (
     HolderReply,
     HoldSummary,
     Inventory,
+    MigInstanceReply,
+    MigInstanceRequest,
     MigLayoutRequest,
     MigLayoutState,
     NodeSpec,
@@ -74,6 +85,7 @@ from shared.vendorcdi import VENDOR_CDI_FILE, VendorSpecError
 
 from . import gpuops
 from .apply import Applier
+from .claims import ClaimKeeper
 from .crash import CrashPoints
 from .domains import Domains, FakeDomains, NoDomains
 from .hostwriter import (
@@ -87,10 +99,10 @@ from .hostwriter import (
     writer_kind,
 )
 from .loop import PassLoop
-from .model import ConvergerState, MigLayoutRecord, PlanConfig
+from .model import ConvergerState, MigLayoutRecord, Observed, PlanConfig
 from .observe import DiskView, observe, read_disk, release_facts
 from .outbox import BusSigner, JetStreamOutbox
-from .plan import UNREADABLE, plan
+from .plan import UNREADABLE, claim_holders, plan
 from .consumers import BusKubeConsumers
 from .reaper import BusReaper
 from .releases import PendingRelease, ReleasesStore
@@ -122,6 +134,8 @@ class ConvergerApp(ServiceApp):
         self.vfio_noted: set[str] = set()
         #: the holds on disk as read right after the last pass (None: not read by it).
         self.holds_after_pass: dict[str, HoldOnDisk] | None = None
+        #: the DRA claims cut short by the last stop were looked at (once the inventory is known)
+        self.claims_reconciled = False
 
     def options(self) -> list[Option]:
         return [
@@ -250,6 +264,20 @@ class ConvergerApp(ServiceApp):
             count_switch=lambda target, outcome: self.m_switches.labels(target=target, outcome=outcome).inc(),
         )
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
+        self.keeper = ClaimKeeper(
+            state=lambda: self.state,
+            save=lambda: asyncio.to_thread(self.store.save, self.state),
+            writer=lambda: writer,
+            mig=self._mig_step_call,
+            inventory=self._inventory_now,
+            card_claims=lambda inv: asyncio.to_thread(self._card_claims, inv),
+            claim_holds=self._claim_holds_now,
+            privileged=lambda: self.privileged,
+            boot_id=lambda: self.state.boot_id,
+            vfio=lambda: dict(self.state.vfio),
+            maintenance=lambda: gpuops.maintenance_claims(self.state.gpu_ops),
+            crash=crash,
+        )
         self._metrics(ctx)
         self._count_interrupted(interrupted)
 
@@ -279,6 +307,10 @@ class ConvergerApp(ServiceApp):
         await ctx.endpoint("claims", ctx.subjects.converger_claims, self.claims, EMPTY_CODEC, allow_empty=True, reply=CLAIMS_CODEC)
         await ctx.endpoint("pass", ctx.subjects.converger_pass, self.request_pass, EMPTY_CODEC, allow_empty=True, reply=SPEC_ACK_CODEC)
         await ctx.endpoint("gpu_op", ctx.subjects.converger_gpu_op, self.gpu_op, GPU_OP_REQUEST_CODEC, reply=GPU_OP_REPLY_CODEC)
+        await ctx.endpoint("claim_prepare", ctx.subjects.converger_claim_prepare, self.claim_prepare, CLAIM_PREPARE_REQUEST_CODEC, reply=CLAIM_PREPARE_REPLY_CODEC)
+        await ctx.endpoint(
+            "claim_unprepare", ctx.subjects.converger_claim_unprepare, self.claim_unprepare, CLAIM_UNPREPARE_REQUEST_CODEC, reply=CLAIM_UNPREPARE_REPLY_CODEC
+        )
 
     def _metrics(self, ctx: ServiceContext) -> None:
         reg = ctx.registry
@@ -307,6 +339,14 @@ class ConvergerApp(ServiceApp):
         # the journal's last results, so the gauge is right after a restart (the counter starts afresh)
         for r in self.state.gpu_op_results.values():
             self._diag_gauge(r)
+
+        self.m_claims = Gauge("bcd_dra_claims", "DRA claims held as holds, by state", ["state"], registry=reg)
+        self.m_claim_ops = Counter("bcd_dra_claim_operations", "DRA claim prepares and unprepares, by outcome", ["op", "outcome"], registry=reg)
+        self._claims_gauge()
+
+    def _claims_gauge(self) -> None:
+        for st in ("preparing", "prepared", "unpreparing"):
+            self.m_claims.labels(state=st).set(sum(1 for r in self.state.claims.values() if r.state == st))
 
     def _count_interrupted(self, ops: list[GpuOp]) -> None:
         for op in ops:
@@ -337,6 +377,52 @@ class ConvergerApp(ServiceApp):
     async def request_pass(self, _: Empty) -> SpecAck:
         self.loop.trigger("requested")
         return SpecAck(generation=self.spec.generation if self.spec else -1, changed=False)
+
+    # ------------------------------------------------------------------ DRA claims
+
+    async def claim_prepare(self, req: ClaimPrepareRequest) -> ClaimPrepareReply:
+        async with self.lock:
+            await self._reconcile_claims()
+            reply = await self.keeper.prepare(req)
+        self.m_claim_ops.labels(op="prepare", outcome="ok" if reply.ok else reply.reason or "refused").inc()
+        self._claims_gauge()
+        await self._publish_claims()
+        return reply
+
+    async def claim_unprepare(self, req: ClaimUnprepareRequest) -> ClaimUnprepareReply:
+        async with self.lock:
+            await self._reconcile_claims()
+            reply = await self.keeper.unprepare(req.uid)
+        self.m_claim_ops.labels(op="unprepare", outcome="ok" if reply.ok else "failed").inc()
+        self._claims_gauge()
+        await self._publish_claims()
+        # a hold or switch that waited for the card goes now
+        self.loop.trigger(f"claim {req.uid} unprepared")
+        return reply
+
+    async def _reconcile_claims(self) -> None:
+        """Once per start, with the inventory known (under the lock): claims cut short by the last stop."""
+        if self.claims_reconciled:
+            return
+        inv = await self._inventory_now()
+        if inv is None:
+            return
+        self.claims_reconciled = True
+        if self.state.claims:
+            await self.keeper.reconcile(inv)
+            self._claims_gauge()
+
+    async def _inventory_now(self) -> Inventory | None:
+        """The inventory as the inventory service has it now (after a MIG step it rescanned)."""
+        await self._fetch_inventory(wake=False)
+        return self.inventory
+
+    async def _mig_step_call(self, req: MigInstanceRequest) -> MigInstanceReply:
+        return await call(self.ctx.nc, self.ctx.subjects.inventory_mig_instance, req, MIG_INSTANCE_REPLY_CODEC, timeout=gpuops.MIG_STEP_TIMEOUT_S)
+
+    async def _claim_holds_now(self) -> dict[str, HoldOnDisk]:
+        holds = await asyncio.to_thread(self._holds)
+        return {a: h for a, h in holds.items() if h.binding == BINDING_CLAIM}
 
     def _holds(self) -> dict[str, HoldOnDisk]:
         return read_disk(self.opts.cdi_dir, self.opts.run_dir, warned=self.warned).holds
@@ -385,6 +471,7 @@ class ConvergerApp(ServiceApp):
             system_reserve_bytes=self.opts.system_reserve_bytes,
             gpu_ops=[*sorted(self.state.gpu_ops.values(), key=lambda o: o.pci), *sorted(self.state.gpu_op_results.values(), key=lambda o: (o.pci, o.op))],
             mig_layouts=self._mig_states(),
+            claims=self.keeper.summaries(),
         )
 
     def _card_claims(self, inv: Inventory, holds: dict[str, HoldOnDisk] | None = None) -> list[GpuClaim]:
@@ -392,9 +479,11 @@ class ConvergerApp(ServiceApp):
         if holds is None:
             holds = self._holds()
         pending, unreadable = self.releases.peek()
+        dra = claim_holders(Observed(claim_holds={a: h for a, h in holds.items() if h.binding == BINDING_CLAIM}, state=self.state))
         return card_claims(
             inventory=inv,
-            holds={a: h.devices for a, h in holds.items()},
+            holds={a: h.devices for a, h in holds.items() if h.binding != BINDING_CLAIM},
+            dra_claims={holder: atoms for holder, atoms in dra.values()},
             intents={a: i.devices for a, i in self.state.intents.items()},
             pending={a: r.devices for a, r in pending.items()},
             releases_unreadable=unreadable,
@@ -663,6 +752,9 @@ class ConvergerApp(ServiceApp):
         if self.helper_writer is not None and not self.privileged and await self._look_for_helper():
             await self._become_privileged()
         self.holds_after_pass = None
+        if not self.claims_reconciled:
+            async with self.lock:
+                await self._reconcile_claims()
         retry = await self._pass(reason)
         try:
             await self._mig_step()

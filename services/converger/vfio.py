@@ -59,7 +59,7 @@ UNREADABLE_RELEASES_HOLDER = "(pending Kubernetes releases that could not be rea
 EXCLUDED_REASONS = frozenset({"Excluded", "ExcludedReleasePending"})
 
 #: kind order of a card's claims: the holder endpoint answers the first.
-CLAIM_KINDS = ("allocation", "release", "instance", "domain")
+CLAIM_KINDS = ("allocation", "claim", "release", "instance", "domain")
 #: GpuClaim.holder's maximum length (shared.schemas Name).
 HOLDER_MAX = 256
 
@@ -256,6 +256,7 @@ def card_claims(
     releases_unreadable: bool,
     spec: NodeSpec | None,
     domain_gpus: Mapping[str, str],
+    dra_claims: Mapping[str, Sequence[str]] | None = None,
 ) -> list[GpuClaim]:
     """Every card's claims, by PCI address, each card's in kind order.
 
@@ -263,7 +264,7 @@ def card_claims(
     not finished; release: pending Kubernetes releases, and every card while
     the releases file is unreadable; instance: instance specs; domain: domains
     running at the last pass. `holds`, `intents`, `pending`: allocation ->
-    devices (atom ids).
+    devices (atom ids); claim: DRA claims' holds, `dra_claims` holder text -> atoms.
     """
     by_pci: dict[str, list[GpuClaim]] = {}
 
@@ -282,6 +283,9 @@ def card_claims(
         for alloc, devices in sorted(intents.items()):
             if _names(devices, g.atom_id):
                 add(g.pci_address, "allocation", alloc)
+        for holder, devices in sorted((dra_claims or {}).items()):
+            if _names(devices, g.atom_id):
+                add(g.pci_address, "claim", holder)
         for alloc, devices in sorted(pending.items()):
             if _names(devices, g.atom_id):
                 add(g.pci_address, "release", alloc)

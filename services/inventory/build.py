@@ -8,7 +8,8 @@ It owns three things no adapter may decide:
 - atom ids: a GPU's atom id IS its vendor uuid ("GPU-..."), a MIG instance is
   "GPU-<uuid>/gi<N>/ci<M>", a slot "GPU-<uuid>/slot<K>" (K from 0);
 - which atoms exist: MIG instances and slots only on a card driven by its
-  compute driver, never slots on a card in MIG mode;
+  compute driver, never slots on a card in MIG mode (a GPU instance with no
+  compute instance is listed in `gpu_instances`, but is no atom);
 - the first PhysicalGPU status of each card (seed 003): driverBinding from the
   bound driver, the AdapterReady condition, and the phase derived from them by
   physicalgpu's `derive_phase` table, never set directly. managementState
@@ -28,15 +29,17 @@ from shared.schemas import (
     Condition,
     DriverBinding,
     Gpu,
+    GpuInstance,
     Inventory,
     MigInstance,
+    MigPlacement,
     MigProfile,
     PhysicalGPUStatus,
     Slot,
 )
 from shared.schemas.inventory import DriverMode
 
-from .adapters.base import GpuFacts, MigCapable, SharingCapable, VendorAdapter, VfioCapable
+from .adapters.base import GpuFacts, MigCapable, MigInstancer, SharingCapable, VendorAdapter, VfioCapable
 from .physicalgpu import (
     ADAPTER_READY,
     FAILED_REASONS,
@@ -160,6 +163,10 @@ def derive_status(
 # --------------------------------------------------------------------------- the inventory
 
 
+def _placement(start: int | None, size: int | None) -> MigPlacement | None:
+    return MigPlacement(start=start, size=size) if start is not None and size is not None else None
+
+
 def _build_gpu(
     adapter: VendorAdapter,
     facts: GpuFacts,
@@ -185,6 +192,7 @@ def _build_gpu(
 
     profiles: list[MigProfile] = []
     instances: list[MigInstance] = []
+    gpu_instances: list[GpuInstance] = []
     slots: list[Slot] = []
     if compute and uuid:
         if isinstance(adapter, MigCapable):
@@ -198,9 +206,21 @@ def _build_gpu(
                         ci=m.ci,
                         profile=m.profile,
                         memory_bytes=m.memory_bytes,
+                        placement=_placement(m.start, m.size),
                     )
                     for m in sorted(adapter.mig_instances(uuid), key=lambda m: (m.gi, m.ci))
                 ]
+        if facts.mig_mode and isinstance(adapter, MigInstancer):
+            gpu_instances = [
+                GpuInstance(
+                    gi=g.gi,
+                    profile=g.profile,
+                    profile_id=g.profile_id,
+                    placement=_placement(g.start, g.size),
+                    compute_instances=g.compute_instances,
+                )
+                for g in sorted(adapter.gpu_instances(uuid), key=lambda g: g.gi)
+            ]
         if not facts.mig_mode and isinstance(adapter, SharingCapable):
             slots = [Slot(atom_id=slot_atom_id(uuid, k), index=k) for k in range(max(adapter.slots_per_gpu(uuid), 0))]
 
@@ -219,6 +239,7 @@ def _build_gpu(
         mig_mode=facts.mig_mode,
         mig_profiles=profiles,
         mig_instances=instances,
+        gpu_instances=gpu_instances,
         slots=slots,
         mps_running=bool(slots) and mps_running,
         status=status,

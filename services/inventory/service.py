@@ -16,6 +16,11 @@ rules need. A claims notice (`converger.claims_changed`, sent whenever a pass
 changed the claims) changes no hardware: it is evaluated against the last
 scan, not a new one (a driver switch comes with its own notice, and rescan).
 The tracker's state is kept in `<data_dir>/inventory/gpus.json`.
+MIG changes are the converger's to ask for: a whole layout (`mig_layout`, a
+job it polls) or one step on one MIG instance (`mig_instance`, for DRA: create
+a GPU instance at a placement, its compute instance, destroy them), never two
+at once on one card (a lock per card); the card is scanned and published again
+before the answer goes out, so the next `get` lists what the step made.
 Every change of a card's phase, managementState or a condition's status or
 reason goes upstream as a `gpu` event through the node-bus outbox
 (`Nats-Msg-Id` = a deterministic event id); events the outbox did not take
@@ -48,6 +53,8 @@ from shared.schemas import (
     DIAG_REPLY_CODEC,
     DIAG_REQUEST_CODEC,
     EMPTY_CODEC,
+    MIG_INSTANCE_REPLY_CODEC,
+    MIG_INSTANCE_REQUEST_CODEC,
     MIG_LAYOUT_REPLY_CODEC,
     MIG_LAYOUT_REQUEST_CODEC,
     GPU_REPLY_CODEC,
@@ -62,6 +69,8 @@ from shared.schemas import (
     Empty,
     Gpu,
     GpuReply,
+    MigInstanceReply,
+    MigInstanceRequest,
     MigLayoutReply,
     MigLayoutRequest,
     GpuRequest,
@@ -74,7 +83,7 @@ from shared.schemas.common import PCI_RE, clip
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
-from .adapters.base import Diagnosable, MigPartitioner
+from .adapters.base import Diagnosable, MigInstancer, MigPartitioner, MigStepError
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
     GpuState,
@@ -112,6 +121,8 @@ class InventoryApp(ServiceApp):
         self.current: Inventory | None = None
         #: op id -> a diagnostic or MIG layout change started or done (the converger polls it)
         self.jobs: dict[str, Job] = {}
+        #: PCI address -> the lock every MIG change of that card runs under (a layout, an instance step)
+        self.mig_locks: dict[str, asyncio.Lock] = {}
         self.content_key: bytes = b""
         self.lock = asyncio.Lock()
         #: set after every evaluation: the run loop re-reads whether a timer runs.
@@ -237,6 +248,9 @@ class InventoryApp(ServiceApp):
         await ctx.endpoint("diag", ctx.subjects.inventory_diag, lambda req: self.diag(ctx, req), DIAG_REQUEST_CODEC, reply=DIAG_REPLY_CODEC)
         await ctx.endpoint(
             "mig_layout", ctx.subjects.inventory_mig_layout, lambda req: self.mig_layout(ctx, req), MIG_LAYOUT_REQUEST_CODEC, reply=MIG_LAYOUT_REPLY_CODEC
+        )
+        await ctx.endpoint(
+            "mig_instance", ctx.subjects.inventory_mig_instance, lambda req: self.mig_instance(ctx, req), MIG_INSTANCE_REQUEST_CODEC, reply=MIG_INSTANCE_REPLY_CODEC
         )
 
         @guarded(ctx.log, "claims notice")
@@ -613,7 +627,14 @@ class InventoryApp(ServiceApp):
                 break
             del self.jobs[oldest]
 
+    def _mig_lock(self, pci: str) -> asyncio.Lock:
+        return self.mig_locks.setdefault(pci, asyncio.Lock())
+
     async def _run_mig(self, ctx: ServiceContext, job: Job) -> MigLayoutReply:
+        async with self._mig_lock(job.pci):
+            return await self._run_mig_locked(ctx, job)
+
+    async def _run_mig_locked(self, ctx: ServiceContext, job: Job) -> MigLayoutReply:
         profiles, disable = job.args
         ctx.log.info("MIG layout change started", pci=job.pci, profiles=list(profiles), disable=disable)
         result = await _in_daemon_thread(lambda: self.adapter.apply_mig_layout(job.pci, profiles, disable=disable))
@@ -634,6 +655,63 @@ class InventoryApp(ServiceApp):
             ctx.log.exception("scan after a MIG layout change failed")
         job.result = reply
         return reply
+
+    async def mig_instance(self, ctx: ServiceContext, req: MigInstanceRequest) -> MigInstanceReply:
+        """One MIG instance step on one listed card in MIG mode (DRA; the converger journaled it before asking).
+
+        Answered when done, after the card was scanned and the inventory published again: the
+        converger's next `get` lists what the step made (or what a failure left). Every refusal is
+        an answer (outcome refused / not-supported), never an error.
+        """
+
+        def answer(outcome: str, message: str, *, gi: int | None = req.gi, ci: int | None = req.ci, uuid: str = "") -> MigInstanceReply:
+            (ctx.log.info if outcome == "done" else ctx.log.warning)(
+                "MIG instance step answered", step=req.step, pci=req.pci, owner=req.owner, outcome=outcome, gi=gi, ci=ci, uuid=uuid, detail=message
+            )
+            return MigInstanceReply(pci=req.pci, step=req.step, outcome=outcome, message=clip(message), gi=gi, ci=ci, uuid=uuid)
+
+        if not isinstance(self.adapter, MigInstancer):
+            return answer("not-supported", f"the {ctx.opts.adapter} adapter makes no MIG instances")
+        card = next((g for g in self.current.gpus if g.pci_address == req.pci), None) if self.current is not None else None
+        if card is None:
+            return answer("refused", f"the inventory lists no GPU at {req.pci}")
+        if not card.mig_mode:
+            return answer("refused", f"{req.pci} is not in MIG mode")
+        if card.status.driver_binding.mode != "Compute":
+            return answer("refused", f"{req.pci} is not on its compute driver ({card.driver or 'no driver'})")
+        missing = _mig_step_missing(req)
+        if missing:
+            return answer("refused", f"{req.step} needs {missing}")
+        ctx.log.info("MIG instance step started", step=req.step, pci=req.pci, owner=req.owner, profile=req.profile, start=req.start, gi=req.gi, ci=req.ci)
+        async with self._mig_lock(req.pci):
+            reply = await self._mig_step(ctx, req, answer)
+            # the card as the step left it, published before the converger hears the result
+            try:
+                await self.scan_and_publish(ctx, f"MIG {req.step}")
+            except Exception:  # noqa: BLE001 - the periodic scan sees it; the result stands
+                ctx.log.exception("scan after a MIG instance step failed", step=req.step, pci=req.pci)
+        return reply
+
+    async def _mig_step(self, ctx: ServiceContext, req: MigInstanceRequest, answer: Any) -> MigInstanceReply:
+        adapter, pci = self.adapter, req.pci
+        try:
+            if req.step == "create-gi":
+                start = req.start
+                gi = await _in_daemon_thread(adapter.create_gpu_instance, pci, req.profile, start)
+                return answer("done", f"GPU instance {gi} ({req.profile} at {start}) made on {pci}", gi=gi, ci=None)
+            if req.step == "create-ci":
+                made = await _in_daemon_thread(adapter.create_compute_instance, pci, req.gi)
+                return answer("done", f"compute instance {made.ci} of GPU instance {made.gi} made on {pci}", gi=made.gi, ci=made.ci, uuid=made.uuid)
+            if req.step == "destroy-ci":
+                await _in_daemon_thread(adapter.destroy_compute_instance, pci, req.gi, req.ci)
+                return answer("done", f"compute instance {req.ci} of GPU instance {req.gi} destroyed on {pci}")
+            await _in_daemon_thread(adapter.destroy_gpu_instance, pci, req.gi)
+            return answer("done", f"GPU instance {req.gi} destroyed on {pci}")
+        except MigStepError as exc:
+            return answer(exc.outcome, str(exc))
+        except Exception as exc:  # noqa: BLE001 - an adapter bug answers failed; the service stays up
+            ctx.log.exception("MIG instance step raised", step=req.step, pci=pci)
+            return answer("failed", f"{req.step} on {pci} failed: {exc or type(exc).__name__}")
 
     async def _run_diag(self, ctx: ServiceContext, job: Job) -> DiagReply:
         level = job.args
@@ -776,6 +854,12 @@ async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
 
     threading.Thread(target=worker, name="bcd-diagnostic", daemon=True).start()
     return await done
+
+
+def _mig_step_missing(req: MigInstanceRequest) -> str:
+    """What a MIG instance step needs and the request lacks ("" when nothing)."""
+    needs = {"create-gi": ("profile", "start"), "create-ci": ("gi",), "destroy-ci": ("gi", "ci"), "destroy-gi": ("gi",)}[req.step]
+    return " and ".join(name for name in needs if getattr(req, name) in (None, ""))
 
 
 def _with_revision(inv: Inventory, revision: int) -> Inventory:

@@ -19,6 +19,8 @@ from .bus import (
     MigInstanceReply,
     MigInstanceRequest,
     PreparedDevice,
+    DraClaimStatus,
+    DraPluginStatus,
     ConvergerStatus,
     GpuAction,
     DiagReply,
@@ -122,6 +124,7 @@ HELPER_SLICE_APPLY_CODEC: Codec[HelperSliceApply] = Codec(HelperSliceApply, max_
 HELPER_SLICE_REMOVE_CODEC: Codec[HelperSliceRemove] = Codec(HelperSliceRemove, max_bytes=4096)
 HELPER_REPLY_CODEC: Codec[HelperReply] = Codec(HelperReply, max_bytes=16 * 1024)
 HELPER_INFO_CODEC: Codec[HelperInfo] = Codec(HelperInfo, max_bytes=64 * 1024)
+DRA_PLUGIN_STATUS_CODEC: Codec[DraPluginStatus] = Codec(DraPluginStatus, max_bytes=4 * DEFAULT_MAX_BYTES)
 MIG_INSTANCE_REQUEST_CODEC: Codec[MigInstanceRequest] = Codec(MigInstanceRequest, max_bytes=4096)
 MIG_INSTANCE_REPLY_CODEC: Codec[MigInstanceReply] = Codec(MigInstanceReply, max_bytes=64 * 1024)
 CLAIM_PREPARE_REQUEST_CODEC: Codec[ClaimPrepareRequest] = Codec(ClaimPrepareRequest, max_bytes=256 * 1024)

@@ -566,6 +566,40 @@ class ClaimSummary(msgspec.Struct, frozen=True, kw_only=True):
     boot_id: Name = ""
 
 
+class DraClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
+    uid: Name
+    namespace: Name
+    name: Name
+    #: PrepareStarted | PrepareCompleted (the plugin's checkpoint)
+    state: Name
+    devices: list[PreparedDevice] = []
+    since: datetime
+
+
+class DraPluginStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What the DRA kubelet plugin publishes and has prepared (dra_plugin.status)."""
+
+    driver: Name
+    node_name: Name
+    #: the kubelet's plugin watcher registered us (NotifyRegistrationStatus said so)
+    registered: bool = False
+    registration_error: Text = ""
+    registration_socket: Text = ""
+    plugin_socket: Text = ""
+    #: "" while the API server answers, else why not
+    api_error: Text = ""
+    pool_generation: int = 0
+    slices: int = 0
+    #: devices published in the pool (whole cards and MIG placements)
+    devices: int = 0
+    #: the cards published, by PCI address
+    cards: Annotated[list[PciAddress], msgspec.Meta(max_length=1024)] = []
+    #: why cards are not published, one line per card
+    left_out: Annotated[list[Text], msgspec.Meta(max_length=1024)] = []
+    published_at: datetime | None = None
+    claims: Annotated[list[DraClaimStatus], msgspec.Meta(max_length=4096)] = []
+
+
 # --------------------------------------------------------------------------- root helper
 #
 # Requests to the root helper (services/helper) forbid unknown fields: a field

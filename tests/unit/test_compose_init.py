@@ -42,6 +42,8 @@ def test_each_secret_belongs_to_the_one_user_that_reads_it(tmp_path: Path) -> No
     assert owner_mode(d / "run") == (0, GROUP_ID, 0o2755)
     # the device plugin's stand-in kubelet dir: it makes its sockets in device-plugins/
     assert owner_mode(d / "kubelet" / "device-plugins") == (UIDS["device_plugin"], GROUP_ID, 0o750)
+    assert owner_mode(d / "kubelet" / "plugins_registry") == (UIDS["dra_plugin"], GROUP_ID, 0o750)
+    assert owner_mode(d / "kubelet" / "plugins" / "gpu.bcd.dev") == (UIDS["dra_plugin"], GROUP_ID, 0o750)
     assert f"BCD_KUBELET_DIR={d / 'kubelet'}\n" in (d / ".env").read_text()
     assert owner_mode(d / "controlplane" / "cp.key")[0::2] == (UIDS["controlplane"], 0o600)
 
@@ -52,7 +54,7 @@ def test_the_bus_config_gives_each_user_exactly_its_permissions(tmp_path: Path) 
     conf = json.loads((d / "bus" / "nats.conf").read_text())
     users = {u["user"]: u for u in conf["accounts"]["NODE"]["users"]}
     subjects = NodeSubjects("node-7")
-    assert set(users) == {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "vfio_switcher", "helper", "cli"}
+    assert set(users) == {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", "helper", "cli"}
     for name, user in users.items():
         assert user["password"] == (d / "bus" / "creds" / f"{name}.password").read_text().strip()
         assert user["permissions"]["publish"]["allow"] == list(subjects.permissions(name).publish) or ["_bcd_nothing_"]

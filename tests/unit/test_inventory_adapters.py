@@ -36,7 +36,7 @@ from services.inventory.adapters import (
     load_adapter,
 )
 from services.inventory.adapters.base import DomainLister, GpuFacts, HostScan, VendorCdi, read_vendor_cdi
-from services.inventory.adapters.fakehw import FakeHost, HostGpuFaults, load_host_file
+from services.inventory.adapters.fakehw import FakeHost, HostGpuFaults, gpu_instances_of, load_host_file
 from services.inventory.adapters.nvidia import (
     NvmlError,
     NvmlGiProfile,
@@ -149,9 +149,21 @@ class FakeNvml:
                 slice_count=p.slices,
                 instance_count=p.instances_max,
                 memory_mib=p.memory_bytes // MIB,
+                multiprocessors=p.multiprocessors,
+                copy_engines=p.copy_engines,
+                decoders=p.decoders,
+                encoders=p.encoders,
+                jpeg_engines=p.jpeg_engines,
+                ofa_engines=p.ofa_engines,
             )
             for p in self._card(index).mig_profiles
         ]
+
+    def gpu_instance_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        profile = next((p for p in self._card(index).mig_profiles if p.profile_id == profile_id), None)
+        if profile is None:
+            raise NvmlError("Invalid Argument", 2)
+        return [(start, profile.size) for start in profile.placements]
 
     def _gi_profile(self, card: Any, profile: str) -> Any:
         m = _CI_PROFILE.match(profile)
@@ -161,11 +173,11 @@ class FakeNvml:
     def gpu_instances(self, index: int) -> list[NvmlGpuInstance]:
         if self.deny_gpu_instances:
             raise NvmlError("Insufficient Permissions", 4)
-        card = self._card(index)
-        seen: dict[int, int] = {}
-        for m in card.mig_instances:
-            seen.setdefault(m.gi, self._gi_profile(card, m.profile).profile_id)
-        return [NvmlGpuInstance(gi_id=gi, profile_id=pid) for gi, pid in sorted(seen.items())]
+        # the GPU instances the host file describes, those with no MIG device too
+        return [
+            NvmlGpuInstance(gi_id=g.gi, profile_id=self._gi_profile(self._card(index), g.profile).profile_id, start=g.start, size=g.size)
+            for g in gpu_instances_of(self._card(index)).values()
+        ]
 
     def mig_devices(self, index: int) -> list[NvmlMigDevice]:
         card = self._card(index)
@@ -188,7 +200,7 @@ class FakeNvml:
 
     def compute_processes(self, index: int) -> list[NvmlProcess]:
         uuid = self._card(index).uuid
-        return [NvmlProcess(pid=p.pid) for p in self.host.processes if p.gpu_uuid == uuid]
+        return [NvmlProcess(pid=p.pid, gi_id=p.gi, ci_id=p.ci) for p in self.host.processes if p.gpu_uuid == uuid]
 
 
 def test_fake_nvml_implements_the_port() -> None:

@@ -13,7 +13,7 @@ import pytest
 from services.converger import gpuops
 from services.converger.model import MigLayoutRecord
 from services.inventory.adapters.base import MigPartitioner
-from services.inventory.adapters.fakehw import FakeHwAdapter, load_host_file
+from services.inventory.adapters.fakehw import FakeHwAdapter, gpu_instances_of, load_host_file
 from services.inventory.adapters.nvidia import NvidiaAdapter, NvmlError, NvmlGpuInstance, NvmlMigDevice
 from services.inventory.build import build_inventory
 from shared.schemas import GpuClaim
@@ -24,10 +24,13 @@ CARD = "0000:db:00.0"  # the example's MIG card with 3g.71gb + 3 x 1g.18gb
 
 
 class MigNvml(FakeNvml):
-    """FakeNvml whose MIG state changes as NVML's does: instances destroyed and created, MIG mode set.
+    """FakeNvml whose MIG state changes as NVML's does: instances destroyed and created (at a placement
+    too), MIG mode set.
 
     Faults as the fake host file's: `fault` "fail" (the last compute instance of a layout fails),
-    "fail-rollback" (every create fails from then on), "needs-reset" (a mode change is pending)."""
+    "fail-rollback" (every create fails from then on), "needs-reset" (a mode change is pending); and
+    its MIG instance faults, each once: "gi-fail" (a GPU instance at a placement fails), "ci-fail" (a
+    compute instance fails, its GPU instance stays), "destroy-in-use" (a destroy answers IN_USE)."""
 
     def __init__(self, host: Any, fault: str = "") -> None:
         super().__init__(host)
@@ -38,17 +41,44 @@ class MigNvml(FakeNvml):
     def _mig(self, index: int) -> dict[str, Any]:
         if index not in self.state:
             card = self._card(index)
-            gis = {}
-            for m in card.mig_instances:
-                gis.setdefault(m.gi, self._gi_profile(card, m.profile))
-            self.state[index] = {"mode": bool(card.mig_mode), "gis": gis, "cis": {(m.gi, m.ci): m.uuid for m in card.mig_instances}}
+            gis, starts = {}, {}
+            for g in gpu_instances_of(card).values():
+                gis[g.gi], starts[g.gi] = self._gi_profile(card, g.profile), g.start
+            self.state[index] = {"mode": bool(card.mig_mode), "gis": gis, "starts": starts, "cis": {(m.gi, m.ci): m.uuid for m in card.mig_instances}}
         return self.state[index]
+
+    def _fires(self, fault: str) -> bool:
+        if self.fault != fault:
+            return False
+        self.fault = ""
+        return True
 
     def device_mig_mode(self, index: int) -> bool:
         return bool(self._mig(index)["mode"])
 
     def gpu_instances(self, index: int) -> list[NvmlGpuInstance]:
-        return [NvmlGpuInstance(gi_id=gi, profile_id=p.profile_id) for gi, p in sorted(self._mig(index)["gis"].items())]
+        st = self._mig(index)
+        return [
+            NvmlGpuInstance(gi_id=gi, profile_id=p.profile_id, start=st["starts"].get(gi), size=p.size if st["starts"].get(gi) is not None else None)
+            for gi, p in sorted(st["gis"].items())
+        ]
+
+    def create_gpu_instance_with_placement(self, index: int, profile_id: int, start: int, size: int) -> int:
+        st = self._mig(index)
+        if not st["mode"]:
+            raise NvmlError("Not Supported", 3)
+        profile = next((p for p in self._card(index).mig_profiles if p.profile_id == profile_id), None)
+        if profile is None or start not in profile.placements or size != profile.size:
+            raise NvmlError("Invalid Argument", 2)
+        for gi, other in st["gis"].items():
+            at = st["starts"].get(gi)
+            if at is not None and at < start + size and start < at + other.size:
+                raise NvmlError("Insufficient Resources", 23)
+        if self._fires("gi-fail"):
+            raise NvmlError("Unknown Error", 999)
+        gi = next(k for k in range(1, len(st["gis"]) + 2) if k not in st["gis"])
+        st["gis"][gi], st["starts"][gi] = profile, start
+        return gi
 
     def mig_devices(self, index: int) -> list[NvmlMigDevice]:
         st = self._mig(index)
@@ -71,13 +101,21 @@ class MigNvml(FakeNvml):
         return False
 
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
-        del self._mig(index)["cis"][(gi_id, ci_id)]
+        st = self._mig(index)
+        if gi_id not in st["gis"] or (gi_id, ci_id) not in st["cis"]:
+            raise NvmlError("Not Found", 6)
+        if self._fires("destroy-in-use"):
+            raise NvmlError("In use by another client", 19)
+        del st["cis"][(gi_id, ci_id)]
 
     def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
         st = self._mig(index)
-        if any(gi == gi_id for gi, _ in st["cis"]):
+        if gi_id not in st["gis"]:
+            raise NvmlError("Not Found", 6)
+        if self._fires("destroy-in-use") or any(gi == gi_id for gi, _ in st["cis"]):
             raise NvmlError("In use by another client", 19)
         del st["gis"][gi_id]
+        st["starts"].pop(gi_id, None)
 
     def create_gpu_instance(self, index: int, profile_id: int) -> int:
         st = self._mig(index)
@@ -86,8 +124,13 @@ class MigNvml(FakeNvml):
         if self.fault == "fail-rollback" and self.creating:
             raise NvmlError("Insufficient Resources", 23)
         profile = next(p for p in self._card(index).mig_profiles if p.profile_id == profile_id)
+        # NVML places it itself: here at the highest placement nothing overlaps
+        taken = [(st["starts"][g], p.size) for g, p in st["gis"].items() if st["starts"].get(g) is not None]
+        free = [s for s in profile.placements if all(s + profile.size <= a or a + n <= s for a, n in taken)]
+        if profile.placements and not free:
+            raise NvmlError("Insufficient Resources", 23)
         gi = max(st["gis"], default=0) + 1
-        st["gis"][gi] = profile
+        st["gis"][gi], st["starts"][gi] = profile, max(free, default=None)
         return gi
 
     def create_compute_instance(self, index: int, gi_id: int) -> int:
@@ -96,7 +139,12 @@ class MigNvml(FakeNvml):
             if self.fault == "fail":
                 self.fault = ""
             raise NvmlError("Insufficient Resources", 23)
-        self._mig(index)["cis"][(gi_id, 0)] = f"MIG-fake-{index}-{gi_id}-0"
+        st = self._mig(index)
+        if gi_id not in st["gis"]:
+            raise NvmlError("Not Found", 6)
+        if self._fires("ci-fail"):
+            raise NvmlError("Insufficient Resources", 23)
+        st["cis"][(gi_id, 0)] = f"MIG-fake-{index}-{gi_id}-0"
         return 0
 
 

@@ -70,6 +70,7 @@ USERS = {
     "bcd-gateway-bridge.service": "bcd-bridge",
     "bcd-kube-reaper.service": "bcd-kube-reaper",
     "bcd-device-plugin.service": "bcd-device-plugin",
+    "bcd-dra-plugin.service": "bcd-dra-plugin",
     "bcd-vfio-switcher.service": "root",
     "bcd-helper.service": "root",
 }
@@ -80,15 +81,22 @@ READ_WRITE_PATHS = {
     "bcd-helper.service": {"/etc/cdi", "/run/bcd"},
     # its sockets beside the kubelet's ("-": a host without a kubelet starts it all the same)
     "bcd-device-plugin.service": {"-/var/lib/kubelet/device-plugins"},
+    # the registration socket where the kubelet's plugin watcher looks, and its own socket's directory
+    "bcd-dra-plugin.service": {"-/var/lib/kubelet/plugins_registry", "-/var/lib/kubelet/plugins/gpu.bcd.dev"},
 }
 #: writable paths another program makes (none of bcd's tmpfiles.d makes them).
-FOREIGN_PATHS = {"-/var/lib/kubelet/device-plugins": "the kubelet's"}
+FOREIGN_PATHS = {
+    "-/var/lib/kubelet/device-plugins": "the kubelet's",
+    "-/var/lib/kubelet/plugins_registry": "the kubelet's",
+    "-/var/lib/kubelet/plugins/gpu.bcd.dev": "the operator's (docs/install.md), under the kubelet's plugins/",
+}
 #: StateDirectory= and its mode, by unit.
 STATE_DIRS = {
     "bcd-bus.service": ("bcd/nats", "0700"),
     "bcd-inventory.service": ("bcd/inventory", "0700"),
     "bcd-converger.service": ("bcd/converger", "0700"),
     "bcd-signer.service": ("bcd/signer", "0700"),
+    "bcd-dra-plugin.service": ("bcd/dra_plugin", "0700"),
 }
 
 #: every service unit has these, except where RELAXED says otherwise.
@@ -134,6 +142,8 @@ RELAXED = {
     ("bcd-kube-reaper.service", "ProtectProc"): OTHER_PROCS,
     ("bcd-kube-reaper.service", "IPAddressAllow"): "the Kubernetes API server is usually remote",
     ("bcd-kube-reaper.service", "IPAddressDeny"): "the Kubernetes API server is usually remote",
+    ("bcd-dra-plugin.service", "IPAddressAllow"): "the Kubernetes API server is usually remote",
+    ("bcd-dra-plugin.service", "IPAddressDeny"): "the Kubernetes API server is usually remote",
     ("bcd-gateway-bridge.service", "IPAddressAllow"): "upstream is the control plane's NATS",
     ("bcd-gateway-bridge.service", "IPAddressDeny"): "upstream is the control plane's NATS",
     ("bcd-vfio-switcher.service", "PrivateUsers"): "root: the sysfs files belong to the host's root",

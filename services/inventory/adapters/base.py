@@ -6,7 +6,9 @@ disk, and written where the adapter is the one that produces that spec).
 Everything a vendor may or may not offer is an optional, runtime-checkable
 capability interface (MIG partitioning, VFIO driver binding, MPS /
 time-slicing), so `build_inventory` asks `isinstance(adapter, MigCapable)`
-instead of knowing vendors.
+instead of knowing vendors. `MigInstancer` makes and destroys one MIG instance
+at a time at a placement (DRA's prepare and unprepare), one NVML step per call,
+so the converger can journal each step before it asks for the next.
 
 The facts an adapter returns are frozen dataclasses with no atom ids in them:
 naming atoms is the vendor-neutral core's job (build.py), so two adapters that
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from shared import vendorcdi as _vendorcdi
 from shared.schemas import HostResources, MigProfile, RunningProcess
@@ -50,6 +52,25 @@ class VendorSpecError(AdapterError, _vendorcdi.VendorSpecError):
     """
 
 
+#: what a MIG step that did not succeed answers (MigInstanceReply.outcome without "done").
+MigStepOutcome = Literal["failed", "refused", "not-supported", "in-use", "not-found"]
+
+
+class MigStepError(AdapterError):
+    """A MIG instance step did not happen (or not wholly); `outcome` says how, the text says why.
+
+    refused: the request is wrong for this card (a placement the profile does
+    not have, one that overlaps a GPU instance, a card not in MIG mode);
+    in-use: a process or a compute instance still uses what is to be destroyed;
+    not-found: what is to be destroyed is already gone; failed: the vendor
+    library failed (what it left is read again by the next scan).
+    """
+
+    def __init__(self, outcome: MigStepOutcome, message: str) -> None:
+        super().__init__(message)
+        self.outcome: MigStepOutcome = outcome
+
+
 # --------------------------------------------------------------------------- facts
 
 
@@ -64,6 +85,23 @@ class MigInstanceFacts:
     #: MIG-<uuid>, what NVIDIA_VISIBLE_DEVICES takes.
     uuid: str = ""
     memory_bytes: int = 0
+    #: the placement of its GPU instance (memory slices), when the vendor says
+    start: int | None = None
+    size: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuInstanceFacts:
+    """One GPU instance, with or without compute instances (one without any holds its slices all the same)."""
+
+    gi: int
+    #: the GPU instance profile's name ("3g.71gb"); "" when the vendor would not say
+    profile: str = ""
+    profile_id: int | None = None
+    #: its placement in memory slices; None when the vendor would not say
+    start: int | None = None
+    size: int | None = None
+    compute_instances: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,6 +223,37 @@ class MigCapable(Protocol):
 
 
 @runtime_checkable
+class MigInstancer(Protocol):
+    """MIG instances made one NVML step at a time, at a placement (Kubernetes DRA).
+
+    Every step is blocking and raises MigStepError when it did not happen; an
+    adapter that has this interface is also MigCapable, and its `mig_profiles`
+    fill placements and engine counts (DRA publishes them as counters).
+    """
+
+    def gpu_instances(self, gpu_uuid: str) -> Sequence[GpuInstanceFacts]:
+        """Every GPU instance on the card now, those with no compute instance too."""
+        ...
+
+    def create_gpu_instance(self, pci_address: str, profile: str, start: int) -> int:
+        """A GPU instance of `profile` at placement `start`; its id. A start that is not one of the
+        profile's placements, one that overlaps a GPU instance, or a card not in MIG mode: refused."""
+        ...
+
+    def create_compute_instance(self, pci_address: str, gi: int) -> MigInstanceFacts:
+        """One compute instance spanning the whole GPU instance `gi`; the MIG device, uuid filled."""
+        ...
+
+    def destroy_compute_instance(self, pci_address: str, gi: int, ci: int) -> None:
+        """in-use while a process runs on it; not-found when it is already gone."""
+        ...
+
+    def destroy_gpu_instance(self, pci_address: str, gi: int) -> None:
+        """in-use while a compute instance (or a process) is in it; not-found when it is already gone."""
+        ...
+
+
+@runtime_checkable
 class VfioCapable(Protocol):
     def driver_binding(self, pci_address: str) -> tuple[str, str]:
         """(driver bound now or "", the card's native driver to switch back to)."""
@@ -244,7 +313,10 @@ __all__ = [
     "AdapterError",
     "AdapterUnavailable",
     "VendorSpecError",
+    "MigStepOutcome",
+    "MigStepError",
     "MigInstanceFacts",
+    "GpuInstanceFacts",
     "GpuFacts",
     "HostScan",
     "RunningDomain",
@@ -257,6 +329,7 @@ __all__ = [
     "read_vendor_cdi",
     "VendorAdapter",
     "MigCapable",
+    "MigInstancer",
     "VfioCapable",
     "SharingCapable",
     "DomainLister",

@@ -9,16 +9,24 @@ the fake VFIO switcher) can change the host by rewriting it.
 
 The adapter implements every capability interface, and writes the vendor CDI
 spec the file declares into cdi_dir, as the NVIDIA toolkit would on a real host.
+What NVML would change (MIG layouts, MIG instances made one step at a time at a
+placement) is written back into the file, under the same lock as the fake
+vfio_switcher's writes, atomically; faults declared in the file play back once.
+
+MIG in the file: a card's GPU instances are those its `mig_instances` (MIG
+devices) name plus its `gpu_instances` (where one with no compute instance
+lives); a placement is a start in memory slices, its size the profile's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid as uuid_mod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -26,7 +34,7 @@ from shared.fsutil import atomic_write as shared_atomic_write
 from shared.fsutil import exclusive
 from shared.fsutil import read_regular
 from shared.host import HOST_FILE_MAX_BYTES
-from shared.schemas import HostResources, HugePagePool, MigProfile, NumaNode, RunningProcess
+from shared.schemas import HostResources, HugePagePool, MigPlacement, MigProfile, NumaNode, RunningProcess
 from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import END, CpuList, Name, NonNegInt, PciAddress, PositiveInt
 
@@ -36,9 +44,11 @@ from .base import (
     AdapterError,
     DiagResult,
     GpuFacts,
+    GpuInstanceFacts,
     MigLayoutResult,
     HostScan,
     MigInstanceFacts,
+    MigStepError,
     RunningDomain,
     VendorCdi,
     read_vendor_cdi,
@@ -49,6 +59,12 @@ GpuUuid = Annotated[str, msgspec.Meta(pattern=r"^GPU-[0-9A-Za-z-]{1,80}" + END, 
 MigUuid = Annotated[str, msgspec.Meta(pattern=r"^MIG-[0-9A-Za-z/-]{1,120}" + END, description="MIG-<uuid>")]
 DriverName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{0,64}" + END, description="kernel driver, e.g. nvidia, vfio-pci")]
 AbsPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\n\r\x00]{0,1023}" + END, description="absolute path")]
+#: a placement's start, in memory slices (NVML's cards have at most 8)
+SliceIndex = Annotated[int, msgspec.Meta(ge=0, le=64)]
+#: "2c.3g.71gb": a compute instance of 2 slices in a 3g.71gb GPU instance
+_CI_PROFILE = re.compile(r"^(\d+)c\.(.+)$")
+
+T = TypeVar("T")
 
 
 class HostFileError(AdapterError):
@@ -84,6 +100,22 @@ class HostMigProfile(_HostStruct, frozen=True, kw_only=True):
     slices: NonNegInt = 0
     memory_bytes: NonNegInt = 0
     instances_max: NonNegInt = 0
+    #: the starts (memory slices) a GPU instance of this profile may take; none: it can be made
+    #: by a layout only (NVML places it), never at a placement
+    placements: Annotated[list[SliceIndex], msgspec.Meta(max_length=64)] = []
+    #: memory slices one GPU instance of it spans (0: as many as its `slices`; 3g takes 4 on an H200)
+    placement_size: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    #: the engines of one GPU instance of it (NVML's profile info): DRA's counters
+    multiprocessors: NonNegInt = 0
+    copy_engines: NonNegInt = 0
+    decoders: NonNegInt = 0
+    encoders: NonNegInt = 0
+    jpeg_engines: NonNegInt = 0
+    ofa_engines: NonNegInt = 0
+
+    @property
+    def size(self) -> int:
+        return self.placement_size or self.slices
 
 
 class HostMigInstance(_HostStruct, frozen=True, kw_only=True):
@@ -92,6 +124,18 @@ class HostMigInstance(_HostStruct, frozen=True, kw_only=True):
     profile: Name = ""
     uuid: MigUuid
     memory_bytes: NonNegInt = 0
+    #: where its GPU instance sits (memory slices); null: the file does not say
+    placement_start: SliceIndex | None = None
+
+
+class HostGpuInstance(_HostStruct, frozen=True, kw_only=True):
+    """A GPU instance named on its own: one with no compute instance lives only here (a MIG
+    instance's GPU instance may be named here too, and then the two must agree)."""
+
+    gi: NonNegInt
+    #: the GPU instance profile ("3g.71gb")
+    profile: Name
+    placement_start: SliceIndex | None = None
 
 
 class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
@@ -111,6 +155,9 @@ class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
     #: a MIG layout change: "fail" (a compute instance fails; rolled back), "fail-rollback" (the rollback
     #: fails too: MIG off), "needs-reset" (the mode change waits for a GPU reset); each once
     mig: Literal["", "fail", "fail-rollback", "needs-reset"] = ""
+    #: a MIG instance step (DRA): "gi-fail" (the next create-gi fails, nothing made), "ci-fail" (the next
+    #: create-ci fails and its GPU instance is left behind), "destroy-in-use" (the next destroy answers in-use)
+    mig_instance: Literal["", "ci-fail", "destroy-in-use", "gi-fail"] = ""
 
 
 class HostPciDevice(_HostStruct, frozen=True, kw_only=True):
@@ -136,6 +183,8 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     mig_mode: bool = False
     mig_profiles: list[HostMigProfile] = []
     mig_instances: list[HostMigInstance] = []
+    #: GPU instances named on their own (those with no compute instance; see HostGpuInstance)
+    gpu_instances: Annotated[list[HostGpuInstance], msgspec.Meta(max_length=64)] = []
     #: configured sharing slots (MPS / time-slicing); none on a card in MIG mode.
     slots: NonNegInt = 0
     #: what the fake kernel keeps in sysfs `driver_override` ("" for none); the
@@ -158,6 +207,9 @@ class HostProcess(_HostStruct, frozen=True, kw_only=True):
     pid: NonNegInt
     gpu_uuid: GpuUuid
     cgroup: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    #: the MIG device it runs on (NVML's gpuInstanceId / computeInstanceId); null: the whole card
+    gi: NonNegInt | None = None
+    ci: NonNegInt | None = None
 
 
 class HostDomain(_HostStruct, frozen=True, kw_only=True):
@@ -199,6 +251,74 @@ def _dup(values: Sequence[object], at: str) -> str | None:
     return None
 
 
+def _gi_profile_name(profile: str) -> str:
+    """The GPU instance profile of a MIG device's profile ("2c.3g.71gb" -> "3g.71gb")."""
+    m = _CI_PROFILE.match(profile)
+    return m.group(2) if m else profile
+
+
+def gpu_instances_of(card: HostGpu) -> dict[int, GpuInstanceFacts]:
+    """Every GPU instance of a card, by id: those its MIG devices name and those named on their own."""
+    profiles = {p.name: p for p in card.mig_profiles}
+    named = {g.gi: g for g in card.gpu_instances}
+    devices: dict[int, list[HostMigInstance]] = {}
+    for m in card.mig_instances:
+        devices.setdefault(m.gi, []).append(m)
+    out: dict[int, GpuInstanceFacts] = {}
+    for gi in sorted(set(named) | set(devices)):
+        own, cis = named.get(gi), devices.get(gi, [])
+        name = own.profile if own is not None else _gi_profile_name(cis[0].profile)
+        starts = [own.placement_start] if own is not None else []
+        start = next((s for s in starts + [m.placement_start for m in cis] if s is not None), None)
+        profile = profiles.get(name)
+        out[gi] = GpuInstanceFacts(
+            gi=gi,
+            profile=name,
+            profile_id=profile.profile_id if profile is not None else None,
+            start=start,
+            size=profile.size if profile is not None and start is not None else None,
+            compute_instances=len(cis),
+        )
+    return out
+
+
+def _overlap(a: GpuInstanceFacts, start: int, size: int) -> bool:
+    return a.start is not None and a.size is not None and a.start < start + size and start < a.start + a.size
+
+
+def _check_gpu_instances(gpu: HostGpu, at: str) -> str | None:
+    """The GPU instances a card's MIG devices and its `gpu_instances` describe agree, and fit."""
+    if gpu.gpu_instances and not gpu.mig_mode:
+        return f"the card is not in MIG mode (mig_mode is false) - at `{at}.gpu_instances`"
+    problem = _dup([g.gi for g in gpu.gpu_instances], at + ".gpu_instances[{i}].gi")
+    if problem:
+        return problem
+    named = {g.gi: g for g in gpu.gpu_instances}
+    first: dict[int, HostMigInstance] = {}
+    for i, m in enumerate(gpu.mig_instances):
+        where = f"{at}.mig_instances[{i}]"
+        one = first.setdefault(m.gi, m)
+        own = named.get(m.gi)
+        if _gi_profile_name(m.profile) != (own.profile if own is not None else _gi_profile_name(one.profile)):
+            return f"GPU instance {m.gi} has another profile elsewhere in this card - at `{where}.profile`"
+        starts = {s for s in (m.placement_start, one.placement_start, own.placement_start if own else None) if s is not None}
+        if len(starts) > 1:
+            return f"GPU instance {m.gi} has another placement_start elsewhere in this card - at `{where}.placement_start`"
+    profiles = {p.name: p for p in gpu.mig_profiles}
+    placed: list[GpuInstanceFacts] = []
+    for gi, g in gpu_instances_of(gpu).items():
+        profile = profiles.get(g.profile)
+        if g.start is None or g.size is None or profile is None:
+            continue
+        if profile.placements and g.start not in profile.placements:
+            return f"GPU instance {gi}: {g.profile} has no placement at {g.start} (it has {profile.placements}) - at `{at}`"
+        other = next((p for p in placed if _overlap(p, g.start, g.size)), None)
+        if other is not None:
+            return f"GPU instance {gi} ({g.profile} at {g.start}, {g.size} slice(s)) overlaps GPU instance {other.gi} - at `{at}`"
+        placed.append(g)
+    return None
+
+
 def _check(host: FakeHost) -> str | None:
     """Cross-field rules the types cannot say; returns the first violation."""
     for problem in (
@@ -232,6 +352,9 @@ def _check(host: FakeHost) -> str | None:
         )
         if problem:
             return problem
+        problem = _check_gpu_instances(gpu, at)
+        if problem:
+            return problem
     gpu_pcis = {g.pci_address for g in host.gpus}
     for i, dev in enumerate(host.pci_devices):
         if dev.pci_address in gpu_pcis:
@@ -254,6 +377,37 @@ def _check(host: FakeHost) -> str | None:
                 return message.replace(" - at `$", " - at `$.vendor_cdi_spec")
             return f"{message} - at `$.vendor_cdi_spec`"
     return None
+
+
+def _refuse_in_use(host: FakeHost, card: HostGpu, gi: int, ci: int | None) -> None:
+    """in-use while a process of the host file runs on that GPU instance (or compute instance)."""
+    for p in host.processes:
+        if p.gpu_uuid == card.uuid and p.gi == gi and (ci is None or p.ci is None or p.ci == ci):
+            what = f"GPU instance {gi}" if ci is None else f"compute instance {ci} of GPU instance {gi}"
+            raise MigStepError("in-use", f"process {p.pid} runs on {what} on {card.pci_address}")
+
+
+def _mig_uuid(gpu_uuid: str, gi: int, profile: str) -> str:
+    """A MIG device's uuid: the same card, GPU instance and profile always give the same one."""
+    return f"MIG-{uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f'{gpu_uuid}/gi{gi}/{profile}')}"
+
+
+def _place(profiles: Sequence[HostMigProfile]) -> list[int | None] | None:
+    """Starts for a layout's GPU instances, as NVML places them: the largest first, each at its
+    highest free placement (small ones then pack low). None when they do not fit together; a
+    profile with no placements gets None (the file does not say where it sits)."""
+    starts: list[int | None] = [None] * len(profiles)
+    taken: list[tuple[int, int]] = []
+    for k in sorted(range(len(profiles)), key=lambda k: -profiles[k].size):
+        p = profiles[k]
+        if not p.placements:
+            continue
+        free = [s for s in p.placements if all(s + p.size <= a or b <= s for a, b in taken)]
+        if not free:
+            return None
+        starts[k] = max(free)
+        taken.append((starts[k], starts[k] + p.size))
+    return starts
 
 
 def load_host_file(path: Path | str) -> FakeHost:
@@ -281,7 +435,8 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 class FakeHwAdapter:
-    """VendorAdapter + MigCapable + VfioCapable + SharingCapable + DomainLister + Diagnosable over a host file."""
+    """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + DomainLister
+    + Diagnosable over a host file."""
 
     def __init__(self, host_file: Path | str, *, cdi_dir: Path | str) -> None:
         self.host_file = Path(host_file)
@@ -334,6 +489,9 @@ class FakeHwAdapter:
         slices = sum(known[p].slices for p in profiles)
         if slices > 7:
             return MigLayoutResult("Failed", f"{pci}: the layout needs {slices} slices, the card has 7", "as before")
+        starts = _place([known[p] for p in profiles])
+        if starts is None:
+            return MigLayoutResult("Failed", f"{pci}: no placement of the card fits {', '.join(profiles)} together", "as before")
         faults = entry.get("faults")
         if not isinstance(faults, dict):
             faults = entry["faults"] = {}
@@ -346,20 +504,22 @@ class FakeHwAdapter:
             return MigLayoutResult(
                 "DisruptionRequired", f"MIG mode {'on' if want_mode else 'off'} on {pci} is pending until the GPU is reset", "as before"
             )
-        before = (entry.get("mig_mode", False), list(entry.get("mig_instances", [])))
+        before = (entry.get("mig_mode", False), list(entry.get("mig_instances", [])), list(entry.get("gpu_instances", [])))
+        # every instance there now is destroyed first, those with no compute instance too
+        entry["gpu_instances"] = []
         if disable:
             entry["mig_mode"], entry["mig_instances"] = False, []
             self._save(doc)
             return MigLayoutResult("Applied", f"MIG mode off on {pci} (all-disabled)")
         made = []
-        for gi, name in enumerate(profiles, start=1):
+        for gi, (name, start) in enumerate(zip(profiles, starts), start=1):
             made.append(
-                {"gi": gi, "ci": 0, "profile": name, "uuid": f"MIG-{uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f'{card.uuid}/gi{gi}/{name}')}", "memory_bytes": known[name].memory_bytes}
+                {"gi": gi, "ci": 0, "profile": name, "uuid": _mig_uuid(card.uuid, gi, name), "memory_bytes": known[name].memory_bytes, "placement_start": start}
             )
         if fault in ("fail", "fail-rollback"):
             failed_at = made[-1]["gi"] if made else 0
             if fault == "fail":
-                entry["mig_mode"], entry["mig_instances"] = before
+                entry["mig_mode"], entry["mig_instances"], entry["gpu_instances"] = before
                 self._save(doc)
                 return MigLayoutResult("Failed", f"creating the compute instance of GPU instance {failed_at} on {pci} failed; the layout before was restored", "rolled back")
             entry["mig_mode"], entry["mig_instances"] = False, []
@@ -374,6 +534,147 @@ class FakeHwAdapter:
     def _save(self, doc: dict[str, Any]) -> None:
         mode = self.host_file.stat().st_mode & 0o777
         shared_atomic_write(self.host_file, (json.dumps(doc, indent=2) + "\n").encode(), mode)
+
+    # ----------------------------------------------------------------- MIG instances (MigInstancer)
+
+    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceFacts]:
+        g = self._gpu(gpu_uuid)
+        if g is None or not g.mig_mode:
+            return []
+        return list(gpu_instances_of(g).values())
+
+    def create_gpu_instance(self, pci_address: str, profile: str, start: int) -> int:
+        def step(host: FakeHost, card: HostGpu, entry: dict[str, Any], doc: dict[str, Any]) -> int:
+            pci = card.pci_address
+            if not card.mig_mode:
+                raise MigStepError("refused", f"{pci} is not in MIG mode")
+            known = {p.name: p for p in card.mig_profiles}
+            wanted = known.get(profile)
+            if wanted is None:
+                raise MigStepError("refused", f"{pci} has no MIG profile {profile} (it has {', '.join(sorted(known)) or 'none'})")
+            if start not in wanted.placements:
+                raise MigStepError("refused", f"{profile} on {pci} has no placement at {start} (its starts: {wanted.placements or 'none'})")
+            gis = gpu_instances_of(card)
+            for g in gis.values():
+                if g.start is None or g.size is None:
+                    # fail closed: where it sits is not known, so neither is what it overlaps
+                    raise MigStepError("refused", f"GPU instance {g.gi} on {pci} has no known placement; no instance is placed beside it")
+                if _overlap(g, start, wanted.size):
+                    raise MigStepError(
+                        "refused", f"{profile} at {start} on {pci} overlaps GPU instance {g.gi} ({g.profile} at {g.start}, {g.size} slice(s))"
+                    )
+            same = sum(1 for g in gis.values() if g.profile == profile)
+            if wanted.instances_max and same >= wanted.instances_max:
+                raise MigStepError("refused", f"{pci} has {same} GPU instance(s) of {profile} already, its most")
+            if self._fire(card, entry, doc, "gi-fail"):
+                raise MigStepError("failed", f"creating a GPU instance of {profile} at {start} on {pci} failed (fake host fault gi-fail)")
+            gi = next(k for k in range(1, len(gis) + 2) if k not in gis)
+            entry.setdefault("gpu_instances", []).append({"gi": gi, "profile": profile, "placement_start": start})
+            self._save_checked(doc)
+            return gi
+
+        return self._mig_step(pci_address, step)
+
+    def create_compute_instance(self, pci_address: str, gi: int) -> MigInstanceFacts:
+        def step(host: FakeHost, card: HostGpu, entry: dict[str, Any], doc: dict[str, Any]) -> MigInstanceFacts:
+            pci = card.pci_address
+            if not card.mig_mode:
+                raise MigStepError("refused", f"{pci} is not in MIG mode")
+            g = gpu_instances_of(card).get(gi)
+            if g is None:
+                raise MigStepError("not-found", f"{pci} has no GPU instance {gi}")
+            if g.compute_instances:
+                raise MigStepError("refused", f"GPU instance {gi} on {pci} has a compute instance already")
+            if self._fire(card, entry, doc, "ci-fail"):
+                raise MigStepError("failed", f"creating the compute instance of GPU instance {gi} on {pci} failed (fake host fault ci-fail); the GPU instance is left")
+            profile = next((p for p in card.mig_profiles if p.name == g.profile), None)
+            made = MigInstanceFacts(
+                gi=gi, ci=0, profile=g.profile, uuid=_mig_uuid(card.uuid, gi, g.profile),
+                memory_bytes=profile.memory_bytes if profile is not None else 0, start=g.start, size=g.size,
+            )
+            device: dict[str, Any] = {"gi": gi, "ci": made.ci, "profile": made.profile, "uuid": made.uuid, "memory_bytes": made.memory_bytes}
+            if g.start is not None:
+                device["placement_start"] = g.start
+            entry.setdefault("mig_instances", []).append(device)
+            self._save_checked(doc)
+            return made
+
+        return self._mig_step(pci_address, step)
+
+    def destroy_compute_instance(self, pci_address: str, gi: int, ci: int) -> None:
+        def step(host: FakeHost, card: HostGpu, entry: dict[str, Any], doc: dict[str, Any]) -> None:
+            pci = card.pci_address
+            if not card.mig_mode or not any(m.gi == gi and m.ci == ci for m in card.mig_instances):
+                raise MigStepError("not-found", f"{pci} has no compute instance {ci} in GPU instance {gi}")
+            if self._fire(card, entry, doc, "destroy-in-use"):
+                raise MigStepError("in-use", f"compute instance {ci} of GPU instance {gi} on {pci} is in use (fake host fault destroy-in-use)")
+            _refuse_in_use(host, card, gi, ci)
+            g = gpu_instances_of(card)[gi]
+            entry["mig_instances"] = [m for m in entry.get("mig_instances", []) if (m.get("gi"), m.get("ci")) != (gi, ci)]
+            if not any(n.gi == gi for n in card.gpu_instances):
+                # the GPU instance outlives its last compute instance, as in NVML
+                named: dict[str, Any] = {"gi": gi, "profile": g.profile}
+                if g.start is not None:
+                    named["placement_start"] = g.start
+                entry.setdefault("gpu_instances", []).append(named)
+            self._save_checked(doc)
+
+        self._mig_step(pci_address, step)
+
+    def destroy_gpu_instance(self, pci_address: str, gi: int) -> None:
+        def step(host: FakeHost, card: HostGpu, entry: dict[str, Any], doc: dict[str, Any]) -> None:
+            pci = card.pci_address
+            g = gpu_instances_of(card).get(gi) if card.mig_mode else None
+            if g is None:
+                raise MigStepError("not-found", f"{pci} has no GPU instance {gi}")
+            if self._fire(card, entry, doc, "destroy-in-use"):
+                raise MigStepError("in-use", f"GPU instance {gi} on {pci} is in use (fake host fault destroy-in-use)")
+            if g.compute_instances:
+                raise MigStepError("in-use", f"GPU instance {gi} on {pci} still has {g.compute_instances} compute instance(s)")
+            _refuse_in_use(host, card, gi, None)
+            entry["gpu_instances"] = [n for n in entry.get("gpu_instances", []) if n.get("gi") != gi]
+            self._save_checked(doc)
+
+        self._mig_step(pci_address, step)
+
+    def _mig_step(self, pci_address: str, step: Callable[[FakeHost, HostGpu, dict[str, Any], dict[str, Any]], T]) -> T:
+        """One MIG instance step on the host file, under the file's lock (the switcher's fake backend
+        writes the same file); MigStepError when it did not happen."""
+        try:
+            with exclusive(self.host_file, 10.0):
+                # read here, not into self.host: a scan in another thread keeps the host it read
+                host = load_host_file(self.host_file)
+                doc = json.loads(read_regular(self.host_file, max_bytes=HOST_FILE_MAX_BYTES))
+                index = next((i for i, g in enumerate(host.gpus) if g.pci_address == pci_address and g.present), None)
+                if index is None:
+                    raise MigStepError("refused", f"no card at {pci_address} on the fake host")
+                return step(host, host.gpus[index], doc["gpus"][index], doc)
+        except MigStepError:
+            raise
+        except (OSError, ValueError, AdapterError) as exc:
+            raise MigStepError("failed", f"the fake host file could not be changed: {exc}") from None
+
+    def _fire(self, card: HostGpu, entry: dict[str, Any], doc: dict[str, Any], fault: str) -> bool:
+        """True when the card's mig_instance fault is `fault`; it is consumed (written) as it fires."""
+        if card.faults.mig_instance != fault:
+            return False
+        faults = entry.get("faults")
+        if not isinstance(faults, dict):
+            faults = entry["faults"] = {}
+        faults["mig_instance"] = ""
+        self._save(doc)
+        return True
+
+    def _save_checked(self, doc: dict[str, Any]) -> None:
+        """Save a change only when the file stays valid: a step never leaves a host file the inventory cannot read."""
+        data = json.dumps(doc).encode()
+        try:
+            problem = _check(_HOST_DECODER.decode(data))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            problem = str(exc)
+        if problem:
+            raise MigStepError("failed", f"the change would break the fake host file ({problem}); nothing changed")
+        self._save(doc)
 
     # ----------------------------------------------------------------- diagnostics
 
@@ -492,6 +793,13 @@ class FakeHwAdapter:
                 slices=p.slices,
                 memory_bytes=p.memory_bytes,
                 instances_max=p.instances_max,
+                placements=[MigPlacement(start=s, size=p.size) for s in sorted(p.placements)],
+                multiprocessors=p.multiprocessors,
+                copy_engines=p.copy_engines,
+                decoders=p.decoders,
+                encoders=p.encoders,
+                jpeg_engines=p.jpeg_engines,
+                ofa_engines=p.ofa_engines,
             )
             for p in g.mig_profiles
         ]
@@ -500,8 +808,11 @@ class FakeHwAdapter:
         g = self._gpu(gpu_uuid)
         if g is None or not g.mig_mode:
             return []
+        gis = gpu_instances_of(g)
         return [
-            MigInstanceFacts(gi=m.gi, ci=m.ci, profile=m.profile, uuid=m.uuid, memory_bytes=m.memory_bytes)
+            MigInstanceFacts(
+                gi=m.gi, ci=m.ci, profile=m.profile, uuid=m.uuid, memory_bytes=m.memory_bytes, start=gis[m.gi].start, size=gis[m.gi].size
+            )
             for m in sorted(g.mig_instances, key=lambda m: (m.gi, m.ci))
         ]
 
@@ -534,12 +845,14 @@ __all__ = [
     "HostNumaNode",
     "HostMigProfile",
     "HostMigInstance",
+    "HostGpuInstance",
     "HostGpu",
     "HostGpuFaults",
     "HostPciDevice",
     "HostProcess",
     "HostDomain",
     "load_host_file",
+    "gpu_instances_of",
     "atomic_write",
     "FakeHwAdapter",
 ]

@@ -18,6 +18,14 @@ Two NVML facts shape the code:
   while MIG device handles do not; MIG devices are therefore read from their
   handles, and GPU instance profiles only name them (with a fallback by slice
   count and memory when the GPU instance list is refused).
+
+MIG instances for DRA are made one step at a time (`MigInstancer`): a GPU
+instance at a placement NVML lists for its profile
+(nvmlDeviceGetGpuInstancePossiblePlacements, then
+nvmlDeviceCreateGpuInstanceWithPlacement), then one compute instance spanning
+it; destroyed in the reverse order. NVML's IN_USE and NOT_FOUND answers are
+kept apart from other failures, so the converger knows a busy instance from a
+gone one.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Protocol, TypeVar
 
 import pynvml
 
-from shared.schemas import MigProfile, RunningProcess
+from shared.schemas import MigPlacement, MigProfile, RunningProcess
 
 from .. import hostfs
 from .base import (
@@ -38,10 +46,12 @@ from .base import (
     AdapterError,
     AdapterUnavailable,
     DiagResult,
+    GpuInstanceFacts,
     MigLayoutResult,
     GpuFacts,
     HostScan,
     MigInstanceFacts,
+    MigStepError,
     VendorCdi,
     read_vendor_cdi,
 )
@@ -50,6 +60,8 @@ NATIVE_DRIVER = "nvidia"
 MIB = 1024 * 1024
 #: NVML's "not a MIG process" value for gpuInstanceId / computeInstanceId.
 _NO_INSTANCE = 0xFFFFFFFF
+#: the most placements read for one profile (the schema's bound; NVML's cards have at most 8)
+_PLACEMENTS_MAX = 64
 
 T = TypeVar("T")
 
@@ -74,12 +86,23 @@ class NvmlGiProfile:
     slice_count: int
     instance_count: int
     memory_mib: int
+    #: the engines of one GPU instance (multiprocessorCount, copyEngineCount, decoderCount,
+    #: encoderCount, jpegCount, ofaCount)
+    multiprocessors: int = 0
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpeg_engines: int = 0
+    ofa_engines: int = 0
 
 
 @dataclass(frozen=True)
 class NvmlGpuInstance:
     gi_id: int
     profile_id: int
+    #: its placement (nvmlGpuInstanceGetInfo's placement), in memory slices
+    start: int | None = None
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +154,13 @@ class NvmlPort(Protocol):
         ...
     def create_compute_instance(self, index: int, gi_id: int) -> int:
         """One compute instance spanning the whole GPU instance; its id."""
+        ...
+    # MIG instances at a placement (DRA)
+    def gpu_instance_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        """(start, size) of every placement a GPU instance of the profile may take (nvmlDeviceGetGpuInstancePossiblePlacements)."""
+        ...
+    def create_gpu_instance_with_placement(self, index: int, profile_id: int, start: int, size: int) -> int:
+        """A GPU instance of that profile at that placement (nvmlDeviceCreateGpuInstanceWithPlacement); its id."""
         ...
 
 
@@ -212,6 +242,12 @@ class PynvmlNvml:
                     slice_count=int(info.sliceCount),
                     instance_count=int(info.instanceCount),
                     memory_mib=int(info.memorySizeMB),
+                    multiprocessors=int(info.multiprocessorCount),
+                    copy_engines=int(info.copyEngineCount),
+                    decoders=int(info.decoderCount),
+                    encoders=int(info.encoderCount),
+                    jpeg_engines=int(info.jpegCount),
+                    ofa_engines=int(info.ofaCount),
                 ),
             )
         return list(profiles.values())
@@ -226,8 +262,32 @@ class PynvmlNvml:
             self._call(pynvml.nvmlDeviceGetGpuInstances, handle, profile.profile_id, array, ctypes.byref(count))
             for k in range(count.value):
                 info = self._call(pynvml.nvmlGpuInstanceGetInfo, array[k])
-                found.append(NvmlGpuInstance(gi_id=int(info.id), profile_id=int(info.profileId)))
+                found.append(
+                    NvmlGpuInstance(
+                        gi_id=int(info.id), profile_id=int(info.profileId), start=int(info.placement.start), size=int(info.placement.size)
+                    )
+                )
         return found
+
+    def gpu_instance_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        handle = self._handle(index)
+        # the _v2 call with no array answers how many there are; then it fills an array that large
+        count = ctypes.c_uint(0)
+        self._call(pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, handle, profile_id, None, ctypes.byref(count))
+        capacity = min(int(count.value), _PLACEMENTS_MAX)
+        if capacity == 0:
+            return []
+        array = (pynvml.c_nvmlGpuInstancePlacement_t * capacity)()
+        count = ctypes.c_uint(capacity)
+        self._call(pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, handle, profile_id, array, ctypes.byref(count))
+        return [(int(array[k].start), int(array[k].size)) for k in range(min(int(count.value), capacity))]
+
+    def create_gpu_instance_with_placement(self, index: int, profile_id: int, start: int, size: int) -> int:
+        placement = pynvml.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, size
+        # pynvml hands `placement` to NVML as is, and NVML takes a pointer to it
+        gi = self._call(pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, self._handle(index), profile_id, ctypes.byref(placement))
+        return int(self._call(pynvml.nvmlGpuInstanceGetInfo, gi).id)
 
     def mig_devices(self, index: int) -> list[NvmlMigDevice]:
         handle = self._handle(index)
@@ -318,8 +378,19 @@ def _profile_name(nvml_name: str) -> str:
     return nvml_name[4:] if nvml_name.startswith("MIG ") else nvml_name
 
 
+def _step_error(what: str, exc: BaseException) -> MigStepError:
+    """An NVML failure of a MIG step: IN_USE and NOT_FOUND keep their meaning, the rest failed."""
+    code = exc.code if isinstance(exc, NvmlError) else getattr(exc, "value", None)
+    if code == pynvml.NVML_ERROR_IN_USE:
+        return MigStepError("in-use", f"{what}: in use ({exc})")
+    if code == pynvml.NVML_ERROR_NOT_FOUND:
+        return MigStepError("not-found", f"{what}: not found ({exc})")
+    return MigStepError("failed", f"{what}: NVML failed ({exc})")
+
+
 class NvidiaAdapter:
-    """VendorAdapter + MigCapable + VfioCapable + SharingCapable + Diagnosable on NVML, sysfs and DCGM."""
+    """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + Diagnosable
+    on NVML, sysfs and DCGM."""
 
     def __init__(
         self,
@@ -395,7 +466,10 @@ class NvidiaAdapter:
     def _destroy_all(self, index: int, devices: Sequence[tuple[int, int]]) -> None:
         for gi, ci in devices:
             self.nvml.destroy_compute_instance(index, gi, ci)
-        for gi in sorted({gi for gi, _ in devices}):
+        # GPU instances with no compute instance too (a DRA step that failed half-way leaves one):
+        # they hold their slices, so what is made next would not fit
+        bare = {g.gi_id for g in self._try_list(lambda: self.nvml.gpu_instances(index))} if self.nvml.device_mig_mode(index) else set()
+        for gi in sorted({gi for gi, _ in devices} | bare):
             self.nvml.destroy_gpu_instance(index, gi)
 
     def _make(self, index: int, profile_ids: Sequence[int]) -> None:
@@ -551,9 +625,21 @@ class NvidiaAdapter:
                 slices=p.slice_count,
                 memory_bytes=p.memory_mib * MIB,
                 instances_max=p.instance_count,
+                placements=self._placements(i, p.profile_id),
+                multiprocessors=p.multiprocessors,
+                copy_engines=p.copy_engines,
+                decoders=p.decoders,
+                encoders=p.encoders,
+                jpeg_engines=p.jpeg_engines,
+                ofa_engines=p.ofa_engines,
             )
             for p in self._try_list(lambda: self.nvml.gpu_instance_profiles(i))
         ]
+
+    def _placements(self, index: int, profile_id: int) -> list[MigPlacement]:
+        # a card not in MIG mode (or a driver that will not say) lists none: DRA then offers none
+        found = self._try_list(lambda: self.nvml.gpu_instance_placements(index, profile_id))
+        return [MigPlacement(start=start, size=size) for start, size in sorted(set(found))[:_PLACEMENTS_MAX]]
 
     def mig_instances(self, gpu_uuid: str) -> list[MigInstanceFacts]:
         i = self._nvml_index.get(gpu_uuid)
@@ -563,19 +649,151 @@ class NvidiaAdapter:
         if not devices:
             return []
         profiles = {p.profile_id: p for p in self._try_list(lambda: self.nvml.gpu_instance_profiles(i))}
-        gi_profile = {g.gi_id: g.profile_id for g in self._try_list(lambda: self.nvml.gpu_instances(i))}
+        gis = {g.gi_id: g for g in self._try_list(lambda: self.nvml.gpu_instances(i))}
         out: list[MigInstanceFacts] = []
         for dev in devices:
-            profile = profiles.get(gi_profile.get(dev.gi_id, -1))
+            gi = gis.get(dev.gi_id)
+            profile = profiles.get(gi.profile_id) if gi is not None else None
             if profile is None:
                 profile = self._guess_profile(profiles.values(), dev)
             name = _profile_name(profile.name) if profile is not None else ""
             if name and 0 < dev.ci_slice_count < dev.gi_slice_count:
                 name = f"{dev.ci_slice_count}c.{name}"
             out.append(
-                MigInstanceFacts(gi=dev.gi_id, ci=dev.ci_id, profile=name, uuid=dev.uuid, memory_bytes=dev.memory_bytes)
+                MigInstanceFacts(
+                    gi=dev.gi_id, ci=dev.ci_id, profile=name, uuid=dev.uuid, memory_bytes=dev.memory_bytes,
+                    start=gi.start if gi is not None else None, size=gi.size if gi is not None else None,
+                )
             )
         return sorted(out, key=lambda m: (m.gi, m.ci))
+
+    # ----------------------------------------------------------------- MigInstancer
+
+    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceFacts]:
+        i = self._nvml_index.get(gpu_uuid)
+        if i is None or not self._mig_mode.get(gpu_uuid, False):
+            return []
+        profiles = {p.profile_id: p for p in self._try_list(lambda: self.nvml.gpu_instance_profiles(i))}
+        devices = self._try_list(lambda: self.nvml.mig_devices(i))
+        cis: dict[int, int] = {}
+        for dev in devices:
+            cis[dev.gi_id] = cis.get(dev.gi_id, 0) + 1
+        try:
+            gis = self.nvml.gpu_instances(i)
+        except (NvmlError, pynvml.NVMLError):
+            # no privilege to list GPU instances: those with a MIG device are still known, not where they sit
+            out: list[GpuInstanceFacts] = []
+            for gi_id in sorted(cis):
+                dev = next(d for d in devices if d.gi_id == gi_id)
+                guess = self._guess_profile(profiles.values(), dev)
+                out.append(
+                    GpuInstanceFacts(
+                        gi=gi_id, profile=_profile_name(guess.name) if guess else "", profile_id=guess.profile_id if guess else None,
+                        compute_instances=cis[gi_id],
+                    )
+                )
+            return out
+        out = []
+        for g in sorted(gis, key=lambda g: g.gi_id):
+            profile = profiles.get(g.profile_id)
+            out.append(
+                GpuInstanceFacts(
+                    gi=g.gi_id, profile=_profile_name(profile.name) if profile is not None else "", profile_id=g.profile_id,
+                    start=g.start, size=g.size, compute_instances=cis.get(g.gi_id, 0),
+                )
+            )
+        return out
+
+    def _step_index(self, pci_address: str) -> int:
+        """The NVML index of a card the last scan saw; refused for one NVML does not see."""
+        facts = self._last.get(pci_address)
+        index = self._nvml_index.get(facts.uuid) if facts is not None else None
+        if facts is None or index is None:
+            raise MigStepError("refused", f"NVML does not see the card at {pci_address} (not on its native driver?)")
+        return index
+
+    def create_gpu_instance(self, pci_address: str, profile: str, start: int) -> int:
+        index = self._step_index(pci_address)
+        what = f"{pci_address}: a GPU instance of {profile} at {start}"
+        try:
+            if not self.nvml.device_mig_mode(index):
+                raise MigStepError("refused", f"{pci_address} is not in MIG mode")
+            known = {_profile_name(p.name): p for p in self.nvml.gpu_instance_profiles(index)}
+            wanted = known.get(profile)
+            if wanted is None:
+                raise MigStepError("refused", f"{pci_address} has no MIG profile {profile} (it has {', '.join(sorted(known)) or 'none'})")
+            placements = dict(self.nvml.gpu_instance_placements(index, wanted.profile_id))
+            if start not in placements:
+                raise MigStepError("refused", f"{profile} on {pci_address} has no placement at {start} (its starts: {sorted(placements) or 'none'})")
+            size = placements[start]
+            there = self.nvml.gpu_instances(index)
+            for g in there:
+                if g.start is None or g.size is None:
+                    raise MigStepError("refused", f"GPU instance {g.gi_id} on {pci_address} has no known placement; no instance is placed beside it")
+                if g.start < start + size and start < g.start + g.size:
+                    raise MigStepError("refused", f"{profile} at {start} on {pci_address} overlaps GPU instance {g.gi_id} (at {g.start}, {g.size} slice(s))")
+            same = sum(1 for g in there if g.profile_id == wanted.profile_id)
+            if wanted.instance_count and same >= wanted.instance_count:
+                raise MigStepError("refused", f"{pci_address} has {same} GPU instance(s) of {profile} already, its most")
+            return self.nvml.create_gpu_instance_with_placement(index, wanted.profile_id, start, size)
+        except (NvmlError, pynvml.NVMLError) as exc:
+            raise _step_error(what, exc) from None
+
+    def create_compute_instance(self, pci_address: str, gi: int) -> MigInstanceFacts:
+        index = self._step_index(pci_address)
+        what = f"{pci_address}: the compute instance of GPU instance {gi}"
+        try:
+            if not self.nvml.device_mig_mode(index):
+                raise MigStepError("refused", f"{pci_address} is not in MIG mode")
+            there = next((g for g in self.nvml.gpu_instances(index) if g.gi_id == gi), None)
+            if there is None:
+                raise MigStepError("not-found", f"{pci_address} has no GPU instance {gi}")
+            if any(d.gi_id == gi for d in self.nvml.mig_devices(index)):
+                raise MigStepError("refused", f"GPU instance {gi} on {pci_address} has a compute instance already")
+            ci = self.nvml.create_compute_instance(index, gi)
+            # the MIG device's uuid is what the claim hands the container
+            device = next((d for d in self.nvml.mig_devices(index) if (d.gi_id, d.ci_id) == (gi, ci)), None)
+            profiles = {p.profile_id: p for p in self.nvml.gpu_instance_profiles(index)}
+        except (NvmlError, pynvml.NVMLError) as exc:
+            raise _step_error(what, exc) from None
+        if device is None:
+            raise MigStepError("failed", f"{what}: compute instance {ci} was made, but NVML lists no MIG device for it")
+        profile = profiles.get(there.profile_id)
+        return MigInstanceFacts(
+            gi=gi, ci=ci, profile=_profile_name(profile.name) if profile is not None else "", uuid=device.uuid,
+            memory_bytes=device.memory_bytes, start=there.start, size=there.size,
+        )
+
+    def destroy_compute_instance(self, pci_address: str, gi: int, ci: int) -> None:
+        index = self._step_index(pci_address)
+        what = f"{pci_address}: compute instance {ci} of GPU instance {gi}"
+        try:
+            if not self.nvml.device_mig_mode(index) or not any((d.gi_id, d.ci_id) == (gi, ci) for d in self.nvml.mig_devices(index)):
+                raise MigStepError("not-found", f"{pci_address} has no compute instance {ci} in GPU instance {gi}")
+            self._refuse_in_use(index, what, gi, ci)
+            self.nvml.destroy_compute_instance(index, gi, ci)
+        except (NvmlError, pynvml.NVMLError) as exc:
+            raise _step_error(what, exc) from None
+
+    def destroy_gpu_instance(self, pci_address: str, gi: int) -> None:
+        index = self._step_index(pci_address)
+        what = f"{pci_address}: GPU instance {gi}"
+        try:
+            if not self.nvml.device_mig_mode(index) or not any(g.gi_id == gi for g in self.nvml.gpu_instances(index)):
+                raise MigStepError("not-found", f"{pci_address} has no GPU instance {gi}")
+            left = sum(1 for d in self.nvml.mig_devices(index) if d.gi_id == gi)
+            if left:
+                raise MigStepError("in-use", f"GPU instance {gi} on {pci_address} still has {left} compute instance(s)")
+            self._refuse_in_use(index, what, gi, None)
+            self.nvml.destroy_gpu_instance(index, gi)
+        except (NvmlError, pynvml.NVMLError) as exc:
+            raise _step_error(what, exc) from None
+
+    def _refuse_in_use(self, index: int, what: str, gi: int, ci: int | None) -> None:
+        """in-use while NVML lists a process on it; a list NVML refuses leaves it to the destroy's own IN_USE."""
+        for p in self._try_list(lambda: self.nvml.compute_processes(index)):
+            if p.gi_id == gi and (ci is None or p.ci_id is None or p.ci_id == ci):
+                raise MigStepError("in-use", f"{what}: process {p.pid} runs on it")
 
     @staticmethod
     def _guess_profile(profiles: Iterable[NvmlGiProfile], dev: NvmlMigDevice) -> NvmlGiProfile | None:

@@ -1,0 +1,3 @@
+from services.dra_plugin.service import main
+
+main()

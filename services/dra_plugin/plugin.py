@@ -1,0 +1,606 @@
+"""The DRA kubelet plugin: registration, NodePrepareResources / NodeUnprepareResources, ResourceSlices.
+
+`DraPlugin` serves two gRPC services on unix sockets (kubelet API v1):
+
+* `pluginregistration.Registration` at `<kubelet dir>/plugins_registry/<driver>-reg.sock`:
+  the kubelet's plugin watcher finds the socket, asks GetInfo (type DRAPlugin,
+  our endpoint, supported version `v1.DRAPlugin`) and tells the outcome
+  through NotifyRegistrationStatus. A socket that vanished is served again.
+* `v1.DRAPlugin` at `<kubelet dir>/plugins/<driver>/dra.sock`. Prepare reads
+  the ResourceClaim from the API server (refusing one whose uid differs or
+  that is not allocated), takes the results of our driver, resolves each
+  published device name to its card (devices.resolve_device), writes
+  PrepareStarted to the checkpoint, asks the converger to make the claim's
+  hold (it checks conflicts, journals, makes MIG instances, writes the CDI
+  spec), then writes PrepareCompleted and answers pool, device and CDI ids.
+  Unprepare asks the converger to remove the hold, then drops the entry.
+  Both are idempotent: the kubelet retries.
+
+ResourceSlices (`SlicePublisher`): the pool `devices.plan_pool` derives from
+the inventory and the converger's claims, rendered within the 1.35 limits and
+made so on the API server (create, replace, delete); the pool generation goes
+up whenever what is published changes. Publishing waits while a prepare or
+unprepare is in flight, so a MIG instance being made never shows as someone
+else's for a moment.
+
+At start (`reconcile`) the checkpoint, the converger's claim holds and the API
+server are brought together: a claim gone from the API server (or with another
+uid, or no longer allocated) is unprepared; a claim hold the checkpoint does
+not know is adopted while its ResourceClaim exists.
+
+Nothing here knows NATS: the service hands in the converger and inventory calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+
+from shared import logs
+from shared.schemas import (
+    ClaimDevice,
+    ClaimPrepareReply,
+    ClaimPrepareRequest,
+    Claims,
+    ClaimSummary,
+    ClaimUnprepareReply,
+    DraClaimStatus,
+    DraPluginStatus,
+    Inventory,
+    PreparedDevice,
+)
+from shared.schemas.bus import CLAIM_DEVICES_MAX, CLAIM_UID_PATTERN
+from shared.schemas.common import clip
+
+from . import devices as dev
+from .checkpoint import Checkpoint, CheckpointStore, ClaimEntry
+from .kubeapi import Conflict, KubeApi, KubeApiError
+from .proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
+from .proto import dra_v1_pb2 as dra_pb
+from .proto import dra_v1_pb2_grpc as dra_grpc
+from .proto import pluginregistration_v1_pb2 as reg_pb
+from .proto import pluginregistration_v1_pb2_grpc as reg_grpc
+
+log = logs.get_logger("bcd.dra_plugin")
+
+#: a unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL).
+SOCKET_PATH_MAX = 107
+_UID_RE = re.compile(CLAIM_UID_PATTERN)
+#: what one claim's prepare may take (the converger makes MIG instances one NVML step at a time).
+PREPARE_TIMEOUT_S = 300.0
+
+
+class PluginError(Exception):
+    pass
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+
+
+class _Socket:
+    """One grpc.aio server on one unix socket, served again when its file goes."""
+
+    def __init__(self, path: Path, add: Callable[[grpc.aio.Server], None]) -> None:
+        self.path, self.add = path, add
+        self.server: grpc.aio.Server | None = None
+        self.identity: tuple[int, int, int] | None = None
+
+    async def start(self) -> None:
+        if len(str(self.path)) > SOCKET_PATH_MAX:
+            raise PluginError(f"{self.path}: longer than a unix socket path may be ({SOCKET_PATH_MAX} bytes)")
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise PluginError(f"{self.path} exists and is not a socket: left alone, not served")
+            os.unlink(self.path)
+        server = grpc.aio.server()
+        self.add(server)
+        if server.add_insecure_port(f"unix://{self.path}") == 0:
+            raise PluginError(f"cannot listen on {self.path}")
+        await server.start()
+        self.server, self.identity = server, _identity(self.path)
+
+    def gone(self) -> bool:
+        return self.server is None or _identity(self.path) != self.identity
+
+    async def stop(self, grace: float = 0.5) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            await server.stop(grace)
+        if self.identity is not None and _identity(self.path) == self.identity:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self.identity = None
+
+
+@dataclass
+class Metrics:
+    prepares: Any = None  # Counter [outcome]
+    unprepares: Any = None  # Counter [outcome]
+    registered: Any = None  # Gauge
+    published_devices: Any = None  # Gauge [kind]
+    pool_generation: Any = None  # Gauge
+    publishes: Any = None  # Counter [outcome]
+    prepared: Any = None  # Gauge
+
+
+@dataclass
+class Calls:
+    """What the plugin asks of the rest of the node (the service binds these to the node bus)."""
+
+    prepare: Callable[[ClaimPrepareRequest], Awaitable[ClaimPrepareReply]]
+    unprepare: Callable[[str], Awaitable[ClaimUnprepareReply]]
+    inventory: Callable[[], Awaitable[Inventory]]
+    claims: Callable[[], Awaitable[Claims]]
+    #: the converger's DRA claim holds (its status)
+    claim_holds: Callable[[], Awaitable[list[ClaimSummary]]]
+
+
+def claim_gis(holds: Sequence[ClaimSummary], inventory: Inventory) -> dict[str, set[int]]:
+    """PCI address -> the GPU instances the claims' holds own (from their MIG atoms)."""
+    by_uuid = {g.atom_id: g.pci_address for g in inventory.gpus}
+    out: dict[str, set[int]] = {}
+    for h in holds:
+        for d in h.devices:
+            m = re.fullmatch(r"(GPU-[^/]+)/gi(\d+)/ci\d+", d.atom)
+            if m and m.group(1) in by_uuid:
+                out.setdefault(by_uuid[m.group(1)], set()).add(int(m.group(2)))
+    return out
+
+
+@dataclass
+class SlicePublisher:
+    """Keeps this node's ResourceSlices on the API server equal to the pool."""
+
+    api: KubeApi
+    driver: str
+    node_name: str
+    node_uid: str = ""
+    generation: int = 0
+    #: what was published last (the pool's content key), None before the first publication
+    key: Any = None
+    slices: int = 0
+    published_at: datetime | None = None
+    #: the API server gave back slices without the shared counters or counter consumptions sent
+    #: (its DRAPartitionableDevices feature is off: it drops them): MIG placements are not exclusive
+    counters_dropped: bool = False
+
+    async def publish(self, pool: Any) -> bool:
+        """Make the API server's slices this pool's; True when anything was written."""
+        key = dev.pool_content_key(pool)
+        existing = {s["metadata"]["name"]: s for s in await self.api.list_slices(self.driver, self.node_name)}
+        if not self.node_uid:
+            self.node_uid = await self.api.node_uid(self.node_name)
+        if self.key is None:
+            # a restart: go on from the generation the API server has
+            gens = [int(s["spec"]["pool"].get("generation", 0)) for s in existing.values() if s.get("spec", {}).get("pool")]
+            self.generation = max(gens, default=0)
+            same = self._rendered(pool, self.generation)
+            if gens and _same_slices(same, existing):
+                self.key, self.slices = key, len(same)
+                return False
+        if key != self.key or self.key is None:
+            self.generation += 1
+        want = self._rendered(pool, self.generation)
+        wrote = False
+        self.counters_dropped = False
+        for body in want:
+            name = body["metadata"]["name"]
+            have = existing.pop(name, None)
+            if have is None:
+                got = await self.api.create_slice(body)
+                wrote = True
+            elif not _same_slice(body, have):
+                body = {**body, "metadata": {**body["metadata"], "resourceVersion": have["metadata"].get("resourceVersion", "")}}
+                got = await self.api.replace_slice(name, body)
+                wrote = True
+            else:
+                got = have
+            self.counters_dropped = self.counters_dropped or _counters_dropped(body, got)
+        for name in existing:
+            await self.api.delete_slice(name)
+            wrote = True
+        self.key, self.slices = key, len(want)
+        if wrote:
+            self.published_at = datetime.now(timezone.utc)
+        return wrote
+
+    def _rendered(self, pool: Any, generation: int) -> list[dict]:
+        return dev.render_slices(pool, driver=self.driver, node_name=self.node_name, node_uid=self.node_uid, generation=generation)
+
+
+def _counters_dropped(sent: dict, got: dict) -> bool:
+    spec, back = sent.get("spec") or {}, (got or {}).get("spec") or {}
+    if spec.get("sharedCounters") and not back.get("sharedCounters"):
+        return True
+    consumed = sum(1 for d in spec.get("devices") or [] if d.get("consumesCounters"))
+    return consumed > sum(1 for d in back.get("devices") or [] if d.get("consumesCounters"))
+
+
+def _same_slice(want: dict, have: dict) -> bool:
+    def core(s: dict) -> Any:
+        meta = s.get("metadata", {})
+        return (meta.get("labels") or {}, meta.get("ownerReferences") or [], s.get("spec"))
+
+    return _normal(core(want)) == _normal(core(have))
+
+
+def _same_slices(want: list[dict], have: dict[str, dict]) -> bool:
+    return len(want) == len(have) and all(w["metadata"]["name"] in have and _same_slice(w, have[w["metadata"]["name"]]) for w in want)
+
+
+def _normal(value: Any) -> Any:
+    """JSON as the API server gives it back: omitted empties, so equal content compares equal."""
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in sorted(value.items()) if v not in (None, [], {}, "")}
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    return value
+
+
+@dataclass
+class DraPlugin:
+    kubelet_dir: Path
+    driver: str
+    node_name: str
+    calls: Calls
+    api: KubeApi | None
+    store: CheckpointStore
+    boot_id: str
+    metrics: Metrics = field(default_factory=Metrics)
+    binding_conditions: bool = False
+    #: False: whole cards only (a cluster without the DRAPartitionableDevices feature drops the
+    #: counters, and nothing would keep MIG placements exclusive)
+    mig_devices: bool = True
+    watch_interval: float = 1.0
+    resync_interval: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.reg_path = self.kubelet_dir / "plugins_registry" / f"{self.driver}-reg.sock"
+        self.dra_path = self.kubelet_dir / "plugins" / self.driver / "dra.sock"
+        self.checkpoint: Checkpoint = self.store.load()
+        self.registered = False
+        self.registration_error = ""
+        self.api_error = "" if self.api is not None else "no Kubernetes API configured (--kubeconfig or in-cluster): claims cannot be read, no ResourceSlice is published"
+        self.publisher = SlicePublisher(self.api, self.driver, self.node_name) if self.api is not None else None
+        self.pool: Any = None
+        self.inventory: Inventory | None = None
+        self.in_flight = 0
+        self.reconciled = False
+        self.counters_note = ""
+        self._wake = asyncio.Event()
+        self._reg = _Socket(self.reg_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s))
+        self._dra = _Socket(self.dra_path, lambda s: dra_grpc.add_DRAPluginServicer_to_server(_Dra(self), s))
+
+    # -------------------------------------------------------------- serving
+
+    async def start(self) -> None:
+        # the plugin socket first: the kubelet dials it as soon as it registered us
+        await self._dra.start()
+        await self._reg.start()
+        log.info("serving the kubelet", registration=str(self.reg_path), plugin=str(self.dra_path), driver=self.driver)
+
+    async def close(self) -> None:
+        await self._reg.stop()
+        await self._dra.stop()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Keep the sockets served, reconcile once, publish on every wake and every resync interval."""
+        last_publish = -1e9
+        loop = asyncio.get_running_loop()
+        while not stopping.is_set():
+            for sock in (self._dra, self._reg):
+                if sock.gone():
+                    log.warning("socket gone; serving it again", socket=str(sock.path))
+                    if sock is self._reg:
+                        self.registered = False
+                    with contextlib.suppress(PluginError, OSError, RuntimeError):
+                        await sock.stop(0)
+                    try:
+                        await sock.start()
+                    except (PluginError, OSError, RuntimeError) as exc:
+                        log.error("cannot serve the socket; tried again", socket=str(sock.path), error=str(exc))
+            if not self.reconciled:
+                await self.reconcile()
+            due = self._wake.is_set() or loop.time() - last_publish >= self.resync_interval
+            if due and self.in_flight == 0:
+                self._wake.clear()
+                last_publish = loop.time()
+                await self.refresh()
+            with contextlib.suppress(asyncio.TimeoutError):
+                waiter = asyncio.ensure_future(self._wake.wait())
+                stop = asyncio.ensure_future(stopping.wait())
+                try:
+                    await asyncio.wait({waiter, stop}, timeout=self.watch_interval, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for t in (waiter, stop):
+                        t.cancel()
+                    await asyncio.gather(waiter, stop, return_exceptions=True)
+            if self._wake.is_set():
+                # a burst of notices (a MIG step rescans, then the converger publishes claims): one publication
+                await asyncio.sleep(0.2)
+
+    # -------------------------------------------------------------- the pool
+
+    async def refresh(self) -> None:
+        """Read inventory and claims, plan the pool, publish it (when an API server is configured)."""
+        try:
+            inv = await self.calls.inventory()
+            claims = await self.calls.claims()
+            holds = await self.calls.claim_holds()
+        except Exception as exc:  # noqa: BLE001 - the node bus is local; tried again at the next wake
+            log.warning("inventory or claims unavailable; the pool is not planned now", error=str(exc) or type(exc).__name__)
+            return
+        self.inventory = inv
+        pool = dev.plan_pool(inv, claims, claim_gis=claim_gis(holds, inv), binding_conditions=self.binding_conditions, mig_devices=self.mig_devices)
+        self.pool = pool
+        self._gauge_pool(pool)
+        if self.publisher is None or not pool.known:
+            return
+        try:
+            wrote = await self.publisher.publish(pool)
+        except (KubeApiError, Conflict) as exc:
+            self.api_error = clip(f"publishing ResourceSlices failed: {exc}")
+            log.warning("ResourceSlices not published; tried again", error=str(exc))
+            self._count(self.metrics.publishes, outcome="failed")
+            self._wake.set()
+            return
+        self.api_error = ""
+        if self.publisher.counters_dropped and self.mig_devices:
+            # fail safe: without counters the scheduler could give one placement to two claims, or a
+            # placement and its whole card; whole cards only until this plugin is started again
+            log.error(
+                "the API server dropped the MIG counters (its DRAPartitionableDevices feature is off): "
+                "publishing whole cards only; enable the feature, or start with --mig-devices false to say so",
+            )
+            self.mig_devices = False
+            self.counters_note = "the API server dropped the MIG counters (DRAPartitionableDevices off): whole cards only"
+            self._wake.set()
+        if wrote:
+            self._count(self.metrics.publishes, outcome="ok")
+            log.info("ResourceSlices published", generation=self.publisher.generation, slices=self.publisher.slices, devices=len(pool.devices))
+        if self.metrics.pool_generation is not None:
+            self.metrics.pool_generation.set(self.publisher.generation)
+
+    def _gauge_pool(self, pool: Any) -> None:
+        g = self.metrics.published_devices
+        if g is None:
+            return
+        for kind in ("gpu", "mig"):
+            g.labels(kind=kind).set(sum(1 for d in pool.devices if d.kind == kind))
+
+    # -------------------------------------------------------------- prepare / unprepare
+
+    async def prepare(self, claim: dra_pb.Claim) -> dra_pb.NodePrepareResourceResponse:
+        self.in_flight += 1
+        try:
+            devices, error = await asyncio.wait_for(self._prepare(claim), PREPARE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            devices, error = [], f"preparing claim {claim.namespace}/{claim.name} took longer than {PREPARE_TIMEOUT_S:.0f} s"
+        finally:
+            self.in_flight -= 1
+            self._wake.set()
+        self._count(self.metrics.prepares, outcome="failed" if error else "ok")
+        if error:
+            log.warning("claim not prepared", claim=f"{claim.namespace}/{claim.name}", uid=claim.uid, error=error)
+            return dra_pb.NodePrepareResourceResponse(error=error)
+        return dra_pb.NodePrepareResourceResponse(
+            devices=[
+                dra_pb.Device(request_names=list(d.requests), pool_name=d.pool, device_name=d.device, cdi_device_ids=list(d.cdi_ids)) for d in devices
+            ]
+        )
+
+    async def _prepare(self, c: dra_pb.Claim) -> tuple[list[PreparedDevice], str]:
+        if not _UID_RE.match(c.uid) or not c.namespace or not c.name or len(c.namespace) > 253 or len(c.name) > 253:
+            return [], f"claim {c.namespace!r}/{c.name!r} uid {c.uid!r}: not a valid claim reference"
+        if self.api is None:
+            return [], self.api_error
+        try:
+            found = await self.api.get_claim(c.namespace, c.name)
+        except KubeApiError as exc:
+            return [], f"reading ResourceClaim {c.namespace}/{c.name} failed: {exc}"
+        if found is None:
+            return [], f"ResourceClaim {c.namespace}/{c.name} does not exist"
+        if found.uid != c.uid:
+            return [], f"ResourceClaim {c.namespace}/{c.name} has uid {found.uid}, the kubelet asked for {c.uid}"
+        if not found.allocated:
+            return [], f"ResourceClaim {c.namespace}/{c.name} is not allocated"
+        ours = [r for r in found.results if r.driver == self.driver]
+        if not ours:
+            return [], ""  # nothing of ours in it: nothing to prepare
+        inv = self.inventory or await self.calls.inventory()
+        wanted: dict[str, ClaimDevice] = {}
+        requests: dict[str, list[str]] = {}
+        for r in ours:
+            if r.pool != self.node_name:
+                return [], f"device {r.device} is in pool {r.pool}, this node's pool is {self.node_name}"
+            # against the pool last published too: a name that meant another card there is refused
+            d = dev.resolve(inv, r.pool, r.device, node_name=self.node_name, published=self.pool)
+            if d is None:
+                return [], f"device {r.device} of pool {r.pool} is not one this node publishes"
+            wanted.setdefault(r.device, d)
+            requests.setdefault(r.device, []).append(r.request)
+        if len(wanted) > CLAIM_DEVICES_MAX:
+            return [], f"the claim has {len(wanted)} devices of {self.driver}; at most {CLAIM_DEVICES_MAX} are prepared per claim"
+        req = ClaimPrepareRequest(
+            uid=c.uid,
+            namespace=c.namespace,
+            name=c.name,
+            devices=[msgspec.structs.replace(d, requests=requests[name][:32]) for name, d in wanted.items()],
+        )
+        entry = self.checkpoint.claims.get(c.uid)
+        if entry is None or entry.state != "PrepareCompleted":
+            self.checkpoint.claims[c.uid] = ClaimEntry(uid=c.uid, namespace=c.namespace, name=c.name, boot_id=self.boot_id, since=datetime.now(timezone.utc))
+            await asyncio.to_thread(self.store.save, self.checkpoint)
+        try:
+            reply = await self.calls.prepare(req)
+        except Exception as exc:  # noqa: BLE001 - the kubelet retries
+            return [], f"the converger did not answer: {type(exc).__name__}: {exc}".rstrip(": ")
+        if not reply.ok:
+            if reply.reason != "busy" and (entry is None or entry.state != "PrepareCompleted"):
+                # refused, and undone by the converger: nothing of it is left to unprepare
+                self.checkpoint.claims.pop(c.uid, None)
+                await asyncio.to_thread(self.store.save, self.checkpoint)
+            return [], f"{reply.reason}: {reply.message}"
+        self.checkpoint.claims[c.uid] = ClaimEntry(
+            uid=c.uid, namespace=c.namespace, name=c.name, state="PrepareCompleted", devices=list(reply.devices), boot_id=self.boot_id, since=datetime.now(timezone.utc)
+        )
+        await asyncio.to_thread(self.store.save, self.checkpoint)
+        self._gauge_prepared()
+        log.info("claim prepared", claim=f"{c.namespace}/{c.name}", uid=c.uid, devices=[d.device for d in reply.devices])
+        return list(reply.devices), ""
+
+    async def unprepare(self, claim: dra_pb.Claim) -> dra_pb.NodeUnprepareResourceResponse:
+        self.in_flight += 1
+        try:
+            error = await self._unprepare(claim.uid, f"{claim.namespace}/{claim.name}")
+        finally:
+            self.in_flight -= 1
+            self._wake.set()
+        self._count(self.metrics.unprepares, outcome="failed" if error else "ok")
+        return dra_pb.NodeUnprepareResourceResponse(error=error)
+
+    async def _unprepare(self, uid: str, what: str) -> str:
+        if not _UID_RE.match(uid):
+            return f"claim {what}: uid {uid!r} is not a Kubernetes uid"
+        try:
+            reply = await self.calls.unprepare(uid)
+        except Exception as exc:  # noqa: BLE001 - the kubelet retries
+            return f"the converger did not answer: {type(exc).__name__}: {exc}".rstrip(": ")
+        if not reply.ok:
+            log.warning("claim not unprepared; the kubelet retries", claim=what, uid=uid, error=reply.message)
+            return reply.message or "not unprepared"
+        if self.checkpoint.claims.pop(uid, None) is not None:
+            await asyncio.to_thread(self.store.save, self.checkpoint)
+        self._gauge_prepared()
+        log.info("claim unprepared", claim=what, uid=uid)
+        return ""
+
+    # -------------------------------------------------------------- restart
+
+    async def reconcile(self) -> None:
+        """Checkpoint, the converger's claim holds and the API server, brought together (once, retried until done)."""
+        if self.api is None:
+            self.reconciled = True
+            return
+        try:
+            holds = await self.calls.claim_holds()
+        except Exception as exc:  # noqa: BLE001 - retried at the next tick
+            log.debug("converger not answering yet; reconcile later", error=str(exc) or type(exc).__name__)
+            return
+        known = {h.uid: h for h in holds}
+        refs = {uid: (e.namespace, e.name) for uid, e in self.checkpoint.claims.items()}
+        refs.update({uid: (h.namespace, h.name) for uid, h in known.items() if uid not in refs})
+        for uid, (ns, name) in sorted(refs.items()):
+            try:
+                found = await self.api.get_claim(ns, name)
+            except KubeApiError as exc:
+                self.api_error = clip(f"reading ResourceClaim {ns}/{name} failed: {exc}")
+                log.warning("API server not answering; reconcile later", error=str(exc))
+                return
+            if found is None or found.uid != uid or not found.allocated:
+                why = "gone" if found is None else ("has another uid" if found.uid != uid else "no longer allocated")
+                log.info("claim prepared here is %s in the API server; unpreparing" % why, claim=f"{ns}/{name}", uid=uid)
+                err = await self._unprepare(uid, f"{ns}/{name}")
+                if err:
+                    log.warning("unprepare at start failed; tried again", uid=uid, error=err)
+                    return
+                continue
+            h = known.get(uid)
+            if uid not in self.checkpoint.claims and h is not None and h.state == "prepared":
+                self.checkpoint.claims[uid] = ClaimEntry(
+                    uid=uid, namespace=ns, name=name, state="PrepareCompleted", devices=list(h.devices), boot_id=self.boot_id, since=h.since
+                )
+                await asyncio.to_thread(self.store.save, self.checkpoint)
+                log.info("claim hold adopted into the checkpoint", claim=f"{ns}/{name}", uid=uid)
+        self.reconciled = True
+        self._gauge_prepared()
+
+    # -------------------------------------------------------------- status
+
+    def status(self) -> DraPluginStatus:
+        pool = self.pool
+        return DraPluginStatus(
+            driver=self.driver,
+            node_name=self.node_name,
+            registered=self.registered,
+            registration_error=clip(self.registration_error),
+            registration_socket=str(self.reg_path),
+            plugin_socket=str(self.dra_path),
+            api_error=clip(self.api_error),
+            pool_generation=self.publisher.generation if self.publisher else 0,
+            slices=self.publisher.slices if self.publisher else 0,
+            devices=len(pool.devices) if pool is not None else 0,
+            cards=sorted({d.pci for d in pool.devices})[:1024] if pool is not None else [],
+            left_out=([clip(self.counters_note)] if self.counters_note else []) + ([clip(n) for n in pool.notes][:1023] if pool is not None else []),
+            published_at=self.publisher.published_at if self.publisher else None,
+            claims=[
+                DraClaimStatus(uid=e.uid, namespace=e.namespace, name=e.name, state=e.state, devices=list(e.devices), since=e.since)
+                for _, e in sorted(self.checkpoint.claims.items())
+            ][:4096],
+        )
+
+    def _gauge_prepared(self) -> None:
+        if self.metrics.prepared is not None:
+            self.metrics.prepared.set(sum(1 for e in self.checkpoint.claims.values() if e.state == "PrepareCompleted"))
+
+    @staticmethod
+    def _count(c: Any, **labels: str) -> None:
+        if c is not None:
+            c.labels(**labels).inc()
+
+
+class _Registration(reg_grpc.RegistrationServicer):
+    def __init__(self, plugin: DraPlugin) -> None:
+        self.plugin = plugin
+
+    async def GetInfo(self, request: reg_pb.InfoRequest, context: Any) -> reg_pb.PluginInfo:  # noqa: N802 - the proto's name
+        p = self.plugin
+        return reg_pb.PluginInfo(type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=[DRA_PLUGIN_SERVICE])
+
+    async def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus, context: Any) -> reg_pb.RegistrationStatusResponse:  # noqa: N802
+        p = self.plugin
+        p.registered, p.registration_error = bool(request.plugin_registered), request.error
+        if p.metrics.registered is not None:
+            p.metrics.registered.set(1 if p.registered else 0)
+        (log.info if p.registered else log.error)("kubelet registration", registered=p.registered, error=request.error)
+        return reg_pb.RegistrationStatusResponse()
+
+
+class _Dra(dra_grpc.DRAPluginServicer):
+    def __init__(self, plugin: DraPlugin) -> None:
+        self.plugin = plugin
+
+    async def NodePrepareResources(self, request: dra_pb.NodePrepareResourcesRequest, context: Any) -> dra_pb.NodePrepareResourcesResponse:  # noqa: N802
+        out = dra_pb.NodePrepareResourcesResponse()
+        for c in request.claims:
+            out.claims[c.uid].CopyFrom(await self.plugin.prepare(c))
+        return out
+
+    async def NodeUnprepareResources(self, request: dra_pb.NodeUnprepareResourcesRequest, context: Any) -> dra_pb.NodeUnprepareResourcesResponse:  # noqa: N802
+        out = dra_pb.NodeUnprepareResourcesResponse()
+        for c in request.claims:
+            out.claims[c.uid].CopyFrom(await self.plugin.unprepare(c))
+        return out
+
+
+__all__ = ["DraPlugin", "SlicePublisher", "Calls", "Metrics", "PluginError", "claim_gis"]
