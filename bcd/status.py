@@ -515,6 +515,19 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             out.append(("warn", "device-plugin", f"{len(kube)} Kubernetes hold(s) but the device plugin is not registered ({why}): no pod can get their devices"))
         else:
             out.append(("ok", "device-plugin", f"registered with the kubelet; {len(kube)} Kubernetes hold(s)"))
+    if "dra_plugin" in report.expected:
+        dra = report.dra_plugin
+        prepared = [c for c in conv.claims if c.state == "prepared"] if conv is not None else []
+        if dra is None:
+            if prepared:
+                out.append(("warn", "dra-plugin", f"{len(prepared)} DRA claim(s) prepared but the DRA plugin does not answer"))
+        elif dra.registered and dra.api_error:
+            # a kubelet uses it, but it cannot read claims or publish slices
+            out.append(("warn", "dra-plugin", f"registered with the kubelet, but {dra.api_error}"))
+        elif dra.registered:
+            out.append(("ok", "dra-plugin", dra_plugin_line(report).removeprefix(f"DRA plugin {dra.driver}: ")))
+        elif dra.registration_error:
+            out.append(("warn", "dra-plugin", f"the kubelet refused its registration: {dra.registration_error}"))
     out.extend(("fail", "gpu", p) for p in gpu_problems(inv))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:

@@ -284,6 +284,8 @@ class DraPlugin:
         self.in_flight = 0
         self.reconciled = False
         self.counters_note = ""
+        #: why a socket is not served ("" while both are)
+        self.serve_error = ""
         self._wake = asyncio.Event()
         self._reg = _Socket(self.reg_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s))
         self._dra = _Socket(self.dra_path, lambda s: dra_grpc.add_DRAPluginServicer_to_server(_Dra(self), s))
@@ -291,10 +293,34 @@ class DraPlugin:
     # -------------------------------------------------------------- serving
 
     async def start(self) -> None:
+        """Serve both sockets; one that cannot be served (a path too long for a unix socket, a
+        directory we may not write) is said once and tried again every tick: never a crash loop."""
+        await self._serve_sockets()
+        if not self.serve_error:
+            log.info("serving the kubelet", registration=str(self.reg_path), plugin=str(self.dra_path), driver=self.driver)
+
+    async def _serve_sockets(self) -> None:
+        errors: list[str] = []
         # the plugin socket first: the kubelet dials it as soon as it registered us
-        await self._dra.start()
-        await self._reg.start()
-        log.info("serving the kubelet", registration=str(self.reg_path), plugin=str(self.dra_path), driver=self.driver)
+        for sock in (self._dra, self._reg):
+            if not sock.gone():
+                continue
+            if sock.server is not None:
+                log.warning("socket gone; serving it again", socket=str(sock.path))
+            if sock is self._reg:
+                self.registered = False
+            with contextlib.suppress(PluginError, OSError, RuntimeError):
+                await sock.stop(0)
+            try:
+                await sock.start()
+            except (PluginError, OSError, RuntimeError) as exc:
+                errors.append(str(exc))
+        error = "; ".join(errors)
+        if error and error != self.serve_error:
+            log.error("cannot serve the kubelet; tried again every tick", error=error)
+        elif self.serve_error and not error:
+            log.info("serving the kubelet", registration=str(self.reg_path), plugin=str(self.dra_path), driver=self.driver)
+        self.serve_error = error
 
     async def close(self) -> None:
         await self._reg.stop()
@@ -308,17 +334,7 @@ class DraPlugin:
         last_publish = -1e9
         loop = asyncio.get_running_loop()
         while not stopping.is_set():
-            for sock in (self._dra, self._reg):
-                if sock.gone():
-                    log.warning("socket gone; serving it again", socket=str(sock.path))
-                    if sock is self._reg:
-                        self.registered = False
-                    with contextlib.suppress(PluginError, OSError, RuntimeError):
-                        await sock.stop(0)
-                    try:
-                        await sock.start()
-                    except (PluginError, OSError, RuntimeError) as exc:
-                        log.error("cannot serve the socket; tried again", socket=str(sock.path), error=str(exc))
+            await self._serve_sockets()
             if not self.reconciled:
                 await self.reconcile()
             due = self._wake.is_set() or loop.time() - last_publish >= self.resync_interval
@@ -543,7 +559,7 @@ class DraPlugin:
             driver=self.driver,
             node_name=self.node_name,
             registered=self.registered,
-            registration_error=clip(self.registration_error),
+            registration_error=clip(self.serve_error or self.registration_error),
             registration_socket=str(self.reg_path),
             plugin_socket=str(self.dra_path),
             api_error=clip(self.api_error),

@@ -44,7 +44,7 @@ from shared.schemas import (
 
 from .checkpoint import CheckpointStore
 from .kubeapi import ClusterApi, KubeApi
-from .plugin import Calls, DraPlugin, Metrics, PluginError
+from .plugin import Calls, DraPlugin, Metrics
 from .proto import DEFAULT_DRIVER, PLUGINS_DIR
 
 #: how long the converger may take to make a claim's hold (MIG instances are made one NVML step at a time).
@@ -175,10 +175,7 @@ class DraPluginApp(ServiceApp):
             resync_interval=o.resync_interval,
         )
         plugin = self.plugin
-        try:
-            await plugin.start()
-        except PluginError as exc:
-            raise StartupError(str(exc)) from None
+        await plugin.start()
         ctx.metadata.update({"driver": o.driver, "registration_socket": str(plugin.reg_path), "plugin_socket": str(plugin.dra_path)})
 
         @guarded(ctx.log, "notice")

@@ -52,7 +52,14 @@ from bcd.client import NodeInfo, node_info
 from bcd.controlplane import connect_upstream, load_or_create_cp_key
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
+    CLAIM_PREPARE_REPLY_CODEC,
+    CLAIM_PREPARE_REQUEST_CODEC,
+    CLAIM_UNPREPARE_REPLY_CODEC,
+    CLAIM_UNPREPARE_REQUEST_CODEC,
     CLAIMS_CODEC,
+    DRA_PLUGIN_STATUS_CODEC,
+    MIG_INSTANCE_REPLY_CODEC,
+    MIG_INSTANCE_REQUEST_CODEC,
     CONVERGER_STATUS_CODEC,
     DEVICES_QUERY_CODEC,
     EMPTY_CODEC,
@@ -118,7 +125,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 NODE_ID = "node-1"
 S = NodeSubjects(NODE_ID)
-ALL_SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher", "helper")
+ALL_SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "vfio_switcher", "helper", "dra_plugin")
 #: a reply (or a refusal) must come within this long.
 REPLY_WAIT_S = 5.0
 CLEAR_REFUSALS = frozenset({"400", "403", "404", "409"})
@@ -127,7 +134,7 @@ GENERATED_PER_ENDPOINT = 40
 #: the node bus's max_payload is 1 MiB; leave room for the headers.
 BUS_CAP = 1024 * 1024 - 4096
 #: who asks, in order of preference (the first one the permission tables let publish there).
-ASKERS = (OPERATOR_USER, "gateway_bridge", "converger", "inventory", "vfio_switcher", "kube_reaper", "signer", "helper")
+ASKERS = (OPERATOR_USER, "gateway_bridge", "converger", "inventory", "vfio_switcher", "kube_reaper", "signer", "helper", "dra_plugin")
 
 
 # --------------------------------------------------------------------------- the endpoints
@@ -179,6 +186,11 @@ ENDPOINTS: dict[str, Endpoint] = {
     S.helper_slice_apply: Endpoint(HELPER_SLICE_APPLY_CODEC, HELPER_REPLY_CODEC, True, _helper_refused),
     S.helper_slice_remove: Endpoint(HELPER_SLICE_REMOVE_CODEC, HELPER_REPLY_CODEC, True, _helper_refused),
     S.helper_info: Endpoint(EMPTY_CODEC, HELPER_INFO_CODEC),
+    # DRA: the kubelet plugin's claims (the converger answers a refusal inside the reply) and the MIG steps
+    S.converger_claim_prepare: Endpoint(CLAIM_PREPARE_REQUEST_CODEC, CLAIM_PREPARE_REPLY_CODEC, True, lambda r: not r.ok),
+    S.converger_claim_unprepare: Endpoint(CLAIM_UNPREPARE_REQUEST_CODEC, CLAIM_UNPREPARE_REPLY_CODEC, True, lambda r: not r.ok),
+    S.inventory_mig_instance: Endpoint(MIG_INSTANCE_REQUEST_CODEC, MIG_INSTANCE_REPLY_CODEC, True, lambda r: r.outcome != "done"),
+    S.dra_plugin_status: Endpoint(EMPTY_CODEC, DRA_PLUGIN_STATUS_CODEC),
 }
 CODEC_NAMES = {id(codec): name for name, codec in CODECS.items()}
 

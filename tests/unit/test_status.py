@@ -377,6 +377,67 @@ def test_no_device_plugin_line_where_the_node_runs_none_and_no_check_without_kub
     assert "device-plugin" not in levels(report(expected=WITH_PLUGIN, device_plugin=plugin_status(registered=False)))
 
 
+# --------------------------------------------------------------------------- DRA
+
+WITH_DRA = [*SERVICES, "dra_plugin"]
+CLAIM_UID = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab"
+
+
+def dra_status(*, registered: bool = True, api_error: str = "", error: str = ""):
+    from shared.schemas import DraClaimStatus, DraPluginStatus, PreparedDevice
+
+    return DraPluginStatus(
+        driver="gpu.bcd.dev",
+        node_name="node-1",
+        registered=registered,
+        registration_error=error,
+        api_error=api_error,
+        pool_generation=4,
+        slices=2,
+        devices=9,
+        cards=["0000:18:00.0", "0000:ba:00.0"],
+        claims=[DraClaimStatus(uid=CLAIM_UID, namespace="ml", name="half", state="PrepareCompleted", devices=[PreparedDevice(pool="node-1", device="gpu-0", atom=GPU0)], since=NOW)],
+    )
+
+
+def dra_report(dra):
+    from shared.schemas import ClaimSummary, PreparedDevice
+
+    claim_hold = HoldSummary(allocation_id=f"claim-{CLAIM_UID}", reservation_id=f"claim-{CLAIM_UID}", generation=0, binding="BINDING_CLAIM", devices=[GPU0])
+    summary = ClaimSummary(uid=CLAIM_UID, namespace="ml", name="half", state="prepared", devices=[PreparedDevice(pool="node-1", device="gpu-0", atom=GPU0)], since=NOW)
+    return report(
+        expected=WITH_DRA,
+        services={n: ping(n, **({"cp_keys": "1"} if n == "gateway_bridge" else {})) for n in WITH_DRA if dra is not None or n != "dra_plugin"},
+        converger=conv(holds=[claim_hold], claims=[summary]),
+        dra_plugin=dra,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "dra", "line", "doctor"),
+    [
+        ("registered", dra_status(), "DRA plugin gpu.bcd.dev: registered with the kubelet; pool node-1 generation 4, 2 slice(s), 9 device(s) on 2 card(s); 1 claim(s) prepared", "ok"),
+        ("no API server", dra_status(api_error="reading ResourceClaim ml/half failed: 503"), "DRA plugin gpu.bcd.dev: registered with the kubelet; API: reading ResourceClaim ml/half failed: 503; 1 claim(s) prepared", "warn"),
+        ("refused", dra_status(registered=False, error="unsupported version"), "DRA plugin gpu.bcd.dev: NOT registered (unsupported version) with the kubelet; pool node-1 generation 4, 2 slice(s), 9 device(s) on 2 card(s); 1 claim(s) prepared", "warn"),
+        ("not answering", None, "DRA plugin: not answering", "warn"),
+    ],
+)
+def test_status_shows_dra_claims_and_the_plugin(name, dra, line, doctor):
+    r = dra_report(dra)
+    text = render_status(r)
+    lines = [x.strip() for x in text.splitlines()]
+    assert line in lines, lines
+    assert f"DRA claim ml/half ({CLAIM_UID}): prepared: gpu-0 -> {GPU0}" in lines
+    # the claim's hold is listed with its claim, and the card says who holds it
+    assert not any(x.startswith(f"hold claim-{CLAIM_UID}") for x in lines)
+    assert any(x.endswith("DRA claim ml/half") for x in lines if x.startswith("0 ")), lines
+    assert levels(r)["dra-plugin"] == doctor
+
+
+def test_no_dra_check_on_a_node_without_a_kubelet_and_without_claims():
+    assert "dra-plugin" not in levels(report(expected=WITH_DRA, dra_plugin=dra_status(registered=False, api_error="no Kubernetes API configured")))
+
+
 # --------------------------------------------------------------------------- maintenance
 
 
