@@ -252,9 +252,14 @@ def dra_plugin_line(report: NodeReport) -> str:
     dra = report.dra_plugin
     if dra is None:
         return "DRA plugin: not answering" if "dra_plugin" in report.expected else ""
-    state = "registered" if dra.registered else "NOT registered" + (f" ({dra.registration_error})" if dra.registration_error else " (no kubelet has asked)")
+    if dra.registered:
+        state = "registered with the kubelet"
+    elif dra.registration_error:
+        state = f"NOT registered with the kubelet ({dra.registration_error})"
+    else:
+        state = "not registered (no kubelet has asked)"
     prepared = sum(1 for c in dra.claims if c.state == "PrepareCompleted")
-    line = f"DRA plugin {dra.driver}: {state} with the kubelet; "
+    line = f"DRA plugin {dra.driver}: {state}; "
     if dra.api_error:
         line += f"API: {dra.api_error}; "
     else:

@@ -64,6 +64,7 @@ from shared.schemas.bus import CLAIM_DEVICES_MAX, CLAIM_UID_PATTERN
 from shared.schemas.common import clip
 
 from . import devices as dev
+from .binding import plan_binding
 from .checkpoint import Checkpoint, CheckpointStore, ClaimEntry
 from .kubeapi import Conflict, KubeApi, KubeApiError
 from .proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
@@ -79,6 +80,8 @@ SOCKET_PATH_MAX = 107
 _UID_RE = re.compile(CLAIM_UID_PATTERN)
 #: what one claim's prepare may take (the converger makes MIG instances one NVML step at a time).
 PREPARE_TIMEOUT_S = 300.0
+#: how often allocated claims are looked at for binding conditions (--binding-conditions true)
+BINDING_POLL_S = 2.0
 
 
 class PluginError(Exception):
@@ -331,7 +334,7 @@ class DraPlugin:
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Keep the sockets served, reconcile once, publish on every wake and every resync interval."""
-        last_publish = -1e9
+        last_publish = last_binding = -1e9
         loop = asyncio.get_running_loop()
         while not stopping.is_set():
             await self._serve_sockets()
@@ -340,8 +343,12 @@ class DraPlugin:
             due = self._wake.is_set() or loop.time() - last_publish >= self.resync_interval
             if due and self.in_flight == 0:
                 self._wake.clear()
-                last_publish = loop.time()
+                last_publish = last_binding = loop.time()
                 await self.refresh()
+            elif self.binding_conditions and self.pool is not None and self.publisher is not None and loop.time() - last_binding >= BINDING_POLL_S:
+                # the scheduler waits in PreBind for Ready: allocations are looked for often, not only at a resync
+                last_binding = loop.time()
+                await self.set_binding_conditions(self.pool)
             with contextlib.suppress(asyncio.TimeoutError):
                 waiter = asyncio.ensure_future(self._wake.wait())
                 stop = asyncio.ensure_future(stopping.wait())
@@ -396,6 +403,28 @@ class DraPlugin:
             log.info("ResourceSlices published", generation=self.publisher.generation, slices=self.publisher.slices, devices=len(pool.devices))
         if self.metrics.pool_generation is not None:
             self.metrics.pool_generation.set(self.publisher.generation)
+        if self.binding_conditions:
+            await self.set_binding_conditions(pool)
+
+    async def set_binding_conditions(self, pool: Any) -> None:
+        """Ready (or BindingFailed) on every allocated device of ours the scheduler waits for (binding.py)."""
+        lister = getattr(self.api, "list_claims", None)
+        writer = getattr(self.api, "replace_claim_status", None)
+        if lister is None or writer is None:
+            return
+        try:
+            claims = await lister()
+        except KubeApiError as exc:
+            log.warning("ResourceClaims not listed; binding conditions set at the next round", error=str(exc))
+            return
+        for u in plan_binding([c.raw for c in claims], driver=self.driver, pool_name=self.node_name, pool=pool, now=datetime.now(timezone.utc)):
+            try:
+                await writer(u.namespace, u.name, u.body)
+            except (Conflict, KubeApiError) as exc:
+                log.info("binding condition not written; tried again", claim=f"{u.namespace}/{u.name}", error=str(exc))
+                self._wake.set()
+                continue
+            log.info("binding conditions set", claim=f"{u.namespace}/{u.name}", devices=dict(u.set))
 
     def _gauge_pool(self, pool: Any) -> None:
         g = self.metrics.published_devices

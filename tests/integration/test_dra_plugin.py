@@ -308,3 +308,33 @@ async def test_a_converger_killed_between_the_mig_steps_leaves_no_instance_nobod
     reply = await call(plugin, subjects.converger_claim_prepare, req, CLAIM_PREPARE_REPLY_CODEC, timeout=60)
     assert reply.ok, reply
     assert [(m["profile"], m.get("placement_start")) for m in card(h, MIG_CARD)["mig_instances"]] == [("2g.35gb", 2)]
+
+
+async def test_binding_conditions_say_ready_or_binding_failed_on_the_claim(tmp_path, short_dir, api):
+    """--binding-conditions true (seed 003): every device declares bindsToNode with bindingConditions
+    [Ready] and bindingFailureConditions [BindingFailed]; the plugin sets Ready on an allocated device
+    it still publishes and BindingFailed, with the reason, on one it no longer does."""
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    node = Node(tmp_path, "--kubelet-dir", str(short_dir), "--kubeconfig", str(kubeconfig), host=host(tmp_path), env={"BCD_BINDING_CONDITIONS": "true"})
+    await asyncio.to_thread(node.start)
+    try:
+        await apply(node, assignment("plain", GPU[3]))
+        devs = await wait_devices(api, lambda d: "gpu-0" in d and "gpu-3" not in d, "the node's devices")
+        assert {k: devs["gpu-0"].get(k) for k in ("bindsToNode", "bindingConditions", "bindingFailureConditions")} == {
+            "bindsToNode": True,
+            "bindingConditions": ["Ready"],
+            "bindingFailureConditions": ["BindingFailed"],
+        }
+        claim(api, "ok", "gpu-0")
+        claim(api, "stale", "gpu-3")  # allocated against an older pool: the card is held now
+
+        def conditions(name: str) -> dict[str, str]:
+            c = api.claim("ml", name) or {}
+            return {x["type"]: x["status"] for d in (c.get("status") or {}).get("devices") or [] for x in d.get("conditions") or []}
+
+        await asyncio.to_thread(wait_for, lambda: conditions("ok") == {"Ready": "True"}, 30, "Ready on the claim")
+        await asyncio.to_thread(wait_for, lambda: conditions("stale") == {"BindingFailed": "True"}, 30, "BindingFailed on the claim")
+        failed = api.claim("ml", "stale")["status"]["devices"][0]["conditions"][0]
+        assert "gpu-3" in failed["message"] and failed["reason"] == "DeviceNotAvailable"
+    finally:
+        await stop(node)

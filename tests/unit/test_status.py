@@ -418,7 +418,7 @@ def dra_report(dra):
     [
         ("registered", dra_status(), "DRA plugin gpu.bcd.dev: registered with the kubelet; pool node-1 generation 4, 2 slice(s), 9 device(s) on 2 card(s); 1 claim(s) prepared", "ok"),
         ("no API server", dra_status(api_error="reading ResourceClaim ml/half failed: 503"), "DRA plugin gpu.bcd.dev: registered with the kubelet; API: reading ResourceClaim ml/half failed: 503; 1 claim(s) prepared", "warn"),
-        ("refused", dra_status(registered=False, error="unsupported version"), "DRA plugin gpu.bcd.dev: NOT registered (unsupported version) with the kubelet; pool node-1 generation 4, 2 slice(s), 9 device(s) on 2 card(s); 1 claim(s) prepared", "warn"),
+        ("refused", dra_status(registered=False, error="unsupported version"), "DRA plugin gpu.bcd.dev: NOT registered with the kubelet (unsupported version); pool node-1 generation 4, 2 slice(s), 9 device(s) on 2 card(s); 1 claim(s) prepared", "warn"),
         ("not answering", None, "DRA plugin: not answering", "warn"),
     ],
 )
