@@ -409,7 +409,8 @@ class ClaimKeeper:
         assert m is not None
         if m.gi is None:
             # create-gi was asked and its answer lost: the instance, if any, is found by its placement
-            if inv is None or (inv := await self._inventory() or inv) is None:
+            inv = await self._inventory() or inv
+            if inv is None:
                 return f"{d.device}: the inventory is not known; the GPU instance asked for is looked for again"
             gpu = next((g for g in inv.gpus if g.pci_address == d.pci), None)
             owned = owned_gis(self._state().claims, but=rec.uid).get(d.pci, {})

@@ -458,7 +458,7 @@ def plan_pool(
     `claim_gis`: PCI address -> the GPU instance ids that prepared DRA claims own on the card; a
     MIG card with any other GPU instance is left out. `binding_conditions`: every device declares
     bindsToNode with bindingConditions ["Ready"] and bindingFailureConditions ["BindingFailed"]
-    (seed 003; off by default, since then someone must set Ready on the claim's device status).
+    (seed 003; off by default: it needs the DRADeviceBindingConditions feature; binding.py sets Ready).
     `mig_devices=False`: a MIG card is its whole-card device only, with no counters, and a MIG card
     with GPU instances is left out. For a cluster without the DRAPartitionableDevices feature,
     where the API server drops sharedCounters and consumesCounters on write: published anyway,

@@ -86,8 +86,8 @@ class DraPluginApp(ServiceApp):
             ),
             Option(
                 "--binding-conditions",
-                "publish devices with bindsToNode, bindingConditions [Ready] and bindingFailureConditions [BindingFailed] (seed 003); "
-                "needs a controller that sets Ready on allocated claims",
+                "publish devices with bindsToNode, bindingConditions [Ready] and bindingFailureConditions [BindingFailed] (seed 003), "
+                "and set Ready or BindingFailed on the allocated claims (needs the DRADeviceBindingConditions feature)",
                 default="false",
                 choices=("true", "false"),
             ),

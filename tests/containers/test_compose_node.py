@@ -312,3 +312,25 @@ async def test_the_device_plugin_container_registers_with_a_kubelet_on_the_host(
         assert pod.env["BCD_ALLOCATION_ID"] == "pods-01" and pod.env["NVIDIA_VISIBLE_DEVICES"] == gpu
         st = await asyncio.to_thread(node.bcd, "status")
         assert "kubelet: advertised as bcd.dev/gpu (1 device(s))" in st.stdout, st.stdout
+
+
+async def test_the_dra_plugin_container_registers_with_a_kubelet_on_the_host(compose_node):
+    """The dra_plugin container (uid 10010, read-only root) serves its registration socket in the
+    bind-mounted plugins_registry/ and its plugin socket in plugins/gpu.bcd.dev/; a kubelet stand-in on
+    the host registers it and calls it. With no API server in the compose node every prepare is
+    refused with the reason, and bcd status says so."""
+    from tests.integration.dra_kubelet_standin import DraKubelet
+
+    node = compose_node
+    kubelet = DraKubelet(node.dir / "kubelet", plugin_root="/var/lib/kubelet")
+    try:
+        info = await kubelet.register("gpu.bcd.dev", timeout=90)
+        assert info.endpoint == "/var/lib/kubelet/plugins/gpu.bcd.dev/dra.sock"
+        assert os.stat(node.dir / "kubelet" / "plugins_registry" / "gpu.bcd.dev-reg.sock").st_uid == 10010
+        uid = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab"
+        reply = (await kubelet.prepare(("ml", "c", uid)))[uid]
+        assert "no Kubernetes API configured" in reply.error
+        st = await asyncio.to_thread(node.bcd, "status")
+        assert "DRA plugin gpu.bcd.dev: registered with the kubelet" in st.stdout, st.stdout
+    finally:
+        await kubelet.close()

@@ -31,8 +31,11 @@ class RegistrationRefused(AssertionError):
 
 
 class DraKubelet:
-    def __init__(self, kubelet_dir: Path) -> None:
+    def __init__(self, kubelet_dir: Path, *, plugin_root: str = "") -> None:
+        """`plugin_root`: the kubelet dir as the plugin sees it, when that differs from ours (a
+        container with the directory mounted elsewhere): its endpoint is dialled under ours."""
         self.kubelet_dir = Path(kubelet_dir)
+        self.plugin_root = plugin_root
         self.registry = self.kubelet_dir / "plugins_registry"
         self.endpoint: str = ""
         self.info: reg_pb.PluginInfo | None = None
@@ -54,7 +57,10 @@ class DraKubelet:
                         )
                     if problem:
                         raise RegistrationRefused(problem)
-                    self.info, self.endpoint = info, info.endpoint
+                    endpoint = info.endpoint
+                    if self.plugin_root and endpoint.startswith(self.plugin_root.rstrip("/") + "/"):
+                        endpoint = str(self.kubelet_dir / endpoint[len(self.plugin_root.rstrip("/")) + 1 :])
+                    self.info, self.endpoint = info, endpoint
                     await self._close_channel()
                     return info
                 except grpc.aio.AioRpcError as exc:

@@ -362,3 +362,15 @@ def test_a_pass_never_releases_a_claim_hold_and_refuses_holds_on_its_atoms(tmp_p
     # the card claims name it, kind claim: the inventory, the switcher and resets see it
     claims = card_claims(inventory=INV, holds={}, intents={}, pending={}, releases_unreadable=False, spec=None, domain_gpus={}, dra_claims={"DRA claim ml/c1": [GPU[0]]})
     assert claims == [GpuClaim(pci_address=PCI0, kind="claim", holder="DRA claim ml/c1")]
+
+
+def test_a_vm_that_wants_a_claimed_card_waits_for_the_claim(tmp_path: Path) -> None:
+    from shared.schemas import InstanceGpus
+
+    rig = Rig(tmp_path)
+    assert asyncio.run(rig.keeper.prepare(req(gpu_dev(INV, 0)))).ok
+    spec = NodeSpec(node_id="node-1", generation=4, instances=[InstanceGpus(instance_id="vm1", gpus=[PCI0])])
+    obs = observe(spec=spec, cdi_dir=rig.cdi, run_dir=rig.run, slices=FakeSlices(rig.run), inventory=INV, domains=NoDomains(), state=rig.state)
+    p = plan(spec, obs, PlanConfig(node_id="node-1"))
+    assert PCI0 in p.vfio_waiting and not [s for s in p.steps if "Switch" in type(s).__name__]
+    assert any("DRA claim ml/c1" in n for n in p.vfio_notes), p.vfio_notes
