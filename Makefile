@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv bytecode schema man proto bench bench-e2e bench-fleet images compose-up compose-down clean
+.PHONY: run test venv bytecode schema man proto bench bench-e2e bench-fleet images compose-up compose-down clean vm-image vm-test
 
 COMPOSE_DIR ?= state/compose
 
@@ -70,3 +70,12 @@ compose-down:
 
 clean:
 	rm -rf $(VENV) state .pytest_cache .hypothesis
+
+# the VM suites' Debian guest (deploy/vm/build-image.sh): debootstrap, offline wheels, an ext4
+# image made without a loop mount; cached by content under .scratch/vm-cache (BCD_VM_CACHE). Root.
+vm-image: $(STAMP)
+	deploy/vm/build-image.sh
+
+# the VM suites alone (make test runs them too, where qemu and debootstrap are installed)
+vm-test: vm-image
+	$(BIN)/python -m pytest tests/vm $(PYTEST_ARGS)
