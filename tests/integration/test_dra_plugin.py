@@ -35,6 +35,7 @@ DRIVER = DEFAULT_DRIVER
 NODE = "node-1"
 MIG_CARD = 6  # emptied of its MIG instances: DRA makes them
 MIG_PCI = "0000:ba:00.0"
+M7 = f"{GPU[7]}/gi9/ci0"  # a 1g.18gb instance of card 7, whose layout is static
 
 
 def host(tmp: Path, **card_faults: dict) -> Path:
@@ -100,7 +101,7 @@ async def test_publish_prepare_unprepare_whole_cards_and_mig_placements(tmp_path
     node = await start(tmp_path, short_dir, api, h)
     kubelet = DraKubelet(short_dir)
     try:
-        await apply(node, assignment("plain", GPU[3]))
+        await apply(node, assignment("plain", GPU[3]), assignment("m7", M7))
         info = await kubelet.register(DRIVER)
         assert info.endpoint == str(short_dir / "plugins" / DRIVER / "dra.sock")
         await asyncio.to_thread(wait_for, lambda: dra_status(node).get("registered"), 30, "the plugin to hear it is registered")
@@ -132,7 +133,7 @@ async def test_publish_prepare_unprepare_whole_cards_and_mig_placements(tmp_path
         # idempotent: the kubelet asks again and gets the same answer
         assert (await kubelet.prepare(whole))[whole[2]] == reply
         # a plain hold on the claimed card is refused naming the claim
-        await apply(node, assignment("plain", GPU[3]), assignment("late", GPU[0]))
+        await apply(node, assignment("plain", GPU[3]), assignment("m7", M7), assignment("late", GPU[0]))
         failures = node.status()["converger"]["failures"]
         assert failures == {"late": "overlap"}
 
@@ -158,6 +159,11 @@ async def test_publish_prepare_unprepare_whole_cards_and_mig_placements(tmp_path
         held = claim(api, "onheld", "gpu-3")
         err = (await kubelet.prepare(held))[held[2]].error
         assert "overlap" in err and "allocation plain" in err
+        # a MIG placement on a card where a hold has a MIG instance (memory slice 3 of card 7 is free,
+        # but a hold has part of the card): refused naming the hold
+        on_mig_hold = claim(api, "onmighold", "gpu-7-mig-1g-18gb-3")
+        err = (await kubelet.prepare(on_mig_hold))[on_mig_hold[2]].error
+        assert "overlap" in err and "allocation m7" in err, err
 
         # bcd status names the claims
         st = node.status()
