@@ -42,6 +42,8 @@ from shared.schemas.nodespec import HugePages, Limits
 
 log = get_logger(__name__)
 
+#: where the services find cgroup v2 (SystemdSlices' cgroup_root: huge page limits, emptiness)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 SLICE_PREFIX = "bcd-alloc-"
 SLICE_SUFFIX = ".slice"
 #: a fake slice record read back (a few properties and pids).
@@ -437,7 +439,8 @@ class SystemdSlices:
       /sys/fs/cgroup) `apply` writes `hugetlb.<size>.max` (bytes) in the
       slice's cgroup; that needs the hugetlb controller enabled in the
       `cgroup.subtree_control` of the slice's parents, which systemd does not
-      do: a missing file is a SliceError naming the cgroup. Without
+      do: `apply` enables it there where the kernel offers it, and a limit
+      file still missing is a SliceError naming the cgroup. Without
       `cgroup_root` huge page limits are NOT enforced: `apply` logs a warning
       and `properties` does not list them.
 
@@ -596,6 +599,8 @@ class SystemdSlices:
         cgdir = self._cgroup_dir(manager, name)
         if cgdir is None:
             raise SliceError(f"{name}: slice not running yet; huge page limits not applied")
+        if any(not (cgdir / f"hugetlb.{hugetlb_size_name(h.page_size_kib)}.max").exists() for h in hugepages):
+            self._enable_hugetlb(cgdir)
         for h in hugepages:
             f = cgdir / f"hugetlb.{hugetlb_size_name(h.page_size_kib)}.max"
             if not f.exists():
@@ -607,6 +612,37 @@ class SystemdSlices:
                 f.write_text(f"{h.count * h.page_size_kib * 1024}\n")
             except OSError as exc:
                 raise SliceError(f"{name}: cannot write {f}: {exc}") from None
+
+    def _enable_hugetlb(self, cgdir: Path) -> None:
+        """Enables the hugetlb controller in `cgroup.subtree_control` of each parent of `cgdir`
+        (the root's, bcd.slice's, bcd-alloc.slice's) that offers it and has not enabled it.
+
+        systemd (252 at least) knows no hugetlb controller: it never enables it, and leaves
+        it alone where someone else did. The slices' parents hold no processes of their own,
+        so the kernel allows the write. A write that fails is left to the caller's check of
+        the limit file (a SliceError naming the cgroup)."""
+        assert self.cgroup_root is not None
+        root = self.cgroup_root
+        try:
+            rel = cgdir.relative_to(root)
+        except ValueError:
+            return
+        parents = [root] + [root.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]
+        for parent in parents:
+            try:
+                offered = (parent / "cgroup.controllers").read_text().split()
+                enabled = (parent / "cgroup.subtree_control").read_text().split()
+            except OSError:
+                return
+            if "hugetlb" not in offered:
+                return
+            if "hugetlb" in enabled:
+                continue
+            try:
+                (parent / "cgroup.subtree_control").write_text("+hugetlb\n")
+            except OSError as exc:
+                log.warning("cannot enable the hugetlb controller", cgroup=str(parent), error=str(exc))
+                return
 
     def exists(self, allocation_id: str) -> bool:
         names = slice_names(allocation_id)

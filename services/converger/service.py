@@ -80,7 +80,7 @@ from shared.schemas import (
 from shared.schemas.bus import PROBLEMS_MAX
 from shared.schemas.common import clip
 from shared.schemas.strict import unknown_fields_of_json
-from shared.slices import FakeSlices, Slices, SystemdSlices
+from shared.slices import CGROUP_ROOT, FakeSlices, Slices, SystemdSlices
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorSpecError
 
 from . import gpuops
@@ -179,7 +179,7 @@ class ConvergerApp(ServiceApp):
         self.ctx = ctx
         fake = o.fake_host is not None
         backend = o.slices if o.slices != "auto" else ("fake" if fake else "systemd")
-        self.slices: Slices = FakeSlices(o.run_dir) if backend == "fake" else SystemdSlices()
+        self.slices: Slices = FakeSlices(o.run_dir) if backend == "fake" else SystemdSlices(cgroup_root=CGROUP_ROOT)
         self.domains: Domains = FakeDomains(o.fake_host) if fake else NoDomains()
         crash = CrashPoints()
         writer: HostWriter

@@ -37,7 +37,7 @@ from shared.host import HOST_FILE_MAX_BYTES
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, main_for
 from shared.schemas import EMPTY_CODEC, HELPER_INFO_CODEC, HELPER_REPLY_CODEC, Empty, HelperInfo, HelperReply
 from shared.schemas.codec import bounded_json_loads
-from shared.slices import FakeSlices, Slices, SystemdSlices
+from shared.slices import CGROUP_ROOT, FakeSlices, Slices, SystemdSlices
 
 from .ops import OPERATIONS, HelperOps
 
@@ -73,7 +73,7 @@ class HelperApp(ServiceApp):
         self.ctx = ctx
         fake = o.fake_host is not None
         backend = o.slices if o.slices != "auto" else ("fake" if fake else "systemd")
-        slices: Slices = FakeSlices(Path(os.path.realpath(o.run_dir))) if backend == "fake" else SystemdSlices()
+        slices: Slices = FakeSlices(Path(os.path.realpath(o.run_dir))) if backend == "fake" else SystemdSlices(cgroup_root=CGROUP_ROOT)
         mps = o.mps_pipe_dir or (fake_host_mps_dir(o.fake_host) if fake else DEFAULT_MPS_PIPE_DIR)
         self.ops = HelperOps(o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps)
         self.m_ops = Counter("bcd_helper_operations", "Helper operations by operation and outcome", ["operation", "outcome"], registry=ctx.registry)

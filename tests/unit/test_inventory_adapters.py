@@ -1108,3 +1108,26 @@ def test_example_vendor_specs_are_valid_cdi(name: str) -> None:
     names = [d["name"] for d in spec["devices"]]
     assert len(names) == len(set(names))
     assert all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?", n) for n in names)
+
+
+def test_fakehw_real_sysfs_card_reads_its_driver_from_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host-file card marked real_sysfs (the VM tests' emulated display) reports the driver the
+    kernel bound, as the real sysfs switcher leaves it, not the file's `driver`."""
+    from services.inventory.adapters import fakehw
+
+    data = json.loads(H200.read_text())
+    data["mps_pipe_dir"] = str(tmp_path / "mps")
+    pci = data["gpus"][0]["pci_address"]
+    data["gpus"][0].update(real_sysfs=True, driver="nvidia", base_driver="bochs-drm")
+    host_file = tmp_path / "host.json"
+    host_file.write_text(json.dumps(data))
+    devices = tmp_path / "sys" / "bus" / "pci" / "devices"
+    (devices / pci).mkdir(parents=True)
+    (tmp_path / "sys" / "bus" / "pci" / "drivers" / "vfio-pci").mkdir(parents=True)
+    monkeypatch.setattr(fakehw, "SYSFS_PCI_DEVICES", devices)
+    adapter = FakeHwAdapter(host_file, cdi_dir=tmp_path / "cdi")
+    assert adapter.driver_binding(pci) == ("", "bochs-drm")  # nothing bound
+    (devices / pci / "driver").symlink_to("../../../bus/pci/drivers/vfio-pci")
+    assert adapter.driver_binding(pci) == ("vfio-pci", "bochs-drm")
+    # the other cards still read the file
+    assert adapter.driver_binding(data["gpus"][1]["pci_address"]) == ("nvidia", "nvidia")

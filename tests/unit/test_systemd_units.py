@@ -10,7 +10,7 @@ and that they fit the services they start.
   units (vfio_switcher, helper) to ROOT_MAX_EXPOSURE. With systemd 252 they
   reach: bcd-bus 0.9, bcd-signer 0.9, bcd-converger 0.9 (SAFE),
   bcd-gateway-bridge 1.1, bcd-kube-reaper 1.4, bcd-inventory 1.5 (OK);
-  bcd-helper 1.5, bcd-vfio-switcher 1.5 (OK).
+  bcd-helper 1.6, bcd-vfio-switcher 1.5 (OK).
 - Without systemd-analyze: the units are still parsed and checked against the
   services' own option definitions, the bus config `prepare_node_bus` writes,
   the sysusers.d and tmpfiles.d files: every service its own user, an empty
@@ -149,6 +149,7 @@ RELAXED = {
     ("bcd-vfio-switcher.service", "PrivateUsers"): "root: the sysfs files belong to the host's root",
     ("bcd-helper.service", "PrivateUsers"): "root: systemd grants unit changes to its own uid",
     ("bcd-helper.service", "UMask"): "holds are read by container runtimes and the converger",
+    ("bcd-helper.service", "ProtectControlGroups"): "writes hugetlb.<size>.max and enables the hugetlb controller for hold slices",
 }
 
 

@@ -9,8 +9,10 @@
 The machine: q35 with an emulated IOMMU (``-device intel-iommu``, guest ``intel_iommu=on``),
 the image's own kernel and initramfs (``-kernel``/``-initrd``), the disk read through
 ``snapshot=on`` (the base image stays clean: writes go to a temporary overlay that qemu drops
-at exit, and survive a guest reboot), an emulated PCI display (``bochs-display``, which the
-stock Debian kernel binds to its ``bochs-drm`` driver), no network.
+at exit, and survive a guest reboot), an emulated PCI display (qemu's standard ``VGA``: ids 1234:1111, PCI
+class 0x0300 - a display controller, so a GPU to the vfio_switcher - which the stock Debian
+kernel binds to its ``bochs-drm`` driver; ``bochs-display`` has the same ids but class 0x0380,
+which the switcher rightly refuses), no network.
 
 Commands go to the guest agent (deploy/vm/guest/bcd-vm-agent.py) over a virtio-serial port,
 one JSON line a request and one a reply: no login, no prompt parsing, no kernel messages in the
@@ -187,7 +189,7 @@ class Guest:
             "-drive", f"file={self.image.disk},format=raw,if=none,id=root,snapshot=on,cache=unsafe",
             "-device", "virtio-blk-pci,drive=root",
             # the PCI display the guest binds to its own driver (bochs-drm), for the VFIO switch
-            "-device", "bochs-display,id=display",
+            "-device", "VGA,id=display",
             "-chardev", f"file,id=console,path={self.console_log}", "-serial", "chardev:console",
             "-device", "virtio-serial-pci,id=vser",
             "-chardev", f"socket,id=agent,path={self.workdir / 'agent.sock'},server=on,wait=off",

@@ -23,7 +23,7 @@ BOOT_TIMEOUT_S = 600
 # pytest-timeout counts the module's fixtures into its first test
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + BOOT_TIMEOUT_S + 300)
 
-# the emulated display (-device bochs-display) and the driver a stock Debian kernel binds it to
+# the emulated display (-device VGA) and the driver a stock Debian kernel binds it to
 DISPLAY_ID = ("0x1234", "0x1111")
 DISPLAY_DRIVER = "bochs-drm"
 

@@ -21,6 +21,7 @@ lives); a placement is a start in memory slices, its size the profile's.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import uuid as uuid_mod
@@ -179,6 +180,10 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     driver: DriverName = "nvidia"
     #: the card's native driver, to switch back to after passthrough.
     base_driver: DriverName = "nvidia"
+    #: the card is a real PCI device of this machine (the VM tests' emulated display, switched
+    #: by the real sysfs vfio_switcher): the driver bound now is read from
+    #: /sys/bus/pci/devices/<pci_address>/driver, and `driver` is ignored.
+    real_sysfs: bool = False
     compute_capability: Name = ""
     mig_mode: bool = False
     mig_profiles: list[HostMigProfile] = []
@@ -432,6 +437,18 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Temp file in the same directory, fsync, rename, fsync the directory (DESIGN 5, CDI rules)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     shared_atomic_write(path, data, mode)
+
+
+#: where a `real_sysfs` card's driver is read
+SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
+
+
+def _sysfs_driver(pci_address: str) -> str:
+    """The driver the kernel has bound to a real PCI device now; "" for none (or no such device)."""
+    try:
+        return Path(os.readlink(SYSFS_PCI_DEVICES / pci_address / "driver")).name
+    except OSError:
+        return ""
 
 
 class FakeHwAdapter:
@@ -820,6 +837,8 @@ class FakeHwAdapter:
         """(driver bound now, native driver); ("", "") for a card not on the bus."""
         for g in self._host.gpus:
             if g.pci_address == pci_address and g.present:
+                if g.real_sysfs:
+                    return _sysfs_driver(pci_address), g.base_driver
                 return g.driver, g.base_driver
         return "", ""
 
