@@ -95,11 +95,13 @@ from .hostwriter import (
     LocalHostWriter,
     find_helper,
     helper_connector,
+    HelperWatch,
     helper_mismatch,
+    watch_helper,
     writer_kind,
 )
 from .loop import PassLoop
-from .model import ConvergerState, MigLayoutRecord, Observed, PlanConfig
+from .model import ConvergerState, MigLayoutRecord, PlanConfig
 from .observe import DiskView, observe, read_disk, release_facts
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import UNREADABLE, claim_holders, plan
@@ -167,6 +169,13 @@ class ConvergerApp(ServiceApp):
                 choices=("auto", "local", "helper"),
             ),
             Option("--helper-recheck-interval", "seconds between looks for the root helper while unprivileged", default=30.0, type=float),
+            Option(
+                "--helper-lost-after",
+                "seconds the root helper may go unanswered before the node counts as unprivileged again "
+                "(--writer auto; 0: never)",
+                default=30.0,
+                type=float,
+            ),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -185,6 +194,8 @@ class ConvergerApp(ServiceApp):
         writer: HostWriter
         self.helper_writer: HelperHostWriter | None = None
         self.helper_note = ""
+        #: monotonic time the helper first missed a look while holds bind through it (None: answering)
+        self.helper_gone_since: float | None = None
         if writer_kind(o.writer, fake_host=fake, euid=os.geteuid()) == "local":
             writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash)
             self.privileged = True
@@ -479,7 +490,7 @@ class ConvergerApp(ServiceApp):
         if holds is None:
             holds = self._holds()
         pending, unreadable = self.releases.peek()
-        dra = claim_holders(Observed(claim_holds={a: h for a, h in holds.items() if h.binding == BINDING_CLAIM}, state=self.state))
+        dra = claim_holders({a: h for a, h in holds.items() if h.binding == BINDING_CLAIM}, self.state.claims)
         return card_claims(
             inventory=inv,
             holds={a: h.devices for a, h in holds.items() if h.binding != BINDING_CLAIM},
@@ -749,8 +760,8 @@ class ConvergerApp(ServiceApp):
 
     async def run_pass(self, reason: str) -> bool:
         """One pass, then the claims if they changed; returns True when something is left to retry."""
-        if self.helper_writer is not None and not self.privileged and await self._look_for_helper():
-            await self._become_privileged()
+        if self.helper_writer is not None and not self.privileged:
+            await self._helper_look()
         self.holds_after_pass = None
         if not self.claims_reconciled:
             async with self.lock:
@@ -873,30 +884,63 @@ class ConvergerApp(ServiceApp):
         self.helper_note = why
         return False
 
-    async def _become_privileged(self) -> None:
-        if self.privileged:
+    async def _helper_look(self) -> None:
+        """One look at the root helper (--writer auto): promote or demote the node as watch_helper says."""
+        answered = await self._look_for_helper()
+        watch = HelperWatch(privileged=self.privileged, gone_since=self.helper_gone_since)
+        # --writer helper: the helper is required, never given up on (its writes fail, retried)
+        lost_after = self.opts.helper_lost_after if self.opts.writer == "auto" else 0.0
+        watch, action = watch_helper(watch, answered=answered, now=time.monotonic(), lost_after=lost_after)
+        if watch.gone_since is not None and self.helper_gone_since is None:
+            self.ctx.log.warning(
+                "the root helper does not answer",
+                why=self.helper_note,
+                unprivileged_in_s=lost_after if lost_after > 0 else None,
+            )
+        elif answered and self.helper_gone_since is not None:
+            self.ctx.log.info("the root helper answers again")
+        self.helper_gone_since = watch.gone_since
+        if action == "promote":
+            await self._set_privileged(True, "root helper found: holds bind through it from now on")
+        elif action == "demote":
+            await self._set_privileged(
+                False,
+                "root helper gone: the node is unprivileged until it answers again "
+                "(new plain holds fail with node-unprivileged; kept holds stay)",
+            )
+
+    async def _set_privileged(self, privileged: bool, why: str) -> None:
+        if self.privileged == privileged:
             return
-        self.privileged = True
-        self.config = dataclasses.replace(self.config, privileged=True)
-        self.ctx.log.info("root helper found: holds bind through it from now on")
+        self.privileged = privileged
+        self.config = dataclasses.replace(self.config, privileged=privileged)
+        if privileged:
+            self.ctx.log.info(why)
+        else:
+            self.ctx.log.warning(why, why_not=self.helper_note)
+        # the bridge reads the status again and sends a Hello with the capabilities as they are now
         with contextlib.suppress(Exception):
             await self.ctx.nc.publish(self.ctx.subjects.converger_status_changed, b"")
-        self.loop.trigger("root helper found")
+        self.loop.trigger("root helper found" if privileged else "root helper gone")
 
     async def _watch_helper(self, stopping: asyncio.Event) -> None:
-        """While unprivileged (--writer auto), look for the root helper every --helper-recheck-interval
-        (every second in the first half minute: a helper started at the same time connects late)."""
+        """--writer auto: look for the root helper while unprivileged (every --helper-recheck-interval;
+        every second in the first half minute: a helper started at the same time connects late),
+        and make sure it still answers while privileged through it (every 5 s at most, every second
+        once it has missed one; --helper-lost-after of silence makes the node unprivileged again)."""
         started = asyncio.get_running_loop().time()
         guard = LoopGuard(self.ctx.log, "helper watch")
-        while not self.privileged and not stopping.is_set():
+        while not stopping.is_set():
             interval = self.opts.helper_recheck_interval
-            if asyncio.get_running_loop().time() - started < 30:
+            if self.privileged:
+                interval = min(interval, 5.0)
+            if self.helper_gone_since is not None or asyncio.get_running_loop().time() - started < 30:
                 interval = min(interval, 1.0)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stopping.wait(), interval)
             async with guard:
-                if not stopping.is_set() and not self.privileged and await self._look_for_helper():
-                    await self._become_privileged()
+                if not stopping.is_set():
+                    await self._helper_look()
 
     async def run(self, ctx: ServiceContext) -> None:
         # the endpoints answer now: a bridge holding a spec for us hands it over at once
@@ -904,7 +948,7 @@ class ConvergerApp(ServiceApp):
         with contextlib.suppress(Exception):
             await ctx.nc.publish(ctx.subjects.converger_status_changed, b"")
         async with asyncio.TaskGroup() as tasks:
-            if self.helper_writer is not None and not self.privileged:
+            if self.helper_writer is not None and (self.opts.writer == "auto" or not self.privileged):
                 tasks.create_task(self._watch_helper(ctx.stopping), name="converger.helper-watch")
             await self.loop.run(ctx.stopping)
 

@@ -18,7 +18,10 @@ nothing is written, `bcd doctor` warns gpu-binding, and the section failure
 is logged at ERROR. With a root helper started later the converger finds it
 (it looks every --helper-recheck-interval, and before each pass), binds holds
 through it, and a write the helper cannot do (helper gone) is logged WARN
-and retried until it comes back.
+and retried until it comes back. A helper gone for --helper-lost-after makes
+the node unprivileged again, exactly as one that never had a helper: its Hello
+drops the capabilities, a new plain hold fails with node-unprivileged, doctor
+warns; the holds it bound stay; the helper back, it binds again.
 """
 
 from __future__ import annotations
@@ -172,6 +175,8 @@ class UnprivilegedNode:
         self.cp_key, self.cp_pub = load_or_create_cp_key(root / "cp")
         self.converger: ServiceProcess | None = None
         self.cp: ControlPlane | None = None
+        #: more BCD_* settings of the converger
+        self.converger_env: dict[str, str] = {}
 
     def fake(self) -> dict[str, str]:
         return {"BCD_FAKE_HOST": str(self.host), "BCD_ADAPTER": "fakehw"}
@@ -214,6 +219,7 @@ class UnprivilegedNode:
             BCD_SLICES="fake",
             BCD_RETRY_INTERVAL="0.5",
             BCD_HELPER_RECHECK_INTERVAL="0.3",
+            **self.converger_env,
         )
         assert "BCD_FAKE_HOST" not in env
         log_path = self.root / "logs" / "converger.log"
@@ -396,3 +402,48 @@ async def test_a_root_helper_binds_holds_for_an_unprivileged_converger(node: Unp
 async def _true(value: Awaitable[T], predicate: Callable[[T], bool]) -> T | None:
     got = await value
     return got if predicate(got) else None
+
+
+async def test_a_helper_gone_for_good_makes_the_node_unprivileged_again(node: UnprivilegedNode) -> None:
+    node.converger_env = {"BCD_HELPER_LOST_AFTER": "2"}
+    await node.start()
+    assert node.converger is not None and node.cp is not None
+    helper = node.start_helper()
+    await wait_for("the converger to find the helper", lambda: _true(node.status(), lambda s: s.privileged))
+    await wait_for("a Hello with the host capabilities", lambda: _true(node.capabilities(), lambda c: HOST_CAPABILITIES <= set(c)))
+    spec = NodeSpec(node_id=NODE, generation=1, devices=[plain("a1", GPU[0])])
+    await node.cp.put_spec(spec)
+    await wait_for("the section CONVERGED at generation 1", lambda: node.section(1, "CONVERGED"))
+
+    assert helper.stop() == 0
+    t0 = time.monotonic()
+    await wait_for("the node unprivileged again", lambda: _true(node.status(), lambda s: not s.privileged))
+    gone_after = time.monotonic() - t0
+    assert gone_after >= 1.5, f"demoted {gone_after:.1f} s after the helper stopped: the grace is 2 s"
+    # (the Hello, not its capabilities: an empty list would read as "not yet")
+    await wait_for("a Hello with no host capability", lambda: _true(node.hello(), lambda h: h is not None and not HOST_CAPABILITIES & set(h.capabilities)))
+    lines = log_lines(node.converger)
+    assert any(l["level"] == "WARNING" and l["msg"] == "the root helper does not answer" for l in lines)
+    assert any(l["level"] == "WARNING" and l["msg"].startswith("root helper gone: the node is unprivileged") for l in lines)
+    # (the demotion once said "the root helper answers again" in the same breath)
+    assert not any(l["msg"] == "the root helper answers again" for l in lines)
+
+    # a new plain hold fails at once and writes nothing; the kept one stays, unreported twice
+    await node.cp.put_spec(msgspec.structs.replace(spec, generation=2, devices=[*spec.devices, plain("a2", GPU[1])]))
+    st = await wait_for("the section FAILED at generation 2", lambda: node.section(2, "FAILED"))
+    assert st.failures == {"a2": "node-unprivileged"}
+    assert [h.allocation_id for h in st.holds] == ["a1"]
+    failed = await wait_for("AllocationFailed of a2 upstream", lambda: _at_least(node.events("failed"), 1))
+    assert [json.loads(d)["reason"] for _, d in failed] == ["node-unprivileged"]
+    assert node.hold_files() == ["cdi/bcd-a1.json", "run/allocations/a1.env"]
+    assert len(await node.events("bound")) == 1 and await node.events("released") == []
+    doctor = node.doctor()
+    assert "WARN  gpu-binding" in doctor.stdout, doctor.stdout + doctor.stderr
+
+    # the helper back: privileged again, and the next spec binds
+    node.start_helper()
+    await wait_for("the converger to find the helper again", lambda: _true(node.status(), lambda s: s.privileged))
+    await wait_for("a Hello with the host capabilities again", lambda: _true(node.capabilities(), lambda c: HOST_CAPABILITIES <= set(c)))
+    await node.cp.put_spec(msgspec.structs.replace(spec, generation=3, devices=[*spec.devices, plain("a2", GPU[1])]))
+    await wait_for("the section CONVERGED at generation 3", lambda: node.section(3, "CONVERGED"))
+    assert len(await node.events("bound")) == 2

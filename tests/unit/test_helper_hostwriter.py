@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.converger.hostwriter import HelperHostWriter, HostWriteError, helper_mismatch, writer_kind
+from services.converger.hostwriter import HelperHostWriter, HelperWatch, HostWriteError, helper_mismatch, watch_helper, writer_kind
 from services.helper.ops import HelperOps
 from shared.holdfiles import HoldContent, HoldDevice, hold_from_wire, hold_to_wire, limits_from_wire, limits_to_wire
 from shared.schemas import HELPER_FILE_REMOVE_CODEC, HelperInfo, HelperReply, HugePages, Limits, encode
@@ -295,3 +295,33 @@ def test_limits_within_bounds_survive_the_wire(cpus, millis, memory, pages, mems
 )
 def test_writer_selection(mode: str, fake_host: bool, euid: int, kind: str) -> None:
     assert writer_kind(mode, fake_host=fake_host, euid=euid) == kind
+
+
+# watch_helper: the converger's look at its root helper (--writer auto), one row a look
+W = HelperWatch
+
+
+@pytest.mark.parametrize(
+    ("watch", "answered", "now", "lost_after", "after", "action"),
+    [
+        # nothing to do: privileged and the helper answers, or unprivileged and still none
+        (W(True), True, 100.0, 30.0, W(True), ""),
+        (W(False), False, 100.0, 30.0, W(False), ""),
+        # a helper appears: privileged at once
+        (W(False), True, 100.0, 30.0, W(True), "promote"),
+        # it misses a look: still privileged, the silence timed from now
+        (W(True), False, 100.0, 30.0, W(True, gone_since=100.0), ""),
+        # still silent within the grace (a restart of the helper)
+        (W(True, gone_since=100.0), False, 129.9, 30.0, W(True, gone_since=100.0), ""),
+        # back within the grace: the silence is forgotten, nothing else changes
+        (W(True, gone_since=100.0), True, 110.0, 30.0, W(True), ""),
+        # silent for the whole grace: unprivileged again (seed: no helper, no holds)
+        (W(True, gone_since=100.0), False, 130.0, 30.0, W(False), "demote"),
+        # never demoted with the grace off
+        (W(True, gone_since=100.0), False, 1e9, 0.0, W(True, gone_since=100.0), ""),
+        # a grace of a moment demotes at the second missed look, not the first
+        (W(True), False, 100.0, 0.001, W(True, gone_since=100.0), ""),
+    ],
+)
+def test_watch_helper(watch: HelperWatch, answered: bool, now: float, lost_after: float, after: HelperWatch, action: str) -> None:
+    assert watch_helper(watch, answered=answered, now=now, lost_after=lost_after) == (after, action)
