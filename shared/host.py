@@ -56,9 +56,11 @@ def read_boot_id(proc_root: Path = Path("/proc"), fake_host: Path | None = None)
             value = read_host_file(fake_host).get("boot_id", "")
         except (OSError, ValueError, AttributeError) as exc:
             raise HostFactError(f"{fake_host}: cannot read boot_id ({exc})") from None
-        if not isinstance(value, str) or not value:
-            raise HostFactError(f"{fake_host}: boot_id is missing or not a string")
-        return value
+        if not isinstance(value, str):
+            raise HostFactError(f"{fake_host}: boot_id is not a string")
+        if value:
+            return value
+        # none given: GPUs described on a real host, which boots as itself
     path = Path(proc_root) / BOOT_ID_PATH
     try:
         return read_regular(path, max_bytes=BOOT_ID_MAX_BYTES).decode("utf-8", "replace").strip()

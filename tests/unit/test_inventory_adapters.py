@@ -967,6 +967,24 @@ def test_fakehw_rereads_the_host_file(tmp_path: Path) -> None:
     assert build(r.adapter).boot_id == "after-reboot"
 
 
+def test_fakehw_without_a_boot_id_boots_as_the_real_host(tmp_path: Path) -> None:
+    """GPUs described on a real host (the VM suites' guest): the host's own boot id, from /proc,
+    for the inventory and for every service that reads the file's (shared.host.read_boot_id)."""
+    from shared.host import read_boot_id
+
+    path = tmp_path / "host.json"
+    path.write_text(_host_with(_del("boot_id")))
+    real = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert real
+    assert build(FakeHwAdapter(path, cdi_dir=tmp_path / "cdi")).boot_id == real
+    assert read_boot_id(fake_host=path) == real
+    path.write_text(_host_with(lambda d: d.update(boot_id="")))
+    assert build(FakeHwAdapter(path, cdi_dir=tmp_path / "cdi")).boot_id == real
+    # one the file names is still the file's
+    path.write_text(_host_with(lambda d: d.update(boot_id="described")))
+    assert read_boot_id(fake_host=path) == "described"
+
+
 def _host_with(mutate: Mutate) -> str:
     data = json.loads(H200.read_text())
     mutate(data)
@@ -979,7 +997,7 @@ def _del(key: str) -> Mutate:
 
 HOST_FILE_ERRORS: list[tuple[str, str | Mutate, str]] = [
     ("not json", "{not json", "not valid JSON"),
-    ("missing boot id", _del("boot_id"), "missing required field `boot_id`"),
+    ("boot id not a string", lambda d: d.update(boot_id=7), "`$.boot_id`"),
     ("wrong type", set_gpu(0, index="zero"), "`$.gpus[0].index`"),
     ("unknown field", set_gpu(0, nmae="typo"), "unknown field `nmae` - at `$.gpus[0]`"),
     ("pci not canonical", set_gpu(1, pci_address="0000:2A:00.0"), "`$.gpus[1].pci_address`"),

@@ -225,7 +225,9 @@ class HostDomain(_HostStruct, frozen=True, kw_only=True):
 class FakeHost(_HostStruct, frozen=True, kw_only=True):
     """A whole host description file (examples/hosts/README.md documents it)."""
 
-    boot_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    #: "" (or left out): the real host's own, read from /proc - GPUs described on a real host
+    #: (the VM suites' guest) reboot with it
+    boot_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
     virtualized: bool = False
     vendor: Name = "nvidia"
     driver_version: Name = ""
@@ -766,7 +768,7 @@ class FakeHwAdapter:
             driver_version=host.driver_version,
             gpus=gpus,
             host=resources,
-            boot_id=host.boot_id,
+            boot_id=host.boot_id or hostfs.read_boot_id("/proc"),
             processes=processes,
         )
 
