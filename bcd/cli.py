@@ -79,14 +79,18 @@ def cmd_ping(args: argparse.Namespace) -> int:
             await nc.close()
 
     replies = _run(run())
+    # a service the node runs (node.json) that did not answer fails the ping, not only "none did"
+    missing = sorted(set(info.services) - {r.get("name") for r in replies})
     if args.json:
         print(json.dumps(replies, indent=2))
-        return 0 if replies else 1
-    print(f"{'SERVICE':<16} {'VERSION':<8} {'NODE':<12} {'METRICS':<24} ID")
-    for r in replies:
-        md = r.get("metadata") or {}
-        print(f"{r['name']:<16} {r['version']:<8} {md.get('node_id', ''):<12} {md.get('metrics', ''):<24} {r['id']}")
-    return 0 if replies else 1
+    else:
+        print(f"{'SERVICE':<16} {'VERSION':<8} {'NODE':<12} {'METRICS':<24} ID")
+        for r in replies:
+            md = r.get("metadata") or {}
+            print(f"{r['name']:<16} {r['version']:<8} {md.get('node_id', ''):<12} {md.get('metrics', ''):<24} {r['id']}")
+    if missing:
+        print(f"bcd ping: no answer within {args.wait:g}s from {', '.join(missing)} (node.json lists them)", file=sys.stderr)
+    return 0 if replies and not missing else 1
 
 
 def _gib(n: int | None) -> str:
@@ -689,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    client("ping", cmd_ping, "list every service answering $SRV.PING").add_argument("--wait", type=float, default=0.5, help="seconds to wait for $SRV.PING replies (default 0.5)")
+    client("ping", cmd_ping, "list every service answering $SRV.PING (exit 1: one the node runs did not answer)").add_argument("--wait", type=float, default=0.5, help="seconds to wait for $SRV.PING replies (default 0.5)")
     client("inventory", cmd_inventory, "show the node's inventory")
     client("key", cmd_key, "show the node's public key and key_id")
     client("status", cmd_status, "GPUs and who holds them, the devices section, the outbox; exit 1 when unhealthy")

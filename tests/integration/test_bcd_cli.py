@@ -9,6 +9,7 @@ quietly. One node serves the module; the last test stops it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 
 from bcd.exits import Exit
 
-from .harness import REPO
+from .harness import EXAMPLE_HOSTS, REPO
 from .wholenode import Node, bcd, wait_for
 
 pytestmark = pytest.mark.integration
@@ -192,6 +193,19 @@ def test_a_service_that_is_down_is_exit_4_naming_it(node_bus, tmp_path: Path) ->
     assert "service inventory does not answer $SRV.PING" in json.loads(status.stdout)["problems"]
     doctor = bcd("doctor", "--state-dir", s, timeout=60)
     assert doctor.returncode == Exit.FAILED and "FAIL  service.inventory" in doctor.stdout and "Traceback" not in doctor.stderr, doctor
+
+
+async def test_ping_fails_naming_a_service_the_node_runs_that_does_not_answer(node_bus, tmp_path: Path) -> None:
+    """node.json lists inventory and signer; only the signer runs: ping lists it and exits 1
+    naming the inventory (it used to exit 0 with any one answer)."""
+    node_bus.start_service("signer", BCD_FAKE_HOST=str(EXAMPLE_HOSTS / "h200x8.json"))
+    await node_bus.wait_service("signer")
+    s = str(_bus_only(node_bus, tmp_path / "state"))
+    for extra in ((), ("--json",)):
+        out = await asyncio.to_thread(bcd, "ping", "--state-dir", s, "--wait", "1", *extra, timeout=60)
+        assert out.returncode == Exit.FAILED, out
+        assert "signer" in out.stdout and "inventory" not in out.stdout, out.stdout
+        assert "no answer within 1s from inventory" in out.stderr, out.stderr
 
 
 def test_a_wrong_password_is_exit_3_in_one_line(node_bus, tmp_path: Path) -> None:
