@@ -272,6 +272,23 @@ def test_exec_start_runs_the_venv_and_the_service_module():
         assert unit(name).get("ExecStart") == f"{VENV_BIN}python -m services.{service}", name
 
 
+def _reads_the_boot_id(service: str) -> bool:
+    """Does the service's code read /proc/sys/kernel/random/boot_id (shared.host or the inventory's hostfs)?"""
+    return any("read_boot_id(" in f.read_text() for f in (REPO / "services" / service).rglob("*.py"))
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_UNITS))
+def test_a_service_that_reads_the_boot_id_sees_proc_sys(service):
+    """ProcSubset=pid hides /proc/sys: a service that stamps state with the boot id cannot start
+    under it on a real host (seen in the VM suite: bcd-dra-plugin.service exited "cannot start:
+    /proc/sys/kernel/random/boot_id: No such file or directory", in a restart loop; on a fake
+    host the boot id came from the host file, so nothing had shown it)."""
+    u = unit(SERVICE_UNITS[service])
+    if _reads_the_boot_id(service):
+        assert u.get("ProcSubset") in (None, "all"), f"{u.name}: ProcSubset={u.get('ProcSubset')} hides the boot id {service} reads"
+    assert _reads_the_boot_id("dra_plugin") and _reads_the_boot_id("signer")
+
+
 @pytest.mark.parametrize("name", ALL_SERVICE_UNITS)
 def test_each_unit_runs_as_its_own_user(name):
     u = unit(name)
