@@ -357,11 +357,11 @@ def render_cdi_spec(spec: Mapping[str, Any]) -> bytes:
     """The file's bytes: JSON, indent 2, keys in the dict's order, trailing newline.
 
     What `json.dumps(spec, indent=2)` writes, byte for byte, at a fifteenth of
-    the cost (msgspec); json escapes non-ASCII text where msgspec writes UTF-8,
-    so a spec with any is written by json itself.
+    the cost (msgspec); json escapes non-ASCII text, and DEL (0x7f), where msgspec
+    writes them as they are, so a spec with any is written by json itself.
     """
     data = msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
-    if not data.isascii():
+    if not data.isascii() or b"\x7f" in data:
         return (json.dumps(spec, indent=2) + "\n").encode()
     return data
 
