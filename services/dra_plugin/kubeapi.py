@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from shared.kubeclient import KubeCredentialsError, load_api_client
 
 #: one API request's deadline, connection to last byte.
 REQUEST_TIMEOUT_S = 10.0
@@ -147,11 +148,6 @@ class KubeApi(Protocol):
     async def close(self) -> None: ...
 
 
-def in_cluster_available(environ: dict[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return bool(env.get("KUBERNETES_SERVICE_HOST")) and bool(env.get("KUBERNETES_SERVICE_PORT"))
-
-
 RESOURCE_API_VERSION = "resource.k8s.io/v1"
 
 
@@ -169,36 +165,20 @@ class ClusterApi:
         #: where the credentials came from, once loaded (for logs).
         self.source = ""
 
-    def _use_in_cluster(self) -> bool:
-        if self.in_cluster == "true":
-            return True
-        if self.in_cluster == "false" or self.kubeconfig is not None:
-            return False
-        return in_cluster_available()
-
     async def connect(self) -> str:
         """Load credentials (once); raises KubeApiError (status 0) with the reason."""
         async with self._lock:
             if self._resource is not None:
                 return self.source
-            from kubernetes_asyncio import client, config
+            from kubernetes_asyncio import client
 
             try:
-                if self._use_in_cluster():
-                    configuration = client.Configuration()
-                    config.load_incluster_config(client_configuration=configuration)
-                    api_client = client.ApiClient(configuration)
-                    source = "in-cluster service account"
-                else:
-                    path = str(self.kubeconfig) if self.kubeconfig else None
-                    api_client = await config.new_client_from_config(config_file=path, persist_config=False)
-                    source = f"kubeconfig {path or os.environ.get('KUBECONFIG') or '~/.kube/config'}"
-            except (config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
-                raise KubeApiError(0, f"Kubernetes credentials: {type(exc).__name__}: {exc}".strip()) from None
+                api_client, self.source = await load_api_client(self.kubeconfig, self.in_cluster)
+            except KubeCredentialsError as exc:
+                raise KubeApiError(0, str(exc)) from None
             self._api_client = api_client
             self._resource = client.ResourceV1Api(api_client)
             self._core = client.CoreV1Api(api_client)
-            self.source = f"{source} ({api_client.configuration.host})"
             return self.source
 
     async def _call(self, what: str, method: str, *args: Any, core: bool = False, **kwargs: Any) -> tuple[int, Any]:
@@ -345,5 +325,4 @@ __all__ = [
     "ClaimView",
     "KubeApi",
     "ClusterApi",
-    "in_cluster_available",
 ]

@@ -13,11 +13,12 @@ already gone. kubernetes_asyncio is imported on first use, so a node with
 from __future__ import annotations
 
 import asyncio
-import os
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
+
+from shared.kubeclient import KubeCredentialsError, load_api_client
 
 from .ports import EvictionResult
 
@@ -73,11 +74,6 @@ class NoEvictor:
         return None
 
 
-def in_cluster_available(environ: dict[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return bool(env.get("KUBERNETES_SERVICE_HOST")) and bool(env.get("KUBERNETES_SERVICE_PORT"))
-
-
 class KubernetesEvictor:
     """Evictions through the API server (kubernetes_asyncio)."""
 
@@ -93,35 +89,19 @@ class KubernetesEvictor:
         #: where the credentials came from, once loaded (for logs).
         self.source = ""
 
-    def _use_in_cluster(self) -> bool:
-        if self.in_cluster == "true":
-            return True
-        if self.in_cluster == "false" or self.kubeconfig is not None:
-            return False
-        return in_cluster_available()
-
     async def connect(self) -> str:
         """Load credentials (once); raises EvictorUnavailable with the reason."""
         async with self._lock:
             if self._core is not None:
                 return self.source
-            from kubernetes_asyncio import client, config
+            from kubernetes_asyncio import client
 
             try:
-                if self._use_in_cluster():
-                    configuration = client.Configuration()
-                    config.load_incluster_config(client_configuration=configuration)
-                    api_client = client.ApiClient(configuration)
-                    source = "in-cluster service account"
-                else:
-                    path = str(self.kubeconfig) if self.kubeconfig else None
-                    api_client = await config.new_client_from_config(config_file=path, persist_config=False)
-                    source = f"kubeconfig {path or os.environ.get('KUBECONFIG') or '~/.kube/config'}"
-            except (config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
-                raise EvictorUnavailable(f"Kubernetes credentials: {type(exc).__name__}: {exc}".strip()) from None
+                api_client, self.source = await load_api_client(self.kubeconfig, self.in_cluster)
+            except KubeCredentialsError as exc:
+                raise EvictorUnavailable(str(exc)) from None
             self._api_client = api_client
             self._core = client.CoreV1Api(api_client)
-            self.source = f"{source} ({api_client.configuration.host})"
             return self.source
 
     async def evict(self, namespace: str, pod: str) -> EvictionResult:
@@ -170,5 +150,4 @@ __all__ = [
     "EvictorUnavailable",
     "NoEvictor",
     "KubernetesEvictor",
-    "in_cluster_available",
 ]
