@@ -49,6 +49,7 @@ from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
 from .admission import HostLedger, needs_admission, topology_problem
 from .model import (
     SECTION,
+    ClaimRecord,
     ConvergerState,
     Intent,
     BindHold,
@@ -393,12 +394,13 @@ def plan_leftover_slices(p: _Pass) -> None:
 # ------------------------------------------------------------------------------ who holds what
 
 
-def claim_holders(observed: Observed) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Hold id -> (holder text, atoms) of every DRA claim: its hold on disk, and claims the
-    journal shows being prepared or unprepared (their atoms are claimed before and after the file)."""
+def claim_holders(claim_holds: Mapping[str, HoldOnDisk], journal: Mapping[str, ClaimRecord]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Hold id -> (holder text, atoms) of every DRA claim: its hold on disk (``claim_holds``), and
+    claims the journal (``ConvergerState.claims``, by uid) shows being prepared or unprepared
+    (their atoms are claimed before and after the file)."""
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
-    by_id = {f"claim-{uid}": rec for uid, rec in observed.state.claims.items()}
-    for alloc, hold in observed.claim_holds.items():
+    by_id = {f"claim-{uid}": rec for uid, rec in journal.items()}
+    for alloc, hold in claim_holds.items():
         rec = by_id.get(alloc)
         out[alloc] = (rec.holder if rec is not None else f"DRA claim {alloc.removeprefix('claim-')}", hold.devices)
     for alloc, rec in by_id.items():
@@ -425,7 +427,7 @@ def claims_after_releases(p: _Pass, index: AtomIndex) -> tuple[Claims, bool]:
     claims.excluded = {g.atom_id for g in index.by_pci.values() if g.atom_id and excluded(g)}
     for atom, alloc in observed.pending_release_atoms.items():
         claims.add(atom, f"{alloc} (pending Kubernetes release)")
-    for alloc, holder in sorted(claim_holders(observed).items()):
+    for alloc, holder in sorted(claim_holders(observed.claim_holds, observed.state.claims).items()):
         for atom in holder[1]:
             claims.add(atom, holder[0])
     for alloc, rel in [*p.pending.items(), *p.taken_back.items()]:
@@ -553,7 +555,7 @@ def plan_new_holds(
                 claims.discard(atom)
         try:
             if alloc in observed.claim_holds:
-                holder = claim_holders(observed)[alloc][0]
+                holder = claim_holders(observed.claim_holds, observed.state.claims)[alloc][0]
                 raise _Refused("overlap", f"{alloc}: its hold file bcd-{alloc}.json is {holder}'s")
             refused = state.refusals.get(alloc)
             if refused is not None and refused.generation == gen and state.reported_failures.get(alloc) == gen:
