@@ -1,10 +1,10 @@
 """The VM suites' groundwork (issue 18): the Debian guest boots under qemu and answers.
 
-One guest for the module (tests/vm/qemu.py): a real systemd as PID 1, cgroup v2, bcd's venv,
-an emulated PCI display bound to its own kernel driver, an emulated IOMMU with groups. Skips,
-with the reason, where qemu or debootstrap is missing or the image cannot be built here
-(deploy/vm/build-image.sh exits 3: not root, the Debian mirror unreachable); a build that
-fails otherwise fails the module.
+The session's system guest as booted (tests/vm/conftest.py; test_vm_units.py then installs
+bcd into it): a real systemd as PID 1, cgroup v2, bcd's venv, an emulated PCI display bound to
+its own kernel driver, an emulated IOMMU with groups. Skips, with the reason, where qemu or
+debootstrap is missing or the image cannot be built here (deploy/vm/build-image.sh exits 3:
+not root, the Debian mirror unreachable); a build that fails otherwise fails the module.
 
 Times on two cores with no KVM (TCG): a cold image build about 3 minutes, a cached one about
 10 s, a boot to the first command about 50 s.
@@ -12,45 +12,24 @@ Times on two cores with no KVM (TCG): a cold image build about 3 minutes, a cach
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.vm.qemu import Guest, Image, ImageUnavailable, build_image, missing_tools
+from tests.vm.guestkit import BOOT_TIMEOUT_S, BUILD_TIMEOUT_S, DISPLAY_DRIVER, DISPLAY_ID
+from tests.vm.qemu import Guest, Image
 
-BUILD_TIMEOUT_S = 1800
-BOOT_TIMEOUT_S = 600
-# pytest-timeout counts the module's fixtures into its first test
+# pytest-timeout counts the session's fixtures (the image, the boot) into the first test
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + BOOT_TIMEOUT_S + 300)
 
-# the emulated display (-device VGA) and the driver a stock Debian kernel binds it to
-DISPLAY_ID = ("0x1234", "0x1111")
-DISPLAY_DRIVER = "bochs-drm"
+
+@pytest.fixture
+def guest(system_guest: Guest) -> Guest:
+    """The system guest as booted: these run before test_vm_units.py installs bcd into it."""
+    return system_guest
 
 
-@pytest.fixture(scope="module")
-def image() -> Image:
-    why = missing_tools()
-    if why:
-        pytest.skip(why)
-    try:
-        img, _took, _log = build_image(timeout=BUILD_TIMEOUT_S)
-    except ImageUnavailable as e:
-        pytest.skip(f"the VM image cannot be built here: {e}")
-    return img
-
-
-@pytest.fixture(scope="module")
-def guest(image: Image, tmp_path_factory: pytest.TempPathFactory):
-    workdir = tmp_path_factory.mktemp("vm")
-    vm = Guest(image, workdir, boot_timeout=BOOT_TIMEOUT_S)
-    try:
-        vm.boot()
-        yield vm
-    finally:
-        vm.poweroff()
-    # the snapshot overlay and the logs are qemu's and go with the workdir
-    shutil.rmtree(workdir, ignore_errors=True)
+@pytest.fixture
+def image(vm_image: Image) -> Image:
+    return vm_image
 
 
 def test_boots_to_running_with_systemd_as_pid1(guest: Guest) -> None:
