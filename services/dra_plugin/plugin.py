@@ -289,6 +289,8 @@ class DraPlugin:
         self.counters_note = ""
         #: why a socket is not served ("" while both are)
         self.serve_error = ""
+        #: the kubelet directory does not exist: no kubelet on this host (yet)
+        self.no_kubelet = False
         self._wake = asyncio.Event()
         self._reg = _Socket(self.reg_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s))
         self._dra = _Socket(self.dra_path, lambda s: dra_grpc.add_DRAPluginServicer_to_server(_Dra(self), s))
@@ -297,12 +299,24 @@ class DraPlugin:
 
     async def start(self) -> None:
         """Serve both sockets; one that cannot be served (a path too long for a unix socket, a
-        directory we may not write) is said once and tried again every tick: never a crash loop."""
+        directory we may not write) is said once and tried again every tick: never a crash loop.
+        With no kubelet directory at all there is no kubelet to serve: it waits for one, quietly."""
         await self._serve_sockets()
-        if not self.serve_error:
+        if not self.serve_error and not self.no_kubelet:
             log.info("serving the kubelet", registration=str(self.reg_path), plugin=str(self.dra_path), driver=self.driver)
 
     async def _serve_sockets(self) -> None:
+        if not self.kubelet_dir.is_dir():
+            # no kubelet on this host (yet): nothing to serve, and nothing wrong - the kubelet
+            # makes its directory; creating it would fail under the unit's read-only /var, and
+            # did, reported as an error (the VM suite's guest)
+            if not self.no_kubelet:
+                log.info("no kubelet on this host: waiting for its directory", kubelet_dir=str(self.kubelet_dir))
+            self.no_kubelet, self.serve_error, self.registration_error, self.registered = True, "", "", False
+            return
+        if self.no_kubelet:
+            log.info("a kubelet directory appeared", kubelet_dir=str(self.kubelet_dir))
+            self.no_kubelet = False
         errors: list[str] = []
         # the plugin socket first: the kubelet dials it as soon as it registered us
         for sock in (self._dra, self._reg):
