@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import stat
 from collections.abc import Iterable, Mapping

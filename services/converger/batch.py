@@ -50,7 +50,7 @@ from shared.schemas import AllocationBound, AttestedEvent, encode
 
 from .hostwriter import HostWriteError
 from .model import BindHold, ConvergerState, Intent, Refusal, ReleaseHold, ReportBound, ReportFailed
-from .outbox import OutboxError, OutboxItem
+from .outbox import OutboxError
 
 if TYPE_CHECKING:
     from .apply import Applier, ApplyResult
