@@ -44,7 +44,10 @@ up)
         sleep 1
     done
     for i in $(seq 1 30); do
-        if "$BIN/bcd" status --state-dir "$DIR" 2>/dev/null | grep -q "section devices: [A-Z]"; then break; fi
+        # the output first: piped into grep -q under pipefail, bcd status's exit 1 (unhealthy)
+        # or a SIGPIPE failed the test even when the line was there
+        out="$("$BIN/bcd" status --state-dir "$DIR" 2>/dev/null || true)"
+        if [[ "$out" == *"section devices: "[A-Z]* ]]; then break; fi
         sleep 1
     done
     "$BIN/bcd" status --state-dir "$DIR" || true

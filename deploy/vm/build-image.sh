@@ -215,7 +215,11 @@ if [ -f "$IMG/.complete" ]; then
     say "image $KEY cached"
 else
     need_root image
-    mkfs.ext4 -V 2>&1 | grep -qE 'mke2fs 1\.(4[3-9]|[5-9])' || cannot "mkfs.ext4 from e2fsprogs 1.43+ needed (mkfs.ext4 -d)"
+    # the version read whole before it is matched: `mkfs.ext4 -V | grep -q` under pipefail failed
+    # whenever grep quit before mkfs.ext4 wrote its second line (SIGPIPE), and the VM suites
+    # skipped as if mkfs.ext4 were too old (seen in a fresh-clone CI run)
+    mkfs_version="$(mkfs.ext4 -V 2>&1 || true)"
+    [[ "$mkfs_version" =~ mke2fs\ 1\.(4[3-9]|[5-9]) ]] || cannot "mkfs.ext4 from e2fsprogs 1.43+ needed (mkfs.ext4 -d); it says: ${mkfs_version%%$'\n'*}"
     t0=$SECONDS
     remove_tree "$IMG"
     mkdir -p "$IMG"

@@ -2,8 +2,8 @@
 
 - ``vm_image`` (session): deploy/vm/build-image.sh's image, cached by content; the suites skip,
   with the reason, where qemu or debootstrap is missing or the image cannot be built here
-  (the script exits 3: not root, the Debian mirror unreachable); a build that fails otherwise
-  fails them.
+  (the script exits 3: not root, the Debian mirror unreachable), and fail instead where
+  BCD_VM_REQUIRED=1 (.ci/run, once it installed them); a build that fails otherwise fails them.
 - ``system_guest`` (session): one guest for the smoke checks (run on it first, as booted) and
   then the systemd deployment (test_vm_units.py installs bcd into it as docs/install.md says);
   a boot costs about a minute under TCG, so the two share one.
@@ -16,6 +16,7 @@ times (image, boots) are printed at the session's end with ``-s``.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -25,15 +26,23 @@ from tests.vm.guestkit import BOOT_TIMEOUT_S, BUILD_TIMEOUT_S, FIGURES, TIMES
 from tests.vm.qemu import Guest, Image, ImageUnavailable, build_image, missing_tools
 
 
+def _cannot_run(why: str) -> None:
+    """Skip with the reason; fail instead where the VM suites are required (BCD_VM_REQUIRED=1:
+    .ci/run installed qemu and debootstrap, so a skip could only hide a fault)."""
+    if os.environ.get("BCD_VM_REQUIRED") == "1":
+        pytest.fail(f"BCD_VM_REQUIRED=1, but {why}", pytrace=False)
+    pytest.skip(why)
+
+
 @pytest.fixture(scope="session")
 def vm_image() -> Image:
     why = missing_tools()
     if why:
-        pytest.skip(why)
+        _cannot_run(why)
     try:
         img, took, _log = build_image(timeout=BUILD_TIMEOUT_S)
     except ImageUnavailable as e:
-        pytest.skip(f"the VM image cannot be built here: {e}")
+        _cannot_run(f"the VM image cannot be built here: {e}")
     TIMES["image"] = took
     return img
 
