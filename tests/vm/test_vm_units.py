@@ -308,9 +308,11 @@ def test_without_the_helper_the_node_is_unprivileged(node: Node) -> None:
     assert not node.slice_active("train-00")
     assert node.bound() == {}
     doctor = guestkit.cli(node.vm, "doctor")
-    # that and nothing else: a host with no kubelet is not warned about its kubelet plugins
+    # those two (the section failed over that hold) and nothing else: a host with no kubelet
+    # is not warned about its kubelet plugins
     warnings = [line.split()[1] for line in doctor.stdout.splitlines() if line.startswith(("WARN", "FAIL"))]
-    assert warnings == ["gpu-binding"], doctor.stdout + doctor.stderr
+    assert warnings == ["gpu-binding", "section"], doctor.stdout + doctor.stderr
+    assert "WARN  section          devices section FAILED: train-00: node-unprivileged" in doctor.stdout
 
 
 # ----------------------------------------------------------------------------- point 3: the helper
