@@ -136,6 +136,31 @@ def host_description(
     return host
 
 
+#: the huge pages both node suites reserve, and the limits of their sliced holds
+HUGEPAGES_2M = 16
+LIMITS = {"cpus": "1", "memory_bytes": 256 * 1024 * 1024, "hugepages": [{"page_size_kib": 2048, "count": 4}]}
+
+
+def slice_of(alloc: str) -> str:
+    """The hold's slice unit (README: each `-` of the id spelled `.`)."""
+    return f"bcd-alloc-{alloc.replace('-', '.')}.slice"
+
+
+def cgroup_of(alloc: str) -> str:
+    return f"/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/{slice_of(alloc)}"
+
+
+def slice_active(vm: Guest, alloc: str) -> bool:
+    return vm.run(["systemctl", "is-active", "--quiet", slice_of(alloc)]).rc == 0
+
+
+def cgroup_file(vm: Guest, alloc: str, name: str, diagnostics=lambda: "") -> str:  # noqa: ANN001
+    """A file of the hold's cgroup, stripped; AssertionError with ``diagnostics()`` when unreadable."""
+    r = vm.run(["cat", f"{cgroup_of(alloc)}/{name}"])
+    assert r.rc == 0, f"{cgroup_of(alloc)}/{name}: {r.stderr.strip()}\n{vm.sh(f'ls {cgroup_of(alloc)}', check=False)}\n{diagnostics()}"
+    return r.stdout.strip()
+
+
 def reserve_hugepages(vm: Guest, count: int) -> None:
     """``count`` 2 MiB huge pages, now and at every boot (sysctl.d)."""
     vm.put_file("/etc/sysctl.d/90-bcd-vm-hugepages.conf", f"vm.nr_hugepages = {count}\n")

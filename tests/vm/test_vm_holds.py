@@ -27,7 +27,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.vm.conftest import booted_guest
-from tests.vm.guestkit import BOOT_TIMEOUT_S, BUILD_TIMEOUT_S, host_description, reserve_hugepages
+from tests.vm import guestkit
+from tests.vm.guestkit import BOOT_TIMEOUT_S, BUILD_TIMEOUT_S, HUGEPAGES_2M, LIMITS, cgroup_of, host_description, reserve_hugepages, slice_of
 from tests.vm.qemu import Guest, Image
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + BOOT_TIMEOUT_S + 900)
@@ -36,12 +37,10 @@ BCD = "/opt/bcd/venv/bin/bcd"
 WORK = "/root/holds"
 STATE = f"{WORK}/state"
 NODE_ID = "vm-node"
-HUGEPAGES_2M = 16
 GPU_UUID = "GPU-00000000-0000-4000-8000-0000000000f1"
 ALLOC = "hold-01"
-SLICE = "bcd-alloc-hold.01.slice"
-CGROUP = f"/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/{SLICE}"
-LIMITS = {"cpus": "1", "memory_bytes": 256 * 1024 * 1024, "hugepages": [{"page_size_kib": 2048, "count": 4}]}
+SLICE = slice_of(ALLOC)
+CGROUP = cgroup_of(ALLOC)
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +78,11 @@ def converger_log(vm: Guest, lines: int = 30) -> str:
 
 
 def slice_active(vm: Guest) -> bool:
-    return vm.run(["systemctl", "is-active", "--quiet", SLICE]).rc == 0
+    return guestkit.slice_active(vm, ALLOC)
 
 
-def wait_for(what: str, cond, timeout: float, vm: Guest) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s\n{converger_log(vm)}")
-        time.sleep(2)
+def wait_for(what: str, cond, timeout: float, vm: Guest) -> None:  # noqa: ANN001
+    guestkit.wait_for(what, cond, timeout, lambda: converger_log(vm))
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +113,7 @@ def node(guest: Guest) -> Guest:
 
 
 def cgroup_file(vm: Guest, name: str) -> str:
-    r = vm.run(["cat", f"{CGROUP}/{name}"])
-    assert r.rc == 0, f"{CGROUP}/{name}: {r.stderr.strip()}\n{vm.sh(f'ls {CGROUP}', check=False)}\n{converger_log(vm)}"
-    return r.stdout.strip()
+    return guestkit.cgroup_file(vm, ALLOC, name, lambda: converger_log(vm))
 
 
 def test_hold_binds_with_a_real_slice_and_its_limits(node: Guest) -> None:

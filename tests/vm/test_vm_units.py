@@ -56,14 +56,20 @@ from tests.vm.guestkit import (
     BUILD_TIMEOUT_S,
     DISPLAY_DRIVER,
     FIGURES,
+    HUGEPAGES_2M,
+    LIMITS,
     NODE_ID,
     TIMES,
     GuestControlPlane,
     card_driver,
+    cgroup_file,
+    cgroup_of,
     display_address,
     host_description,
     journal,
     node_status,
+    slice_active,
+    slice_of,
     wait_for,
 )
 from tests.vm.qemu import Guest
@@ -74,14 +80,12 @@ UNITS = guestkit.target_units()
 HELPER = "bcd-helper.service"
 #: every unit once the operator has enabled the helper (section 8)
 ALL_UNITS = [*UNITS, HELPER]
-HUGEPAGES_2M = 16
 GPUS = [
     ("GPU-00000000-0000-4000-8000-0000000000f1", "0000:ff:00.0"),
     ("GPU-00000000-0000-4000-8000-0000000000f2", "0000:fe:00.0"),
     # free for the hold the helper-less node refuses at the end (no overlap to hide behind)
     ("GPU-00000000-0000-4000-8000-0000000000f3", "0000:fd:00.0"),
 ]
-LIMITS = {"cpus": "1", "memory_bytes": 256 * 1024 * 1024, "hugepages": [{"page_size_kib": 2048, "count": 4}]}
 #: what an unprivileged node's Hello must not claim (seed: "Hello claims nothing")
 HOST_CAPABILITIES = {"cdi", "devices.limits", "binding.kubernetes"}
 
@@ -136,14 +140,6 @@ def hold(alloc: str, gpu: int, limits: dict[str, Any] | None = None) -> dict[str
     if limits:
         h["limits"] = limits
     return h
-
-
-def slice_of(alloc: str) -> str:
-    return f"bcd-alloc-{alloc.replace('-', '.')}.slice"
-
-
-def cgroup_of(alloc: str) -> str:
-    return f"/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/{slice_of(alloc)}"
 
 
 class Node:
@@ -202,12 +198,10 @@ class Node:
         return set(hello["capabilities"])
 
     def slice_active(self, alloc: str) -> bool:
-        return self.vm.run(["systemctl", "is-active", "--quiet", slice_of(alloc)]).rc == 0
+        return slice_active(self.vm, alloc)
 
     def cgroup_file(self, alloc: str, name: str) -> str:
-        r = self.vm.run(["cat", f"{cgroup_of(alloc)}/{name}"])
-        assert r.rc == 0, f"{cgroup_of(alloc)}/{name}: {r.stderr.strip()}\n{self.diagnostics()}"
-        return r.stdout.strip()
+        return cgroup_file(self.vm, alloc, name, self.diagnostics)
 
     def hold_files(self) -> list[str]:
         out = self.vm.sh("find /etc/cdi /run/bcd/allocations -type f ! -name nvidia.json | sort", check=False)
