@@ -431,6 +431,11 @@ class SystemdSlices:
       below); where accounting is off (UINT64_MAX) and `cgroup_root` is given,
       `populated` in `<cgroup_root><ControlGroup>/cgroup.events`; otherwise the
       slice cannot be shown empty and is kept.
+    - a started slice is waited for (up to `start_wait_s`: StartTransientUnit
+      only queues a job, and at boot systemd may run it seconds later); one
+      this call started whose limits it then cannot all apply is stopped
+      again, so the slice does not count as made and the next pass makes it
+      whole (a kept hold's slice is only made again when it is missing).
     - `stop`: `StopUnit(name, "replace")` only after the emptiness check, then
       waits up to `stop_wait_s` for the unit to go. Stopping a slice stops
       everything in it, and a workload placed between the check and the stop
@@ -468,6 +473,7 @@ class SystemdSlices:
         *,
         cgroup_root: Path | str | None = None,
         stop_wait_s: float = 2.0,
+        start_wait_s: float = 10.0,
     ) -> None:
         self._bus_arg = bus
         self._bus: Any = None
@@ -476,6 +482,7 @@ class SystemdSlices:
         self._dbus_errors: tuple[type[BaseException], ...] = ()
         self.cgroup_root = Path(cgroup_root) if cgroup_root is not None else None
         self.stop_wait_s = stop_wait_s
+        self.start_wait_s = start_wait_s
         self._lock = threading.RLock()
         self._warned_hugepages: set[str] = set()
 
@@ -562,10 +569,12 @@ class SystemdSlices:
         props = slice_properties(allocation_id, limits)
         name = slice_name(allocation_id)
         with self._call(f"apply {name}") as manager:
-            if self._live(manager, name) is None:
+            started = self._live(manager, name) is None
+            if started:
                 manager.Manager.StartTransientUnit(
                     name.encode(), b"replace", {k.encode(): v for k, v in props}
                 )
+                self._wait_live(manager, name)
             else:
                 update = dict(_RESETS)
                 update.update((k, v) for k, v in props if k != "Description")
@@ -573,7 +582,27 @@ class SystemdSlices:
                     name.encode(), True, {k.encode(): v for k, v in update.items()}
                 )
             if limits.hugepages:
-                self._apply_hugepages(manager, name, limits.hugepages)
+                try:
+                    self._apply_hugepages(manager, name, limits.hugepages)
+                except SliceError:
+                    if started:
+                        # (the VM suite's reboot: the slice came up after the limit write
+                        # gave up, the next pass found it there and never wrote the limit)
+                        self._undo_start(manager, name)
+                    raise
+
+    def _wait_live(self, manager: Any, name: str) -> None:
+        deadline = time.monotonic() + self.start_wait_s
+        while self._live(manager, name) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _undo_start(self, manager: Any, name: str) -> None:
+        """Stops a slice `apply` just started (nothing runs in it yet), best effort; "replace"
+        also cancels a start job systemd has not run yet."""
+        try:
+            manager.Manager.StopUnit(name.encode(), b"replace")
+        except self._dbus_errors as exc:
+            log.warning("cannot stop a slice whose limits failed", slice=name, error=str(exc))
 
     def _cgroup_dir(self, manager: Any, name: str) -> Path | None:
         assert self.cgroup_root is not None

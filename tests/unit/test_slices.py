@@ -274,10 +274,12 @@ async def _serve_fake_systemd(address: str) -> None:
         return DBusError("org.freedesktop.systemd1.NoSuchUnit", f"Unit {name} not loaded.")
 
     class Unit:
-        def __init__(self, name, props, cgroup_root):
+        def __init__(self, name, props, cgroup_root, late=0):
             self.name = name
             self.props = dict(props)
             self.tasks = 0
+            #: ActiveState reads that still say "inactive" (a start job systemd runs later)
+            self.late = late
             self.cgroup = _cgroup_of(name)
             if cgroup_root:
                 d = Path(cgroup_root) / self.cgroup.lstrip("/")
@@ -308,6 +310,9 @@ async def _serve_fake_systemd(address: str) -> None:
 
         @dbus_property(access=PropertyAccess.READ)
         def ActiveState(self) -> "s":
+            if self.unit.late > 0:
+                self.unit.late -= 1
+                return "inactive"
             return "active"
 
     class SliceIface(ServiceInterface):
@@ -350,6 +355,7 @@ async def _serve_fake_systemd(address: str) -> None:
             self.failure: tuple[str, str] | None = None
             self.cgroup_root = ""
             self.jobs = 0
+            self.start_late = 0
 
         def _record(self, *call):
             self.calls.append(list(call))
@@ -365,8 +371,8 @@ async def _serve_fake_systemd(address: str) -> None:
             # JSON-able: byte arrays as lists of ints
             return [[n, v.signature, list(v.value) if v.signature == "ay" else v.value] for n, v in properties]
 
-        def create(self, name, props):
-            unit = Unit(name, props, self.cgroup_root)
+        def create(self, name, props, late=0):
+            unit = Unit(name, props, self.cgroup_root, late)
             self.units[name] = unit
             self.bus.export(_path_encode(name), UnitIface(unit))
             self.bus.export(_path_encode(name), SliceIface(unit))
@@ -380,7 +386,7 @@ async def _serve_fake_systemd(address: str) -> None:
             self._record("StartTransientUnit", name, mode, self._props(properties))
             if name in self.units:
                 raise DBusError("org.freedesktop.systemd1.UnitExists", f"Unit {name} already exists.")
-            self.create(name, {n: v.value for n, v in properties})
+            self.create(name, {n: v.value for n, v in properties}, self.start_late)
             return self._job()
 
         @method()
@@ -431,6 +437,7 @@ async def _serve_fake_systemd(address: str) -> None:
             self.m.calls.clear()
             self.m.failure = None
             self.m.cgroup_root = cgroup_root
+            self.m.start_late = 0
 
         @method()
         def SetTasks(self, name: "s", tasks: "t"):
@@ -439,6 +446,10 @@ async def _serve_fake_systemd(address: str) -> None:
         @method()
         def AddUnit(self, name: "s", description: "s"):
             self.m.create(name, {"Description": description})
+
+        @method()
+        def StartLate(self, reads: "t"):
+            self.m.start_late = reads
 
         @method()
         def FailWith(self, error: "s", message: "s"):
@@ -489,6 +500,10 @@ class FakeSystemd:
 
     def add_unit(self, name: str, description: str = "not ours") -> None:
         self._control("AddUnit", "ss", name.encode(), description.encode())
+
+    def start_late(self, reads: int) -> None:
+        """Slices started from now on look inactive for their first ``reads`` ActiveState reads."""
+        self._control("StartLate", "t", reads)
 
     def fail_with(self, error: str, message: str) -> None:
         self._control("FailWith", "ss", error.encode(), message.encode())
@@ -769,6 +784,40 @@ def test_systemd_applies_hugepages_through_hugetlb_files(fake_systemd, dbus_addr
         # a size whose controller file is missing is refused, retryably, naming the cgroup
         with pytest.raises(SliceError, match="hugetlb controller is not enabled"):
             slices.apply("a1", Limits(hugepages=[HugePages(page_size_kib=64, count=1)]))
+    finally:
+        slices.close()
+
+
+def test_systemd_waits_for_a_slice_systemd_starts_late(fake_systemd, dbus_address, tmp_path):
+    """StartTransientUnit only queues a job: at a guest's boot the slice came up after the huge
+    page write had given up ("slice not running yet"), and the limit was never written."""
+    fake_systemd.reset(cgroup_root=tmp_path)
+    fake_systemd.start_late(5)
+    slices = SystemdSlices(bus=dbus_address, cgroup_root=tmp_path)
+    try:
+        slices.apply("a1", Limits(hugepages=[HugePages(page_size_kib=2048, count=8)]))
+        cg = tmp_path / "bcd.slice/bcd-alloc.slice/bcd-alloc-a1.slice"
+        assert (cg / "hugetlb.2MB.max").read_text() == f"{8 * 2 * 1024 * 1024}\n"
+    finally:
+        slices.close()
+
+
+def test_systemd_stops_a_slice_it_started_whose_limits_failed(fake_systemd, dbus_address, tmp_path):
+    """A slice left running without its limits counts as made: a kept hold's slice is made again
+    only when missing. One this apply started is stopped again; an existing one is left alone."""
+    fake_systemd.reset(cgroup_root=tmp_path)
+    slices = SystemdSlices(bus=dbus_address, cgroup_root=tmp_path)
+    no_controller = Limits(hugepages=[HugePages(page_size_kib=64, count=1)])
+    try:
+        with pytest.raises(SliceError, match="hugetlb controller is not enabled"):
+            slices.apply("a1", no_controller)
+        assert not slices.exists("a1")
+        assert [c[1] for c in fake_systemd.calls_of("StopUnit")] == ["bcd-alloc-a1.slice"]
+        slices.apply("a2", Limits(memory_bytes=GiB))
+        with pytest.raises(SliceError, match="hugetlb controller is not enabled"):
+            slices.apply("a2", no_controller)
+        assert slices.exists("a2")
+        assert [c[1] for c in fake_systemd.calls_of("StopUnit")] == ["bcd-alloc-a1.slice"]
     finally:
         slices.close()
 
