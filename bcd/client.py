@@ -42,6 +42,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     supervisor_pid: int = 0
     services: list[str] = []
     cdi_dir: str = ""
+    #: where the converger writes each hold spec's consumer copy (shared.holdfiles.consumer_spec)
+    cdi_consumer_dir: str = ""
     run_dir: str = ""
     data_dir: str = ""
     #: the embedded reference control plane ("" when joined to an existing upstream).

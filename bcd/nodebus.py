@@ -285,6 +285,7 @@ def write_config_main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--state-dir", type=Path, default=Path("/etc/bcd"), help="where node.json and node.env go")
     w.add_argument("--data-dir", type=Path, default=Path("/var/lib/bcd/converger"))
     w.add_argument("--cdi-dir", type=Path, default=Path("/etc/cdi"))
+    w.add_argument("--cdi-consumer-dir", type=Path, default=Path("/run/cdi"), help="where the hold specs' consumer copies are (the units' BCD_CDI_CONSUMER_DIR)")
     w.add_argument("--run-dir", type=Path, default=Path("/run/bcd"))
     w.add_argument("--upstream-url", default="")
     w.add_argument("--with-helper", action="store_true", help="the root helper runs on this host")
@@ -323,6 +324,7 @@ def write_config_main(argv: Sequence[str] | None = None) -> int:
         metrics={s: f"http://127.0.0.1:{METRICS_PORTS[s]}/metrics" for s in services if s in METRICS_PORTS},
         services=services,
         cdi_dir=str(args.cdi_dir),
+        cdi_consumer_dir=str(args.cdi_consumer_dir),
         run_dir=str(args.run_dir),
         data_dir=str(args.data_dir),
         upstream_url=args.upstream_url,

@@ -11,6 +11,9 @@
 - `plan()` with the same holds already on disk (the steady state: nothing to do).
 - a full pass (observe + plan + apply through tests/converger_kit.Node, real
   files, fsync and all) binding 10 and 100 new holds.
+- what the hold specs' consumer copies cost (docs/cdi-runtimes.md): the full
+  pass binding 100 holds, and the steady pass after it, with copies and on a
+  node that keeps none, alternating in one run (best of 3 each), as a ratio.
 """
 
 from __future__ import annotations
@@ -150,6 +153,28 @@ def main() -> None:
             print(f"{n:>5} new holds: {(t3 - t0) * 1e3:8.1f} ms = observe {(t1 - t0) * 1e3:.1f} + plan {(t2 - t1) * 1e3:.1f} "
                   f"+ apply {(t3 - t2) * 1e3:.1f} ({(t3 - t2) / n * 1e3:.2f} ms/hold); "
                   f"next pass observe+plan: {(t4 - t3) * 1e3:.1f} ms, {len(steady.steps)} steps")
+
+        print("\nconsumer copies: a pass binding 100 holds, and the steady pass after it (best of 3, alternating):")
+        timings: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        for round_ in range(3):
+            for copies in (True, False):
+                sub = Node(root / f"copies-{copies}-{round_}", host)
+                if not copies:
+                    sub.consumer_dir = sub.writer.consumer_dir = None  # a node that keeps none
+                s = node_spec(100)
+                t0 = time.perf_counter()
+                _, r = asyncio.run(sub.converge(s))
+                t1 = time.perf_counter()
+                assert not r.errors and len(sub.outbox.ids("bound")) == 100, r.errors[:1]
+                assert sub.plan(s).steps == ()
+                t2 = time.perf_counter()
+                timings[copies].append((t1 - t0, t2 - t1))
+        for copies, label in ((True, "with copies"), (False, "without")):
+            bind, steady = min(t for t, _ in timings[copies]), min(t for _, t in timings[copies])
+            print(f"  {label:<12} bind pass {bind * 1e3:8.1f} ms   steady pass {steady * 1e3:7.1f} ms")
+        ratio_bind = min(t for t, _ in timings[True]) / min(t for t, _ in timings[False])
+        ratio_steady = min(t for _, t in timings[True]) / min(t for _, t in timings[False])
+        print(f"  ratio with/without: bind pass {ratio_bind:.2f}, steady pass {ratio_steady:.2f}")
 
         # the same on the 8 x H200 example host, whose vendor spec is small: the
         # HostWriter reads and decodes the vendor spec for every CDI spec it writes

@@ -50,16 +50,34 @@ target shape):
   env value with any of them is refused when the spec is decoded.
 * The seed's example shows `"env": null` in the device edits; the official
   schema types `env` as an array, so bcd omits the key instead.
+* MPS. A slot hold on a card with MPS running sets CUDA_MPS_PIPE_DIRECTORY
+  and bind-mounts what an MPS client talks to the MPS server through: the
+  pipe directory (the control daemon's named pipes and sockets) at the same
+  path, and the host's /dev/shm (the server's shared memory), both rw,
+  nosuid, nodev; NVIDIA's DRA driver mounts the same two. The log directory
+  is the daemon's alone and is not mounted.
+* The consumer copy (docs/cdi-runtimes.md). Annotations need cdiVersion
+  0.6.0, and a CDI library older than v0.6 (podman before 4.7, containerd
+  before 1.7.12, CRI-O before 1.28) refuses the whole hold spec. So beside
+  each hold spec bcd writes `consumer_spec(hold spec)`: the same kind,
+  device names and edits, no annotations, at the lowest cdiVersion its
+  content needs (0.3.0 unless the vendor's edits need more), into a spec
+  directory a runtime ranks above the hold's (`/var/run/cdi` above
+  `/etc/cdi`): a runtime that reads both takes the copy's devices, one that
+  cannot read the hold spec still finds them. The copy is a pure function of
+  the hold spec's bytes (`consumer_file_bytes`), so both files always say
+  the same to a container; the hold spec stays the record.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import stat
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Literal
 
@@ -327,6 +345,22 @@ def _cdi_env(hold: HoldContent) -> list[str]:
     return env
 
 
+#: the host's shared memory an MPS client shares with the MPS server (bind-mounted at the same path).
+MPS_SHM_DIR = "/dev/shm"
+#: the options of the MPS bind mounts (NVIDIA's DRA driver uses the same).
+MPS_MOUNT_OPTIONS: tuple[str, ...] = ("rw", "nosuid", "nodev", "bind")
+
+
+def mps_mounts(mps_pipe_dir: str) -> list[dict[str, Any]]:
+    """The mounts an MPS client in a container needs: the pipe directory and the host's /dev/shm."""
+    if not mps_pipe_dir:
+        return []
+    return [
+        {"hostPath": path, "containerPath": path, "options": list(MPS_MOUNT_OPTIONS)}
+        for path in dict.fromkeys((mps_pipe_dir, MPS_SHM_DIR))
+    ]
+
+
 def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any]:
     """The hold's CDI spec as a JSON-ready dict, in the seed's shape and key order."""
     annotations = {
@@ -341,6 +375,12 @@ def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any
         annotations[ANN_LIMITS] = msgspec.json.encode(hold.limits).decode()
     edits: dict[str, Any] = {"env": _cdi_env(hold)}
     edits.update(_copied(vendor.container_edits if vendor is not None else None))
+    mounts = mps_mounts(hold.mps_pipe_dir)
+    if mounts:
+        # a runtime replaces a mount at the same container path with the later one: a
+        # vendor mount there would only be dropped in the container, so it is left out here
+        ours = {m["containerPath"] for m in mounts}
+        edits["mounts"] = [*(m for m in _dicts(edits.get("mounts")) if m.get("containerPath") not in ours), *mounts]
     spec: dict[str, Any] = {
         "cdiVersion": "",
         "kind": KIND,
@@ -363,6 +403,55 @@ def render_cdi_spec(spec: Mapping[str, Any]) -> bytes:
     if not data.isascii() or b"\x7f" in data:
         return (json.dumps(spec, indent=2) + "\n").encode()
     return data
+
+
+# ---------------------------------------------------------------------------- the consumer copy
+
+#: where a runtime looks for generated CDI specs, ranked above /etc/cdi (the CDI library's
+#: DefaultDynamicDir; every runtime's default spec dirs are /etc/cdi, then /var/run/cdi).
+DEFAULT_CONSUMER_DIR = "/var/run/cdi"
+
+
+def default_consumer_dir(run_dir: Path | str, *, fake_host: bool) -> Path:
+    """Where consumer copies go when `--cdi-consumer-dir` is not given: /var/run/cdi on a real
+    host; `<run_dir>/cdi` on a fake host, which must never write the real host's spec dirs."""
+    return Path(run_dir) / "cdi" if fake_host else Path(DEFAULT_CONSUMER_DIR)
+
+
+def checked_consumer_dir(cdi_dir: Path | str, consumer_dir: Path | str) -> Path:
+    """`consumer_dir` when it can hold consumer copies beside `cdi_dir`'s holds; ValueError says why not.
+
+    It must be absolute and another directory than the CDI dir: in one directory (one
+    priority level) a runtime finds each device name twice and drops both."""
+    path = Path(consumer_dir)
+    if not str(consumer_dir) or not path.is_absolute():
+        raise ValueError(f"--cdi-consumer-dir {str(consumer_dir)!r} is not an absolute path")
+    if os.path.realpath(path) == os.path.realpath(cdi_dir):
+        raise ValueError(
+            f"--cdi-consumer-dir {consumer_dir} is the CDI dir itself: a runtime would find every device twice "
+            "in one directory and drop both; give a spec dir it ranks above it (/var/run/cdi above /etc/cdi)"
+        )
+    return path
+
+
+def consumer_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The consumer copy of a hold spec: the same kind, devices and edits, without the
+    spec's and the devices' annotations, at the lowest cdiVersion of what is left."""
+    devices = [{k: _json_copy(v) for k, v in d.items() if k != "annotations"} for d in _dicts(spec.get("devices"))]
+    out: dict[str, Any] = {"cdiVersion": "", "kind": spec.get("kind", KIND), "devices": devices}
+    if "containerEdits" in spec:
+        out["containerEdits"] = _json_copy(spec["containerEdits"])
+    out["cdiVersion"] = min_cdi_version(out)
+    return out
+
+
+def consumer_file_bytes(allocation_id: str, hold_spec: bytes) -> bytes:
+    """The consumer copy's bytes, from the bytes of the hold spec `bcd-<allocation_id>.json`.
+
+    NotAHold when those bytes are not that allocation's hold: a copy is only ever made of one."""
+    parse_hold(hold_file_name(checked_id(allocation_id)), hold_spec)
+    spec = bounded_json_loads(hold_spec, HOLD_FILE_MAX_BYTES, "CDI spec")
+    return render_cdi_spec(consumer_spec(spec))
 
 
 def qualified_names(spec: Mapping[str, Any]) -> list[str]:
@@ -462,6 +551,9 @@ class HoldOnDisk:
     limits: Limits | None = None
     #: "bcd.dev/gpu=<name>" of each device.
     cdi_names: tuple[str, ...] = ()
+    #: content_digest of the consumer copy this hold spec makes (consumer_file_bytes); b"" when
+    #: the reader did not compute it. Not part of the hold's identity.
+    consumer_digest: bytes = field(default=b"", compare=False)
 
     @property
     def sliced(self) -> bool:
@@ -556,6 +648,7 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
         cgroup_parent=cgroup_parent,
         limits=limits,
         cdi_names=tuple(qualified_names(spec)),
+        consumer_digest=content_digest(render_cdi_spec(consumer_spec(spec))),
     )
 
 
@@ -964,6 +1057,14 @@ __all__ = [
     "device_env_key",
     "build_cdi_spec",
     "render_cdi_spec",
+    "MPS_SHM_DIR",
+    "MPS_MOUNT_OPTIONS",
+    "mps_mounts",
+    "DEFAULT_CONSUMER_DIR",
+    "checked_consumer_dir",
+    "default_consumer_dir",
+    "consumer_spec",
+    "consumer_file_bytes",
     "qualified_names",
     "min_cdi_version",
     "env_lines",

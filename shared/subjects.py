@@ -318,6 +318,11 @@ class NodeSubjects:
         return self.subject("helper", "file.remove")
 
     @property
+    def helper_file_copy(self) -> str:
+        """Write a hold spec's consumer copy from the spec on the helper's disk (HelperFileCopy -> HelperReply)."""
+        return self.subject("helper", "file.copy")
+
+    @property
     def helper_slice_apply(self) -> str:
         return self.subject("helper", "slice.apply")
 
@@ -332,7 +337,14 @@ class NodeSubjects:
 
     @property
     def helper_endpoints(self) -> tuple[str, ...]:
-        return (self.helper_file_write, self.helper_file_remove, self.helper_slice_apply, self.helper_slice_remove, self.helper_info)
+        return (
+            self.helper_file_write,
+            self.helper_file_copy,
+            self.helper_file_remove,
+            self.helper_slice_apply,
+            self.helper_slice_remove,
+            self.helper_info,
+        )
 
     # the node's durable outbox (node-bus JetStream), drained upstream by the bridge
     @property

@@ -33,6 +33,7 @@ from services.converger.plan import plan
 from shared.slices import FakeSlices
 from services.converger.state import StateStore
 from services.converger.switcher import SwitchUnavailable
+from shared.holdfiles import consumer_spec
 from services.inventory.build import driver_mode
 from services.inventory.adapters import load_adapter
 from services.inventory.build import build_inventory
@@ -189,7 +190,7 @@ class FaultyWriter:
         return call
 
     def _single(self, verb: str, kind: str) -> str:
-        return f"{verb}_{'cdi' if kind == 'cdi' else 'env'}"
+        return f"{verb}_{ {'cdi': 'cdi', 'cdi-consumer': 'consumer'}.get(kind, 'env') }"
 
     def write_many(self, kind, contents, done=lambda _: None, *, dirs=None):  # noqa: ANN001, ANN201
         """A batch fails for every hold when its single-file method is in `fail`."""
@@ -355,6 +356,8 @@ class Node:
         self.node_id = node_id
         self.cdi_dir = root / "cdi"
         self.run_dir = root / "run"
+        #: the hold specs' consumer copies (the service's --cdi-consumer-dir)
+        self.consumer_dir = root / "run" / "cdi"
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.host_file = host_file
@@ -378,7 +381,7 @@ class Node:
         self.outbox = outbox if outbox is not None else MemoryOutbox()
         self.crash = crash if crash is not None else (lambda _: None)
         self.boot_id = boot_id
-        self.writer = LocalHostWriter(self.cdi_dir, self.run_dir, self.slices, self.crash)
+        self.writer = LocalHostWriter(self.cdi_dir, self.run_dir, self.slices, self.crash, consumer_dir=self.consumer_dir)
         self.config = PlanConfig(node_id=node_id, privileged=privileged, system_reserve_bytes=reserve)
         if supported_bindings is not None:
             self.config = dataclasses.replace(self.config, supported_bindings=supported_bindings)
@@ -440,6 +443,7 @@ class Node:
             releases=self.release_facts(),
             now=self.now,
             switched=self.applier.switched,
+            consumer_dir=self.consumer_dir,
         )
 
     def plan(self, s: NodeSpec) -> Plan:
@@ -453,6 +457,10 @@ class Node:
     def holds(self) -> dict[str, dict]:
         return {p.name[4:-5]: json.loads(p.read_text()) for p in sorted(self.cdi_dir.glob("bcd-*.json"))}
 
+    def consumer_copies(self) -> dict[str, dict]:
+        """allocation -> the consumer copy on disk."""
+        return {p.name[4:-5]: json.loads(p.read_text()) for p in sorted(self.consumer_dir.glob("bcd-*.json"))}
+
     def env(self, alloc: str) -> str | None:
         p = self.run_dir / "allocations" / f"{alloc}.env"
         return p.read_text() if p.exists() else None
@@ -465,6 +473,11 @@ def files_match(node: Node, s: NodeSpec) -> None:
     """The hold files on disk are exactly the spec's: CDI spec and env file each, slices, no temp left."""
     want = {a.allocation_id for a in s.devices}
     assert set(node.holds()) == want
+    # every hold spec has its consumer copy, exactly what the spec makes, and no other copy is left
+    copies = node.consumer_copies()
+    assert set(copies) == want
+    for alloc, spec in node.holds().items():
+        assert copies[alloc] == consumer_spec(spec), alloc
     for a in s.devices:
         assert node.env(a.allocation_id), a.allocation_id
     assert node.slice_names() == sorted(a.allocation_id for a in s.devices if a.limits is not None)

@@ -53,6 +53,8 @@ from .model import (
     Step,
     StopSlice,
     SwitchGpu,
+    RemoveConsumer,
+    WriteConsumer,
     WriteEnv,
 )
 from .batch import Batch, GroupCommit, PassRun
@@ -154,7 +156,7 @@ class Applier:
             except (HostWriteError, OutboxError) as exc:
                 result.errors.append(f"{_alloc(step)}: {exc}")
                 log.warning("step failed; will retry", step=type(step).__name__, allocation_id=_alloc(step), error=str(exc))
-                if isinstance(step, (WriteEnv, EnsureSlice)):
+                if isinstance(step, (WriteEnv, WriteConsumer, EnsureSlice)):
                     run.incomplete.add(step.allocation_id)
         # the last batch's completion record is written with the section status
         completed = await group.run(batch, state, result, run, save=False) if batch else []
@@ -195,6 +197,12 @@ class Applier:
         elif isinstance(step, WriteEnv):
             self.writer.write_env(step.content)
             log.info("env file rewritten", allocation_id=step.allocation_id)
+        elif isinstance(step, WriteConsumer):
+            self.writer.write_consumer(step.allocation_id)
+            log.info("consumer copy rewritten", allocation_id=step.allocation_id)
+        elif isinstance(step, RemoveConsumer):
+            self.writer.remove_consumer(step.allocation_id)
+            log.info("consumer copy without a hold spec removed", allocation_id=step.allocation_id)
         elif isinstance(step, WithdrawKubeHold):
             await self._withdraw(step)
         elif isinstance(step, ReportKubeRelease):
@@ -296,6 +304,8 @@ class Applier:
         # recorded first: a crash after this never loses the release
         self._update_releases(lambda rels: rels.setdefault(step.allocation_id, rel))
         self.crash("kube.recorded")
+        # the consumer copy first: a runtime must never find a device whose hold spec is gone
+        self.writer.remove_consumer(step.allocation_id)
         self.writer.remove_cdi(step.allocation_id)
         self.writer.remove_env(step.allocation_id)
         self.crash("kube.withdrawn")

@@ -8,10 +8,10 @@ the batch; what changes is how many fsyncs and round trips they cost:
    for every report of the batch goes out just before it, so the signer
    works while the journal and the files are written (a signature is no side
    effect: only a published report is);
-2. the releases' CDI specs go, then their env files (the unlinks), then
-   their slices stop;
+2. the releases' consumer copies go, then their CDI specs, then their env
+   files (the unlinks), then their slices stop;
 3. unless a release failed, the binds' slices are applied, then their CDI
-   specs and then their env files written as groups (all temps, one
+   specs, their consumer copies and then their env files written as groups (all temps, one
    concurrent fsync, the renames: `shared.fsutil.atomic_write_many`); the
    directories the batch touched are synced once, together, at the end
    (files in a worker thread: the event loop stays free);
@@ -372,7 +372,7 @@ class GroupCommit:
         return gone, placed, not_run
 
     def _release_files(self, releases: list[ReleaseHold], result: ApplyResult, run: PassRun, dirs: set[Path]) -> list[ReleaseHold]:
-        """CDI specs, then env files, then slices; the releases whose files are all gone."""
+        """Consumer copies, CDI specs, then env files, then slices; the releases whose files are all gone."""
         w, crash = self.a.writer, self.a.crash
         if not releases:
             return []
@@ -384,7 +384,12 @@ class GroupCommit:
             run.switch_held = True
 
         left = list(releases)
-        for kind, point in (("cdi", "release.cdi-removed"), ("allocation-env", "release.env-removed")):
+        # the consumer copy first: a runtime must never find a device whose hold spec is gone
+        for kind, point in (
+            ("cdi-consumer", "release.consumer-removed"),
+            ("cdi", "release.cdi-removed"),
+            ("allocation-env", "release.env-removed"),
+        ):
             errors = w.remove_many(kind, [s.allocation_id for s in left], done=lambda _, p=point: crash(p), dirs=dirs)  # type: ignore[arg-type]
             for s in left:
                 if s.allocation_id in errors:
@@ -403,7 +408,7 @@ class GroupCommit:
         return gone
 
     def _bind_files(self, binds: list[BindHold], result: ApplyResult, dirs: set[Path]) -> list[BindHold]:
-        """Slices, then CDI specs, then env files; the binds whose files are all in place."""
+        """Slices, then CDI specs, their consumer copies, then env files; the binds whose files are all in place."""
         w, crash = self.a.writer, self.a.crash
         left: list[BindHold] = []
         for s in binds:
@@ -422,17 +427,27 @@ class GroupCommit:
             if s.allocation_id in errors:
                 self._fail(result, s.allocation_id, errors[s.allocation_id], "BindHold")
         left = [s for s in left if s.allocation_id not in errors]
+        # the consumer copies are made from the hold specs just written (so they say the same)
+        errors = w.write_many("cdi-consumer", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.consumer-written"), dirs=dirs)
+        left = self._undo_failed(left, errors, ("cdi",), result)
         errors = w.write_many("allocation-env", [by_alloc[s.allocation_id] for s in left], done=lambda _: crash("bind.env-written"), dirs=dirs)
-        if errors:
-            # no CDI spec of a hold never reported without its env file: the next pass binds
-            # it afresh (or undoes the journaled bind unreported)
-            undo = [s.allocation_id for s in left if s.allocation_id in errors and s.report]
-            for alloc, exc in w.remove_many("cdi", undo).items():
-                log.warning("CDI spec of a bind whose env file failed not removed", allocation_id=alloc, error=str(exc))
-            for s in left:
-                if s.allocation_id in errors:
-                    self._fail(result, s.allocation_id, errors[s.allocation_id], "BindHold")
-        return [s for s in left if s.allocation_id not in errors]
+        return self._undo_failed(left, errors, ("cdi-consumer", "cdi"), result)
+
+    def _undo_failed(self, binds: list[BindHold], errors: dict[str, HostWriteError], written: tuple[str, ...], result: ApplyResult) -> list[BindHold]:
+        """The binds that did not fail; of each that did, the files `written` before (in that
+        order) go again: no CDI spec of a hold never reported stays without all its files, so
+        the next pass binds it afresh (or undoes the journaled bind unreported)."""
+        if not errors:
+            return binds
+        w = self.a.writer
+        undo = [s.allocation_id for s in binds if s.allocation_id in errors and s.report]
+        for kind in written:
+            for alloc, exc in w.remove_many(kind, undo).items():  # type: ignore[arg-type]
+                log.warning("file of a bind that failed half-way not removed", kind=kind, allocation_id=alloc, error=str(exc))
+        for s in binds:
+            if s.allocation_id in errors:
+                self._fail(result, s.allocation_id, errors[s.allocation_id], "BindHold")
+        return [s for s in binds if s.allocation_id not in errors]
 
 
 def _held_back(step: ReportBound, run: PassRun, result: ApplyResult) -> bool:

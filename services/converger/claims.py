@@ -306,6 +306,9 @@ class ClaimKeeper:
             content = hold_content(rec, inv)
             await asyncio.to_thread(self._writer().write_cdi, content)
             self._crash("claim.cdi-written")
+            # its consumer copy, made from the spec just written (docs/cdi-runtimes.md)
+            await asyncio.to_thread(self._writer().write_consumer, alloc)
+            self._crash("claim.consumer-written")
         except (ClaimFailed, HostWriteError, ValueError) as exc:
             reason, message = (exc.reason, exc.message) if isinstance(exc, ClaimFailed) else ("write-failed", str(exc))
             log.warning("claim not prepared; undoing", claim=f"{req.namespace}/{req.name}", uid=req.uid, reason=reason, error=message)
@@ -369,6 +372,7 @@ class ClaimKeeper:
             if alloc in holds:
                 # a claim hold the journal does not know (state set aside): its file goes
                 try:
+                    await asyncio.to_thread(self._writer().remove_consumer, alloc)
                     await asyncio.to_thread(self._writer().remove_cdi, alloc)
                 except HostWriteError as exc:
                     return ClaimUnprepareReply(uid=uid, ok=False, message=clip(f"removing {alloc}'s CDI spec failed: {exc}"))
@@ -388,6 +392,7 @@ class ClaimKeeper:
         state = self._state()
         alloc = claim_hold_id(rec.uid)
         try:
+            await asyncio.to_thread(self._writer().remove_consumer, alloc)
             await asyncio.to_thread(self._writer().remove_cdi, alloc)
         except HostWriteError as exc:
             rec.message = f"removing the CDI spec failed: {exc}"

@@ -25,6 +25,8 @@ BIND_POINTS: tuple[str, ...] = (
     "bind.slice-applied",
     "bind.cdi-temp-written",
     "bind.cdi-written",
+    "bind.consumer-temp-written",
+    "bind.consumer-written",
     "bind.env-temp-written",
     "bind.env-written",
     "bind.signed",
@@ -33,6 +35,7 @@ BIND_POINTS: tuple[str, ...] = (
 )
 RELEASE_POINTS: tuple[str, ...] = (
     "release.intent-recorded",
+    "release.consumer-removed",
     "release.cdi-removed",
     "release.env-removed",
     "release.slice-stopped",
@@ -45,8 +48,9 @@ KUBE_POINTS: tuple[str, ...] = ("kube.recorded", "kube.withdrawn", "kube.publish
 #: a driver switch: the card is in the VFIO record, the switch not yet asked for.
 VFIO_POINTS: tuple[str, ...] = ("vfio.recorded",)
 #: a DRA claim's prepare: the GPU instance made but its id not yet journaled (the journal says
-#: gi-asked), the compute instance made but not journaled, the CDI spec written before "prepared".
-CLAIM_POINTS: tuple[str, ...] = ("claim.gi-created", "claim.ci-created", "claim.cdi-written")
+#: gi-asked), the compute instance made but not journaled, the CDI spec (then its consumer copy)
+#: written before "prepared".
+CLAIM_POINTS: tuple[str, ...] = ("claim.gi-created", "claim.ci-created", "claim.cdi-written", "claim.consumer-written")
 CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
 ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS + CLAIM_POINTS
 ENV = "BCD_CONVERGER_CRASH_AT"

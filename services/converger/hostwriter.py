@@ -3,7 +3,10 @@
 Every path is built from a validated allocation id; every file's bytes are
 built from typed fields (HoldContent) plus the vendor CDI spec on disk, by
 `shared.holdfiles.hold_file_bytes` - nothing from the wire names a path, a
-device node or a hook. Two writers implement the port:
+device node or a hook. A hold spec's consumer copy (kind `cdi-consumer`, in
+the consumer dir) is made from the hold spec on disk alone
+(`shared.holdfiles.consumer_file_bytes`), so the two always agree. Two
+writers implement the port:
 
 - `LocalHostWriter`, in process, for a converger that runs as root or on a
   fake host;
@@ -38,8 +41,30 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
-from shared.fsutil import TEMP_MARK, FileWrite, atomic_write, atomic_write_many, fsync_dirs, in_the_way, is_temp_name, occupant, remove_durably, remove_many
-from shared.holdfiles import ENV_SUBDIR, HoldContent, VendorCache, hold_file_bytes, hold_to_wire, limits_to_wire
+from shared.fsutil import (
+    TEMP_MARK,
+    FileWrite,
+    atomic_write,
+    atomic_write_many,
+    fsync_dirs,
+    in_the_way,
+    is_temp_name,
+    occupant,
+    read_regular,
+    remove_durably,
+    remove_many,
+)
+from shared.holdfiles import (
+    ENV_SUBDIR,
+    HOLD_FILE_MAX_BYTES,
+    HoldContent,
+    NotAHold,
+    VendorCache,
+    consumer_file_bytes,
+    hold_file_bytes,
+    hold_to_wire,
+    limits_to_wire,
+)
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     HELPER_INFO_CODEC,
@@ -47,6 +72,7 @@ from shared.schemas import (
     ID_RE,
     BadMessage,
     Empty,
+    HelperFileCopy,
     HelperFileRemove,
     HelperFileWrite,
     HelperInfo,
@@ -65,8 +91,8 @@ class HostWriteError(Exception):
     """A write the pass must retry (read-only dir, full disk, helper refusal, D-Bus)."""
 
 
-#: the two hold files a batch writes or removes.
-HoldFileKind = Literal["cdi", "allocation-env"]
+#: the hold files a batch writes or removes: the CDI spec, its consumer copy, the env file.
+HoldFileKind = Literal["cdi", "cdi-consumer", "allocation-env"]
 #: called with the allocation id once its file is in place (or gone): a crash point.
 Done = Callable[[str], None]
 
@@ -76,6 +102,10 @@ class HostWriter(Protocol):
     def remove_cdi(self, allocation_id: str) -> None: ...
     def write_env(self, content: HoldContent) -> None: ...
     def remove_env(self, allocation_id: str) -> None: ...
+    def write_consumer(self, allocation_id: str) -> None:
+        """The consumer copy of the hold spec now on disk (nothing when this writer makes none)."""
+        ...
+    def remove_consumer(self, allocation_id: str) -> None: ...
     def apply_slice(self, allocation_id: str, limits: Limits) -> None: ...
     def stop_slice(self, allocation_id: str) -> bool: ...
     def remove_temp(self, path: str) -> None: ...
@@ -84,6 +114,7 @@ class HostWriter(Protocol):
         self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = ..., *, dirs: set[Path] | None = None
     ) -> dict[str, HostWriteError]:
         """Write one kind of hold file for many holds as one group; the error of each that failed.
+        (`cdi-consumer`: the copies of the hold specs on disk; the contents name the holds.)
 
         `dirs`: the directories whose sync the caller does later (`sync_dirs`), for the
         whole of a pass's batch at once; None: synced before it returns. A writer whose
@@ -115,10 +146,24 @@ def env_path(run_dir: Path, allocation_id: str) -> Path:
     return Path(run_dir) / ENV_SUBDIR / f"{_checked(allocation_id)}.env"
 
 
+def consumer_path(consumer_dir: Path, allocation_id: str) -> Path:
+    return Path(consumer_dir) / f"bcd-{_checked(allocation_id)}.json"
+
+
 class LocalHostWriter:
-    def __init__(self, cdi_dir: Path, run_dir: Path, slices: Slices, crash: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        cdi_dir: Path,
+        run_dir: Path,
+        slices: Slices,
+        crash: Callable[[str], None] = lambda _: None,
+        *,
+        consumer_dir: Path | None = None,
+    ) -> None:
         self.cdi_dir = Path(cdi_dir)
         self.run_dir = Path(run_dir)
+        #: where the consumer copies go; None: this writer makes none (a test's, or a bare writer)
+        self.consumer_dir = Path(consumer_dir) if consumer_dir is not None else None
         self.slices = slices
         self.crash = crash
         self.vendor = VendorCache(self.cdi_dir)
@@ -166,6 +211,26 @@ class LocalHostWriter:
     def remove_env(self, allocation_id: str) -> None:
         self._remove(env_path(self.run_dir, allocation_id))
 
+    def _consumer_bytes(self, allocation_id: str) -> bytes:
+        """The consumer copy of the hold spec on disk; HostWriteError when there is no hold to copy."""
+        path = cdi_path(self.cdi_dir, allocation_id)
+        try:
+            return consumer_file_bytes(allocation_id, read_regular(path, max_bytes=HOLD_FILE_MAX_BYTES))
+        except FileNotFoundError:
+            raise HostWriteError(f"no consumer copy of {allocation_id}: its hold spec {path} is gone") from None
+        except NotAHold as exc:
+            raise HostWriteError(f"no consumer copy of {allocation_id}: {path} is not its hold ({exc.reason})") from None
+        except (OSError, ValueError) as exc:
+            raise HostWriteError(f"no consumer copy of {allocation_id}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+    def write_consumer(self, allocation_id: str) -> None:
+        if self.consumer_dir is not None:
+            self._write(consumer_path(self.consumer_dir, allocation_id), self._consumer_bytes(allocation_id), "bind.consumer-temp-written")
+
+    def remove_consumer(self, allocation_id: str) -> None:
+        if self.consumer_dir is not None:
+            self._remove(consumer_path(self.consumer_dir, allocation_id))
+
     def apply_slice(self, allocation_id: str, limits: Limits) -> None:
         try:
             self.slices.apply(_checked(allocation_id), limits)
@@ -181,11 +246,15 @@ class LocalHostWriter:
     def remove_temp(self, path: str) -> None:
         p = Path(path)
         # only our own leftovers, only in our own directories
-        if not is_temp_name(p.name) or p.parent not in (self.cdi_dir, self.run_dir / ENV_SUBDIR):
+        ours = (self.cdi_dir, self.run_dir / ENV_SUBDIR, *((self.consumer_dir,) if self.consumer_dir is not None else ()))
+        if not is_temp_name(p.name) or p.parent not in ours:
             raise HostWriteError(f"refusing to remove {path}: not a temp file of ours")
         self._remove(p)
 
     def _path(self, kind: HoldFileKind, allocation_id: str) -> Path:
+        if kind == "cdi-consumer":
+            assert self.consumer_dir is not None
+            return consumer_path(self.consumer_dir, allocation_id)
         return cdi_path(self.cdi_dir, allocation_id) if kind == "cdi" else env_path(self.run_dir, allocation_id)
 
     def write_many(
@@ -193,6 +262,8 @@ class LocalHostWriter:
     ) -> dict[str, HostWriteError]:
         """All temps, one concurrent fsync, the renames, one directory fsync (shared.fsutil.atomic_write_many)."""
         errors: dict[str, HostWriteError] = {}
+        if kind == "cdi-consumer" and self.consumer_dir is None:
+            return errors
         vendor = None
         if kind == "cdi" and contents:
             try:
@@ -210,8 +281,16 @@ class LocalHostWriter:
             except OSError as exc:
                 errors[c.allocation_id] = HostWriteError(f"cannot write {path}: {exc.strerror or exc}")
                 continue
-            files.append(FileWrite(c.allocation_id, path, hold_file_bytes(kind, c, vendor), 0o644))
-        point = "bind.cdi-temp-written" if kind == "cdi" else "bind.env-temp-written"
+            if kind == "cdi-consumer":
+                try:
+                    data = self._consumer_bytes(c.allocation_id)
+                except HostWriteError as exc:
+                    errors[c.allocation_id] = exc
+                    continue
+            else:
+                data = hold_file_bytes(kind, c, vendor)
+            files.append(FileWrite(c.allocation_id, path, data, 0o644))
+        point = {"cdi": "bind.cdi-temp-written", "cdi-consumer": "bind.consumer-temp-written"}.get(kind, "bind.env-temp-written")
         try:
             failed = atomic_write_many(files, after_temp=lambda _: self.crash(point), after_rename=lambda f: done(f.key), dirs=dirs)
         except OSError as exc:  # the directory fsync: nothing of the batch is known to be durable
@@ -225,6 +304,8 @@ class LocalHostWriter:
         self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None, *, dirs: set[Path] | None = None
     ) -> dict[str, HostWriteError]:
         errors: dict[str, HostWriteError] = {}
+        if kind == "cdi-consumer" and self.consumer_dir is None:
+            return errors
         paths: list[tuple[str, Path]] = []
         for alloc in allocation_ids:
             try:
@@ -322,12 +403,15 @@ _CDI_TEMP_RE = re.compile(r"^\.bcd-(?P<id>.+)\.json" + re.escape(TEMP_MARK) + r"
 _ENV_TEMP_RE = re.compile(r"^\.(?P<id>.+)\.env" + re.escape(TEMP_MARK) + r"(?P<pid>[1-9][0-9]{0,6})\Z")
 
 
-def helper_mismatch(info: HelperInfo, cdi_dir: Path, run_dir: Path, slices_backend: str) -> str:
+def helper_mismatch(info: HelperInfo, cdi_dir: Path, run_dir: Path, slices_backend: str, consumer_dir: Path | None = None) -> str:
     """Why a helper cannot serve this converger ("" when it can): it must write where the converger reads."""
     problems = []
-    for what, mine, theirs in (("CDI dir", cdi_dir, info.cdi_dir), ("run dir", run_dir, info.run_dir)):
+    dirs = [("CDI dir", cdi_dir, info.cdi_dir), ("run dir", run_dir, info.run_dir)]
+    if consumer_dir is not None:
+        dirs.append(("CDI consumer dir", consumer_dir, info.cdi_consumer_dir))
+    for what, mine, theirs in dirs:
         if os.path.realpath(mine) != theirs:
-            problems.append(f"the helper's {what} is {theirs}, this converger's {os.path.realpath(mine)}")
+            problems.append(f"the helper's {what} is {theirs or '(none: a helper older than consumer copies)'}, this converger's {os.path.realpath(mine)}")
     if slices_backend and info.slices != slices_backend:
         problems.append(f"the helper's slices are {info.slices}, this converger's {slices_backend}")
     return "; ".join(problems)
@@ -351,11 +435,14 @@ class HelperHostWriter:
         *,
         slices_backend: str = "",
         timeout: float = 10.0,
+        consumer_dir: Path | None = None,
     ) -> None:
         self.transport = transport
         self.subjects = subjects
         self.cdi_dir = Path(cdi_dir)
         self.run_dir = Path(run_dir)
+        #: where the helper must write the consumer copies; None: none are asked for
+        self.consumer_dir = Path(consumer_dir) if consumer_dir is not None else None
         self.slices_backend = slices_backend
         self.timeout = timeout
         self.info: HelperInfo | None = None
@@ -367,7 +454,7 @@ class HelperHostWriter:
                 info = HELPER_INFO_CODEC.decode(data)
             except BadMessage as exc:
                 raise HostWriteError(f"root helper: info does not decode ({exc})") from None
-            problem = helper_mismatch(info, self.cdi_dir, self.run_dir, self.slices_backend)
+            problem = helper_mismatch(info, self.cdi_dir, self.run_dir, self.slices_backend, self.consumer_dir)
             if problem:
                 raise HostWriteError(f"root helper cannot serve this converger: {problem}")
             self.info = info
@@ -418,6 +505,16 @@ class HelperHostWriter:
         body = HelperFileRemove(kind="allocation-env", allocation_id=_checked(allocation_id))
         self._call(f"env file of {allocation_id}", self.subjects.helper_file_remove, body)
 
+    def write_consumer(self, allocation_id: str) -> None:
+        if self.consumer_dir is not None:
+            body = HelperFileCopy(allocation_id=_checked(allocation_id))
+            self._call(f"consumer copy of {allocation_id}", self.subjects.helper_file_copy, body)
+
+    def remove_consumer(self, allocation_id: str) -> None:
+        if self.consumer_dir is not None:
+            body = HelperFileRemove(kind="cdi-consumer", allocation_id=_checked(allocation_id))
+            self._call(f"consumer copy of {allocation_id}", self.subjects.helper_file_remove, body)
+
     def apply_slice(self, allocation_id: str, limits: Limits) -> None:
         body = HelperSliceApply(allocation_id=_checked(allocation_id), limits=limits_to_wire(limits))
         self._call(f"slice of {allocation_id}", self.subjects.helper_slice_apply, body)
@@ -431,6 +528,8 @@ class HelperHostWriter:
         kind = ""
         if p.parent == self.cdi_dir:
             m, kind = _CDI_TEMP_RE.match(p.name), "cdi"
+        elif self.consumer_dir is not None and p.parent == self.consumer_dir:
+            m, kind = _CDI_TEMP_RE.match(p.name), "cdi-consumer"
         elif p.parent == self.run_dir / ENV_SUBDIR:
             m, kind = _ENV_TEMP_RE.match(p.name), "allocation-env"
         else:
@@ -444,13 +543,19 @@ class HelperHostWriter:
         self, kind: HoldFileKind, contents: Sequence[HoldContent], done: Done = lambda _: None, *, dirs: set[Path] | None = None
     ) -> dict[str, HostWriteError]:
         """One helper request per file (the helper writes and syncs each atomically: `dirs` stays empty)."""
+        if kind == "cdi-consumer":
+            if self.consumer_dir is None:
+                return {}
+            return _each([(c.allocation_id, lambda c=c: self.write_consumer(c.allocation_id)) for c in contents], done)
         write = self.write_cdi if kind == "cdi" else self.write_env
         return _each([(c.allocation_id, lambda c=c: write(c)) for c in contents], done)
 
     def remove_many(
         self, kind: HoldFileKind, allocation_ids: Sequence[str], done: Done = lambda _: None, *, dirs: set[Path] | None = None
     ) -> dict[str, HostWriteError]:
-        remove = self.remove_cdi if kind == "cdi" else self.remove_env
+        if kind == "cdi-consumer" and self.consumer_dir is None:
+            return {}
+        remove = {"cdi": self.remove_cdi, "cdi-consumer": self.remove_consumer}.get(kind, self.remove_env)
         return _each([(a, lambda a=a: remove(a)) for a in allocation_ids], done)
 
     def sync_dirs(self, dirs: set[Path]) -> None:
@@ -554,6 +659,7 @@ __all__ = [
     "HostWriter",
     "LocalHostWriter",
     "cdi_path",
+    "consumer_path",
     "env_path",
     "HelperTransport",
     "BusHelperTransport",

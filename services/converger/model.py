@@ -209,6 +209,9 @@ class Observed:
     spec_unknown_fields: tuple[str, ...] = ()
     #: the DRA claims' holds on disk (bcd-claim-<uid>.json): never released by a pass, held against every new hold.
     claim_holds: Mapping[str, HoldOnDisk] = field(default_factory=dict)
+    #: allocation -> digest of its consumer copy in the consumer dir; None: consumer copies are
+    #: not kept (no consumer dir), so none is planned.
+    consumer_copies: Mapping[str, bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,21 @@ class EnsureSlice:
 class WriteEnv:
     allocation_id: str
     content: HoldContent
+
+
+@dataclass(frozen=True)
+class WriteConsumer:
+    """(Re)write a kept hold's consumer copy from its hold spec on disk: missing (tmpfs after a
+    reboot, removed from outside) or not what the hold spec makes."""
+
+    allocation_id: str
+
+
+@dataclass(frozen=True)
+class RemoveConsumer:
+    """Remove a consumer copy whose hold spec is gone: a runtime must never find a device no hold backs."""
+
+    allocation_id: str
 
 
 @dataclass(frozen=True)
@@ -351,6 +369,8 @@ Step = (
     | StopSlice
     | EnsureSlice
     | WriteEnv
+    | WriteConsumer
+    | RemoveConsumer
     | BindHold
     | ReportBound
     | ReportFailed
@@ -405,6 +425,8 @@ __all__ = [
     "StopSlice",
     "EnsureSlice",
     "WriteEnv",
+    "WriteConsumer",
+    "RemoveConsumer",
     "BindHold",
     "ReportBound",
     "ReportFailed",

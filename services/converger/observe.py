@@ -94,10 +94,12 @@ def observe(
     now: datetime | None = None,
     switched: Mapping[str, tuple[str, datetime]] | None = None,
     spec_unknown_fields: tuple[str, ...] = (),
+    consumer_dir: Path | None = None,
 ) -> Observed:
     """`switched`: where the Applier's switches left each card (PCI address -> (target, reply time));
-    `spec_unknown_fields`: the fields of the spec as received that NodeSpec does not declare."""
-    disk = read_disk(cdi_dir, run_dir, warned=warned)
+    `spec_unknown_fields`: the fields of the spec as received that NodeSpec does not declare;
+    `consumer_dir`: where the hold specs' consumer copies are (None: none are kept)."""
+    disk = read_disk(cdi_dir, run_dir, warned=warned, consumer_dir=consumer_dir)
     releases = releases or ReleaseFacts()
     vendor: VendorCdi | None
     try:
@@ -131,6 +133,7 @@ def observe(
         no_orphans=releases.no_orphans,
         now=now or datetime.now(timezone.utc),
         spec_unknown_fields=tuple(spec_unknown_fields),
+        consumer_copies=disk.consumer_copies,
     )
 
 

@@ -4,9 +4,10 @@ It follows the seed's pass to the letter ("One pass"), one function per step:
 1. `plan_kubernetes_releases`: pending Kubernetes releases reported or dropped;
 2. `plan_releases`: holds no longer wanted released (so a GPU can move
    between allocations in one generation);
-3. `plan_leftover_slices`: leftover empty slices stopped;
-4. `plan_kept_holds`: holds still wanted kept (missing slice or env file
-   recreated);
+3. `plan_leftover_slices`: leftover empty slices stopped, consumer copies
+   without a hold spec removed;
+4. `plan_kept_holds`: holds still wanted kept (missing slice, env file or
+   consumer copy recreated; a DRA claim's missing consumer copy too);
 5. `plan_new_holds`: new holds in spec order through the checks - binding,
    privilege, atoms, conflicts (`check_new_hold`), host admission
    (admission.py); the first failure decides - counting every atom bound
@@ -61,6 +62,7 @@ from .model import (
     Plan,
     PlanConfig,
     ReleaseHold,
+    RemoveConsumer,
     RemoveTemp,
     ReportBound,
     ReportFailed,
@@ -69,6 +71,7 @@ from .model import (
     Step,
     StopSlice,
     WithdrawKubeHold,
+    WriteConsumer,
     WriteEnv,
 )
 from .releases import PendingRelease
@@ -385,10 +388,22 @@ def _undo_bind(alloc: str, intent: Intent, generation: int) -> ReleaseHold:
 
 
 def plan_leftover_slices(p: _Pass) -> None:
-    """Slices whose hold is neither wanted nor released in this pass are stopped once empty."""
+    """Slices whose hold is neither wanted nor released in this pass are stopped once empty;
+    consumer copies whose hold spec is gone are removed (a runtime would hand out their
+    devices with no hold behind them)."""
     for alloc in sorted(p.observed.slices):
         if alloc not in p.wanted and alloc not in p.released and alloc in p.observed.empty_slices:
             p.steps.append(StopSlice(alloc))
+    copies = p.observed.consumer_copies
+    for alloc in sorted(copies or ()):
+        if alloc not in p.observed.holds and alloc not in p.observed.claim_holds and alloc not in p.released:
+            p.steps.append(RemoveConsumer(alloc))
+
+
+def consumer_copy_stale(observed: Observed, hold: HoldOnDisk) -> bool:
+    """The hold's consumer copy is missing or not the one its hold spec makes (consumer copies kept)."""
+    copies = observed.consumer_copies
+    return copies is not None and copies.get(hold.allocation_id) != hold.consumer_digest
 
 
 # ------------------------------------------------------------------------------ who holds what
@@ -475,11 +490,18 @@ def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedg
                 files_in_place = False
             else:
                 p.steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed, mps), hold)))
+        if consumer_copy_stale(observed, hold):
+            # made from the hold spec on disk alone, like the env file put back from it
+            p.steps.append(WriteConsumer(alloc))
         # seed: no event is sent until every file is in place
         if alloc not in state.reported and files_in_place:
             intent = state.intents.get(alloc)
             event_id = intent.event_id if intent is not None and intent.op == "bind" else bound_id(p.node, alloc, hold.generation)
             p.steps.append(ReportBound(alloc, event_id, _bound_event(hold)))
+    for alloc, hold in sorted(observed.claim_holds.items()):
+        # a DRA claim's hold is the kubelet plugin's, but its consumer copy is a file like any
+        if consumer_copy_stale(observed, hold):
+            p.steps.append(WriteConsumer(alloc))
     return kept
 
 
@@ -841,6 +863,7 @@ __all__ = [
     "plan_leftover_slices",
     "claims_after_releases",
     "plan_kept_holds",
+    "consumer_copy_stale",
     "plan_new_holds",
     "plan_failures",
     "check_new_hold",

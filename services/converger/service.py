@@ -29,7 +29,7 @@ import msgspec
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.holdfiles import BINDING_CLAIM, HoldOnDisk, VendorCache
+from shared.holdfiles import BINDING_CLAIM, HoldOnDisk, VendorCache, checked_consumer_dir, default_consumer_dir
 from shared.host import HostFactError, read_boot_id
 from shared.runtime import LoopGuard, Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
 from shared.schemas import (
@@ -143,6 +143,14 @@ class ConvergerApp(ServiceApp):
         return [
             Option("--cdi-dir", "CDI spec directory", default=Path("/etc/cdi"), type=Path),
             Option(
+                "--cdi-consumer-dir",
+                "where each hold spec's consumer copy goes (no annotations, the lowest cdiVersion: for runtimes "
+                "whose CDI library is older than v0.6); a spec dir runtimes rank above --cdi-dir "
+                "(default /var/run/cdi; on a fake host <run-dir>/cdi)",
+                default=None,
+                type=Path,
+            ),
+            Option(
                 "--mig-layouts",
                 "desired MIG layouts of this node's cards: PCI=LAYOUT;PCI=LAYOUT (LAYOUT: all-disabled, or GPU instance "
                 "profiles comma-separated); `bcd gpu mig-layout` overrides a card's",
@@ -191,17 +199,25 @@ class ConvergerApp(ServiceApp):
         self.slices: Slices = FakeSlices(o.run_dir) if backend == "fake" else SystemdSlices(cgroup_root=CGROUP_ROOT)
         self.domains: Domains = FakeDomains(o.fake_host) if fake else NoDomains()
         crash = CrashPoints()
+        try:
+            consumer_dir = self.consumer_dir = checked_consumer_dir(
+                o.cdi_dir, o.cdi_consumer_dir if o.cdi_consumer_dir is not None else default_consumer_dir(o.run_dir, fake_host=fake)
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         writer: HostWriter
         self.helper_writer: HelperHostWriter | None = None
         self.helper_note = ""
         #: monotonic time the helper first missed a look while holds bind through it (None: answering)
         self.helper_gone_since: float | None = None
         if writer_kind(o.writer, fake_host=fake, euid=os.geteuid()) == "local":
-            writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash)
+            writer = LocalHostWriter(o.cdi_dir, o.run_dir, self.slices, crash, consumer_dir=consumer_dir)
             self.privileged = True
         else:
             transport = BusHelperTransport(helper_connector(o))
-            writer = self.helper_writer = HelperHostWriter(transport, ctx.subjects, o.cdi_dir, o.run_dir, slices_backend=backend)
+            writer = self.helper_writer = HelperHostWriter(
+                transport, ctx.subjects, o.cdi_dir, o.run_dir, slices_backend=backend, consumer_dir=consumer_dir
+            )
             # --writer helper: the helper is required (a missing one fails writes, retried)
             self.privileged = o.writer == "helper" or await self._look_for_helper()
         self.config = PlanConfig(node_id=o.node_id, privileged=self.privileged, system_reserve_bytes=o.system_reserve_bytes)
@@ -440,7 +456,7 @@ class ConvergerApp(ServiceApp):
 
     def _disk_now(self) -> tuple[DiskView, str]:
         """The hold directories as read now, and why the vendor CDI spec does not read ("" when it does)."""
-        disk = read_disk(self.opts.cdi_dir, self.opts.run_dir, warned=self.warned)
+        disk = read_disk(self.opts.cdi_dir, self.opts.run_dir, warned=self.warned, consumer_dir=self.consumer_dir)
         try:
             self.vendor.get()
         except VendorSpecError as exc:
@@ -800,6 +816,7 @@ class ConvergerApp(ServiceApp):
                     warned=self.warned,
                     switched=self.applier.switched,
                     spec_unknown_fields=self.spec_unknown,
+                    consumer_dir=self.consumer_dir,
                 )
                 observed = dataclasses.replace(observed, maintenance=gpuops.maintenance_claims(self.state.gpu_ops))
                 # a success the inventory already shows no longer needs remembering
@@ -875,7 +892,9 @@ class ConvergerApp(ServiceApp):
         """Does a root helper answer that writes where this converger reads?"""
         info, why = await find_helper(self.ctx.nc, self.ctx.subjects)
         if info is not None:
-            why = helper_mismatch(info, self.opts.cdi_dir, self.opts.run_dir, self.helper_writer.slices_backend if self.helper_writer else "")
+            why = helper_mismatch(
+                info, self.opts.cdi_dir, self.opts.run_dir, self.helper_writer.slices_backend if self.helper_writer else "", self.consumer_dir
+            )
             if not why and self.helper_writer is not None:
                 self.helper_writer.info = info
                 return True

@@ -8,6 +8,9 @@ slice name and file content is built from the checked fields:
   devices and limits validated there) and its bytes come from
   `shared.holdfiles.hold_file_bytes` with the vendor CDI spec read from this
   helper's own CDI directory - the same function the in-process writer uses.
+- `file_copy`: a hold spec's consumer copy, made from the hold spec in this
+  helper's own CDI directory (`shared.holdfiles.consumer_file_bytes`): only
+  the allocation id crosses the wire.
 - `file_remove`: a hold's file, or the temp file a write of a given pid left.
 - `slice_apply` / `slice_remove`: `bcd-alloc-<id>.slice` only, limits within
   bounds (`shared.holdfiles.limits_from_wire`), through the same `Slices`
@@ -17,7 +20,7 @@ A request that is not acceptable raises `HelperRefusal` (nothing written); an
 operation the host failed raises `HelperFailure`; `answer` turns both, and a
 body that does not decode, into a HelperReply. One operation runs at a time.
 
-The two hold files are written through `SafeDir` (no symlink followed, see
+The hold files are written through `SafeDir` (no symlink followed, see
 safefs.py). Fake slices (a fakehw host) are JSON records FakeSlices writes
 with plain paths; systemd slices involve no path at all.
 """
@@ -32,8 +35,11 @@ from typing import Any
 from shared.fsutil import TEMP_MARK
 from shared.holdfiles import (
     ENV_SUBDIR,
+    HOLD_FILE_MAX_BYTES,
+    NotAHold,
     VendorCache,
     checked_id,
+    consumer_file_bytes,
     env_file_name,
     hold_file_bytes,
     hold_file_name,
@@ -42,12 +48,14 @@ from shared.holdfiles import (
 )
 from shared.runtime import VERSION
 from shared.schemas import (
+    HELPER_FILE_COPY_CODEC,
     HELPER_FILE_REMOVE_CODEC,
     HELPER_FILE_WRITE_CODEC,
     HELPER_SLICE_APPLY_CODEC,
     HELPER_SLICE_REMOVE_CODEC,
     BadMessage,
     Codec,
+    HelperFileCopy,
     HelperFileRemove,
     HelperFileWrite,
     HelperInfo,
@@ -68,6 +76,7 @@ REASON_MAX = 4000
 #: operation -> (request codec, HelperOps method)
 OPERATIONS: dict[str, tuple[Codec[Any], str]] = {
     "file.write": (HELPER_FILE_WRITE_CODEC, "file_write"),
+    "file.copy": (HELPER_FILE_COPY_CODEC, "file_copy"),
     "file.remove": (HELPER_FILE_REMOVE_CODEC, "file_remove"),
     "slice.apply": (HELPER_SLICE_APPLY_CODEC, "slice_apply"),
     "slice.remove": (HELPER_SLICE_REMOVE_CODEC, "slice_remove"),
@@ -92,8 +101,12 @@ class HelperFailure(Exception):
 
 
 class HelperOps:
-    def __init__(self, cdi_dir: Path, run_dir: Path, slices: Slices, *, slices_backend: str, mps_pipe_dir: str) -> None:
+    def __init__(
+        self, cdi_dir: Path, run_dir: Path, slices: Slices, *, slices_backend: str, mps_pipe_dir: str, consumer_dir: Path | None = None
+    ) -> None:
         self.cdi = SafeDir(cdi_dir)
+        #: where the hold specs' consumer copies go (None: this helper makes none)
+        self.consumer = SafeDir(consumer_dir) if consumer_dir is not None else None
         self.run_dir = Path(os.path.realpath(run_dir))
         self.env = SafeDir(self.run_dir / ENV_SUBDIR)
         self.slices = slices
@@ -110,6 +123,7 @@ class HelperOps:
             mps_pipe_dir=self.mps_pipe_dir,
             euid=os.geteuid(),
             version=VERSION,
+            cdi_consumer_dir=str(self.consumer.path) if self.consumer is not None else "",
         )
 
     def answer(self, op: str, data: bytes) -> tuple[HelperReply, str]:
@@ -139,9 +153,15 @@ class HelperOps:
             raise HelperRefusal(str(exc)) from None
         if kind == "cdi":
             return self.cdi, hold_file_name(alloc)
+        if kind == "cdi-consumer":
+            if self.consumer is None:
+                raise HelperRefusal("this helper writes no consumer copies (no --cdi-consumer-dir)")
+            return self.consumer, hold_file_name(alloc)
         return self.env, env_file_name(alloc)
 
     def file_write(self, req: HelperFileWrite) -> HelperReply:
+        if req.kind == "cdi-consumer":
+            raise HelperRefusal(f"the consumer copy of {req.hold.allocation_id} is made from its hold spec on disk: ask file.copy")
         directory, name = self._where(req.kind, req.hold.allocation_id)
         try:
             hold = hold_from_wire(req.hold, self.mps_pipe_dir)
@@ -157,6 +177,27 @@ class HelperOps:
             data = hold_file_bytes(req.kind, hold, vendor)
             if len(data) > MAX_FILE_BYTES:
                 raise HelperRefusal(f"{req.kind} of {hold.allocation_id}: {len(data)} bytes is more than {MAX_FILE_BYTES}")
+            try:
+                changed = directory.write(name, data)
+            except OSError as exc:
+                raise HelperFailure(f"cannot write {directory.path / name}: {exc.strerror or exc}") from None
+        return HelperReply(ok=True, outcome="done", changed=changed, path=str(directory.path / name))
+
+    def file_copy(self, req: HelperFileCopy) -> HelperReply:
+        directory, name = self._where("cdi-consumer", req.allocation_id)
+        with self._lock:
+            try:
+                spec = self.cdi.read(name, HOLD_FILE_MAX_BYTES + 1)
+            except OSError as exc:
+                raise HelperFailure(f"cannot read {self.cdi.path / name}: {exc.strerror or exc}") from None
+            if spec is None:
+                raise HelperFailure(f"no hold spec {self.cdi.path / name} (not a regular file, or not there) to copy")
+            if len(spec) > HOLD_FILE_MAX_BYTES:
+                raise HelperRefusal(f"{self.cdi.path / name} is larger than {HOLD_FILE_MAX_BYTES} bytes")
+            try:
+                data = consumer_file_bytes(req.allocation_id, spec)
+            except (NotAHold, ValueError) as exc:
+                raise HelperRefusal(f"{self.cdi.path / name} is not copied: {exc}") from None
             try:
                 changed = directory.write(name, data)
             except OSError as exc:

@@ -1,6 +1,7 @@
-"""The root helper as a micro service: four operations for an unprivileged converger, and `info`.
+"""The root helper as a micro service: five operations for an unprivileged converger, and `info`.
 
 - `bcd.<n>.helper.file.write`    HelperFileWrite  -> HelperReply
+- `bcd.<n>.helper.file.copy`     HelperFileCopy   -> HelperReply (a hold spec's consumer copy)
 - `bcd.<n>.helper.file.remove`   HelperFileRemove -> HelperReply
 - `bcd.<n>.helper.slice.apply`   HelperSliceApply -> HelperReply
 - `bcd.<n>.helper.slice.remove`  HelperSliceRemove -> HelperReply
@@ -14,7 +15,7 @@ bounds, an env key bcd sets itself - nothing is written), or `failed` with the
 reason (the host failed it; the converger retries). Each done operation is
 logged at INFO (an audit trail of what root wrote), each refusal at WARNING.
 
-Options: `--cdi-dir` and `--run-dir` (the converger must be given the same:
+Options: `--cdi-dir`, `--cdi-consumer-dir` and `--run-dir` (the converger must be given the same:
 it reads the holds back from there, and checks `info` before it relies on
 the helper), `--slices fake|systemd` (auto: fake on a fake host, as the
 converger chooses), `--mps-pipe-dir` (the MPS pipe directory put into a
@@ -33,6 +34,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from shared.fsutil import read_regular
+from shared.holdfiles import checked_consumer_dir, default_consumer_dir
 from shared.host import HOST_FILE_MAX_BYTES
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, main_for
 from shared.schemas import EMPTY_CODEC, HELPER_INFO_CODEC, HELPER_REPLY_CODEC, Empty, HelperInfo, HelperReply
@@ -62,6 +64,13 @@ class HelperApp(ServiceApp):
     def options(self) -> list[Option]:
         return [
             Option("--cdi-dir", "CDI spec directory (the converger's)", default=Path("/etc/cdi"), type=Path),
+            Option(
+                "--cdi-consumer-dir",
+                "where the hold specs' consumer copies go (the converger's; a spec dir runtimes rank above --cdi-dir; "
+                "default /var/run/cdi, on a fake host <run-dir>/cdi)",
+                default=None,
+                type=Path,
+            ),
             Option("--run-dir", "runtime directory (the converger's; env files and fake slices)", default=Path("/run/bcd"), type=Path),
             Option("--fake-host", "fake host description file (fake slices, its MPS pipe directory)", type=Path),
             Option("--slices", "slice backend: fake (JSON records) or systemd (D-Bus)", default="auto", choices=("auto", "fake", "systemd")),
@@ -75,20 +84,27 @@ class HelperApp(ServiceApp):
         backend = o.slices if o.slices != "auto" else ("fake" if fake else "systemd")
         slices: Slices = FakeSlices(Path(os.path.realpath(o.run_dir))) if backend == "fake" else SystemdSlices(cgroup_root=CGROUP_ROOT)
         mps = o.mps_pipe_dir or (fake_host_mps_dir(o.fake_host) if fake else DEFAULT_MPS_PIPE_DIR)
-        self.ops = HelperOps(o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps)
+        try:
+            consumer = checked_consumer_dir(
+                o.cdi_dir, o.cdi_consumer_dir if o.cdi_consumer_dir is not None else default_consumer_dir(o.run_dir, fake_host=fake)
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self.ops = HelperOps(o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps, consumer_dir=consumer)
         self.m_ops = Counter("bcd_helper_operations", "Helper operations by operation and outcome", ["operation", "outcome"], registry=ctx.registry)
         for op in OPERATIONS:
             for outcome in ("done", "refused", "failed"):
                 self.m_ops.labels(operation=op, outcome=outcome)
         info = self.ops.info()
-        ctx.metadata.update(cdi_dir=info.cdi_dir, run_dir=info.run_dir, slices=info.slices)
+        ctx.metadata.update(cdi_dir=info.cdi_dir, cdi_consumer_dir=info.cdi_consumer_dir, run_dir=info.run_dir, slices=info.slices)
         if os.geteuid() != 0 and not fake:
             ctx.log.warning("the helper does not run as root: writes to root's directories and systemd will fail", euid=os.geteuid())
-        ctx.log.info("helper ready", cdi_dir=info.cdi_dir, run_dir=info.run_dir, slices=info.slices, mps_pipe_dir=info.mps_pipe_dir)
+        ctx.log.info("helper ready", cdi_dir=info.cdi_dir, cdi_consumer_dir=info.cdi_consumer_dir, run_dir=info.run_dir, slices=info.slices, mps_pipe_dir=info.mps_pipe_dir)
 
         s = ctx.subjects
         for op, subject in (
             ("file.write", s.helper_file_write),
+            ("file.copy", s.helper_file_copy),
             ("file.remove", s.helper_file_remove),
             ("slice.apply", s.helper_slice_apply),
             ("slice.remove", s.helper_slice_remove),

@@ -58,6 +58,7 @@ from .bus import (
     SignRequest,
     SpecAck,
     HelperDevice,
+    HelperFileCopy,
     HelperFileRemove,
     HelperFileWrite,
     HelperHold,
@@ -120,6 +121,7 @@ GPU_REPLY_CODEC: Codec[GpuReply] = Codec(GpuReply, max_bytes=DEFAULT_MAX_BYTES)
 GPU_CHANGED_CODEC: Codec[GpuChanged] = Codec(GpuChanged, max_bytes=256 * 1024)
 HELPER_FILE_WRITE_CODEC: Codec[HelperFileWrite] = Codec(HelperFileWrite, max_bytes=1024 * 1024)
 HELPER_FILE_REMOVE_CODEC: Codec[HelperFileRemove] = Codec(HelperFileRemove, max_bytes=4096)
+HELPER_FILE_COPY_CODEC: Codec[HelperFileCopy] = Codec(HelperFileCopy, max_bytes=4096)
 HELPER_SLICE_APPLY_CODEC: Codec[HelperSliceApply] = Codec(HelperSliceApply, max_bytes=16 * 1024)
 HELPER_SLICE_REMOVE_CODEC: Codec[HelperSliceRemove] = Codec(HelperSliceRemove, max_bytes=4096)
 HELPER_REPLY_CODEC: Codec[HelperReply] = Codec(HelperReply, max_bytes=16 * 1024)
@@ -235,6 +237,7 @@ __all__ = [  # noqa: PLE0604
     "EMPTY_CODEC",
     "UPSTREAM_TYPES",
     "HelperDevice",
+    "HelperFileCopy",
     "HelperFileRemove",
     "HelperFileWrite",
     "HelperHold",
@@ -246,6 +249,7 @@ __all__ = [  # noqa: PLE0604
     "HelperSliceRemove",
     "HELPER_FILE_WRITE_CODEC",
     "HELPER_FILE_REMOVE_CODEC",
+    "HELPER_FILE_COPY_CODEC",
     "HELPER_SLICE_APPLY_CODEC",
     "HELPER_SLICE_REMOVE_CODEC",
     "HELPER_REPLY_CODEC",

@@ -610,7 +610,8 @@ class DraPluginStatus(msgspec.Struct, frozen=True, kw_only=True):
 # plain bounded strings, checked by the helper, so a malformed one is refused
 # with a reason that names it.
 
-HelperFileKind = Literal["cdi", "allocation-env"]
+#: the three files of a hold: its CDI spec, the spec's consumer copy (shared.holdfiles.consumer_spec), its env file.
+HelperFileKind = Literal["cdi", "cdi-consumer", "allocation-env"]
 HelperDeviceKind = Literal["gpu", "mig", "slot"]
 
 #: NVML's GPU uuid, with or without its "GPU-" prefix.
@@ -684,9 +685,17 @@ class HelperFileWrite(HelperStruct, frozen=True, kw_only=True):
     hold: HelperHold
 
 
+class HelperFileCopy(HelperStruct, frozen=True, kw_only=True):
+    """`helper.file.copy`: write the consumer copy of the hold spec `bcd-<allocation_id>.json`
+    in the helper's own CDI dir (shared.holdfiles.consumer_file_bytes of its bytes), into the
+    helper's consumer dir: no content crosses the wire, only the id."""
+
+    allocation_id: _HelperId
+
+
 class HelperFileRemove(HelperStruct, frozen=True, kw_only=True):
-    """`helper.file.remove`: remove a hold's CDI spec or env file, or (temp_pid)
-    the temp file a write by that process left behind."""
+    """`helper.file.remove`: remove a hold's CDI spec, its consumer copy or its env file, or
+    (temp_pid) the temp file a write by that process left behind."""
 
     kind: HelperFileKind
     allocation_id: _HelperId
@@ -733,6 +742,8 @@ class HelperInfo(msgspec.Struct, frozen=True, kw_only=True):
     mps_pipe_dir: Text
     euid: int
     version: Name = ""
+    #: where it writes the hold specs' consumer copies ("" from a helper older than them).
+    cdi_consumer_dir: Text = ""
 
 __all__ = [
     "SwitchRequest",
@@ -780,6 +791,7 @@ __all__ = [
     "OrphanQuery",
     "OrphanReply",
     "HelperFileKind",
+    "HelperFileCopy",
     "HelperDeviceKind",
     "GPU_UUID_PATTERN",
     "MIG_UUID_PATTERN",

@@ -88,6 +88,8 @@ class NodeBus:
             BCD_DATA_DIR=str(self.root / "data"),
             BCD_RUN_DIR=str(self.root / "run"),
             BCD_CDI_DIR=str(self.root / "cdi"),
+            # never the host's /var/run/cdi, whatever a service's own default
+            BCD_CDI_CONSUMER_DIR=str(self.root / "run" / "cdi"),
         )
         env.update(extra)
         return env

@@ -373,6 +373,9 @@ async def test_a_root_helper_binds_holds_for_an_unprivileged_converger(node: Unp
         "cdi/bcd-a2.json",
         "run/allocations/a1.env",
         "run/allocations/a2.env",
+        # the consumer copies, made by the helper from the specs on its disk
+        "run/cdi/bcd-a1.json",
+        "run/cdi/bcd-a2.json",
         "run/slices/bcd-alloc-a2.slice.json",
     ]
     assert "MY_VAR=1" in (node.run / "allocations" / "a1.env").read_text().splitlines()
@@ -396,7 +399,7 @@ async def test_a_root_helper_binds_holds_for_an_unprivileged_converger(node: Unp
     await wait_for("the section CONVERGED at generation 2", lambda: node.section(2, "CONVERGED"))
     released = await wait_for("AllocationReleased of a1 upstream", lambda: _at_least(node.events("released"), 1))
     assert len(released) == 1
-    assert node.hold_files() == ["cdi/bcd-a2.json", "run/allocations/a2.env", "run/slices/bcd-alloc-a2.slice.json"]
+    assert node.hold_files() == ["cdi/bcd-a2.json", "run/allocations/a2.env", "run/cdi/bcd-a2.json", "run/slices/bcd-alloc-a2.slice.json"]
 
 
 async def _true(value: Awaitable[T], predicate: Callable[[T], bool]) -> T | None:
@@ -435,7 +438,7 @@ async def test_a_helper_gone_for_good_makes_the_node_unprivileged_again(node: Un
     assert [h.allocation_id for h in st.holds] == ["a1"]
     failed = await wait_for("AllocationFailed of a2 upstream", lambda: _at_least(node.events("failed"), 1))
     assert [json.loads(d)["reason"] for _, d in failed] == ["node-unprivileged"]
-    assert node.hold_files() == ["cdi/bcd-a1.json", "run/allocations/a1.env"]
+    assert node.hold_files() == ["cdi/bcd-a1.json", "run/allocations/a1.env", "run/cdi/bcd-a1.json"]
     assert len(await node.events("bound")) == 1 and await node.events("released") == []
     doctor = node.doctor()
     assert "WARN  gpu-binding" in doctor.stdout, doctor.stdout + doctor.stderr

@@ -36,6 +36,7 @@ KUBE = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
 S = NodeSubjects("node-1")
 OPS = {
     S.helper_file_write: "file.write",
+    S.helper_file_copy: "file.copy",
     S.helper_file_remove: "file.remove",
     S.helper_slice_apply: "slice.apply",
     S.helper_slice_remove: "slice.remove",
@@ -71,9 +72,9 @@ class OpsTransport:
 def helper_node(root: Path) -> tuple[Node, OpsTransport, HelperHostWriter]:
     """A converger Node whose applier writes through the helper (same dirs, fake slices)."""
     node = Node(root, supported_bindings=KUBE)
-    ops = HelperOps(node.cdi_dir, node.run_dir, FakeSlices(node.run_dir), slices_backend="fake", mps_pipe_dir=MPS)
+    ops = HelperOps(node.cdi_dir, node.run_dir, FakeSlices(node.run_dir), slices_backend="fake", mps_pipe_dir=MPS, consumer_dir=node.consumer_dir)
     transport = OpsTransport(ops)
-    writer = HelperHostWriter(transport, S, node.cdi_dir, node.run_dir, slices_backend="fake")
+    writer = HelperHostWriter(transport, S, node.cdi_dir, node.run_dir, slices_backend="fake", consumer_dir=node.consumer_dir)
     node.applier.writer = writer
     return node, transport, writer
 
@@ -127,7 +128,7 @@ async def test_a_converger_writing_through_the_helper_leaves_the_same_host(root:
         assert local.outbox.ids("bound") == through.outbox.ids("bound")
         assert local.outbox.ids("released") == through.outbox.ids("released")
     used = set(transport.subjects())
-    assert used == {"helper.info", "file.write", "file.remove", "slice.apply", "slice.remove"}, used
+    assert used == {"helper.info", "file.write", "file.copy", "file.remove", "slice.apply", "slice.remove"}, used
     assert local.holds() == {}
 
 

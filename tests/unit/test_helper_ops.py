@@ -24,6 +24,7 @@ from services.helper.ops import HelperOps
 from shared.holdfiles import HoldContent, HoldDevice, hold_to_wire, limits_to_wire
 from shared.schemas import (
     HELPER_REPLY_CODEC,
+    HelperFileCopy,
     HelperFileRemove,
     HelperFileWrite,
     HelperReply,
@@ -355,3 +356,93 @@ def test_a_hold_path_occupied_by_a_non_file_fails_the_write_and_leaves_nothing_b
         env.unlink()
     assert ask(ops, "file.write", HelperFileWrite(kind="allocation-env", hold=hold_to_wire(CONTENTS["two-gpus"]))).ok
     assert env.read_text().startswith("BCD_ALLOCATION_ID=two\n")
+
+
+# --------------------------------------------------------------------------- consumer copies
+
+
+def make_copying_ops(root: Path, vendor_dir: Path | None = None) -> HelperOps:
+    """make_ops' directories, and a consumer dir of its own (the service's --cdi-consumer-dir)."""
+    make_ops(root, vendor_dir)
+    return HelperOps(root / "cdi", root / "run", FakeSlices(root / "run"), slices_backend="fake", mps_pipe_dir=MPS, consumer_dir=root / "run-cdi")
+
+
+@pytest.mark.parametrize("name", sorted(CONTENTS))
+def test_a_copy_is_made_from_the_hold_spec_on_the_helpers_disk_as_the_local_writer_makes_it(tmp_path: Path, vendor_dir: Path, name: str) -> None:
+    content = CONTENTS[name]
+    local_root, helper_root = tmp_path / "local", tmp_path / "helper"
+    ops = make_copying_ops(helper_root, vendor_dir)
+    (local_root / "cdi").mkdir(parents=True)
+    (local_root / "cdi" / "nvidia.json").write_bytes((vendor_dir / "nvidia.json").read_bytes())
+    local = LocalHostWriter(local_root / "cdi", local_root / "run", ConvergerFakeSlices(local_root / "run"), consumer_dir=local_root / "run-cdi")
+    local.write_cdi(content)
+    local.write_consumer(content.allocation_id)
+    assert ask(ops, "file.write", HelperFileWrite(kind="cdi", hold=hold_to_wire(content))).ok
+    r = ask(ops, "file.copy", HelperFileCopy(allocation_id=content.allocation_id))
+    assert r.ok and r.changed and r.path == str(Path(os.path.realpath(helper_root)) / "run-cdi" / f"bcd-{content.allocation_id}.json"), r
+    assert not ask(ops, "file.copy", HelperFileCopy(allocation_id=content.allocation_id)).changed
+    assert tree(helper_root / "run-cdi") == tree(local_root / "run-cdi") != {}
+    assert (helper_root / "run-cdi" / f"bcd-{content.allocation_id}.json").stat().st_mode & 0o777 == 0o644
+    assert ops.info().cdi_consumer_dir == str(Path(os.path.realpath(helper_root)) / "run-cdi")
+    r = ask(ops, "file.remove", HelperFileRemove(kind="cdi-consumer", allocation_id=content.allocation_id))
+    assert r.ok and r.changed and tree(helper_root / "run-cdi") == {}
+
+
+def _hold_file(root: Path) -> Path:
+    return root / "cdi" / "bcd-two.json"
+
+
+@pytest.mark.parametrize(
+    ("plant", "outcome", "reason"),
+    [
+        (None, "failed", "no hold spec"),
+        (lambda p: p.write_text("{not json"), "refused", "not valid JSON"),
+        (lambda p: p.write_text(json.dumps({"cdiVersion": "0.3.0", "kind": "bcd.dev/gpu", "devices": []})), "refused", "no annotations"),
+        (lambda p: p.symlink_to("/etc/passwd"), "failed", "not a regular file"),
+        (lambda p: os.mkfifo(p), "failed", "not a regular file"),
+    ],
+    ids=["missing", "not-json", "not-a-hold", "symlink", "fifo"],
+)
+def test_a_copy_of_what_is_not_that_hold_is_not_made(tmp_path: Path, plant, outcome: str, reason: str) -> None:  # noqa: ANN001
+    ops = make_copying_ops(tmp_path)
+    if plant is not None:
+        plant(_hold_file(tmp_path))
+    r = ask(ops, "file.copy", HelperFileCopy(allocation_id="two"))
+    assert not r.ok and r.outcome == outcome and reason in r.reason, r
+    assert tree(tmp_path / "run-cdi") == {}
+
+
+def test_another_allocations_hold_is_not_copied_under_this_id(tmp_path: Path) -> None:
+    ops = make_copying_ops(tmp_path)
+    assert ask(ops, "file.write", HelperFileWrite(kind="cdi", hold=hold_to_wire(CONTENTS["mig"]))).ok
+    os.rename(tmp_path / "cdi" / "bcd-mig.json", _hold_file(tmp_path))
+    r = ask(ops, "file.copy", HelperFileCopy(allocation_id="two"))
+    assert r.outcome == "refused" and "does not match the file name" in r.reason
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"allocation_id": "../../etc/x"}, "not a valid id"),
+        ({"allocation_id": "two", "path": "/etc/cdi/x.json"}, "unknown field"),
+        ({"allocation_id": "two", "content": "{}"}, "unknown field"),
+    ],
+)
+def test_a_copy_request_carries_an_id_and_nothing_else(tmp_path: Path, body: dict, reason: str) -> None:
+    ops = make_copying_ops(tmp_path)
+    r = ask(ops, "file.copy", json.dumps(body).encode())
+    assert r.outcome == "refused" and reason in r.reason, r
+
+
+def test_a_consumer_copy_is_never_written_from_wire_fields(tmp_path: Path) -> None:
+    ops = make_copying_ops(tmp_path)
+    r = ask(ops, "file.write", HelperFileWrite(kind="cdi-consumer", hold=hold_to_wire(CONTENTS["two-gpus"])))
+    assert r.outcome == "refused" and "file.copy" in r.reason
+    assert not (tmp_path / "run-cdi").exists() or tree(tmp_path / "run-cdi") == {}
+
+
+def test_a_helper_without_a_consumer_dir_refuses_copies(tmp_path: Path) -> None:
+    ops = make_ops(tmp_path)
+    assert ops.info().cdi_consumer_dir == ""
+    r = ask(ops, "file.copy", HelperFileCopy(allocation_id="two"))
+    assert r.outcome == "refused" and "no --cdi-consumer-dir" in r.reason

@@ -78,7 +78,7 @@ USERS = {
 #: what a unit may write besides its StateDirectory=, by unit (nothing when absent).
 READ_WRITE_PATHS = {
     "bcd-vfio-switcher.service": {"/sys/bus/pci/drivers", "/sys/bus/pci/drivers_probe", "/sys/devices"},
-    "bcd-helper.service": {"/etc/cdi", "/run/bcd"},
+    "bcd-helper.service": {"/etc/cdi", "/run/cdi", "/run/bcd"},
     # its sockets beside the kubelet's ("-": a host without a kubelet starts it all the same)
     "bcd-device-plugin.service": {"-/var/lib/kubelet/device-plugins"},
     # the registration socket where the kubelet's plugin watcher looks, and its own socket's directory

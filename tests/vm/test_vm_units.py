@@ -204,7 +204,8 @@ class Node:
         return cgroup_file(self.vm, alloc, name, self.diagnostics)
 
     def hold_files(self) -> list[str]:
-        out = self.vm.sh("find /etc/cdi /run/bcd/allocations -type f ! -name nvidia.json | sort", check=False)
+        # the hold specs, their env files and their consumer copies (tmpfs /run/cdi, docs/cdi-runtimes.md)
+        out = self.vm.sh("find /etc/cdi /run/bcd/allocations /run/cdi -type f ! -name nvidia.json | sort", check=False)
         return out.split()
 
 
@@ -354,8 +355,10 @@ def test_a_hold_binds_through_the_helper_with_a_real_slice(node: Node) -> None:
         "/etc/cdi/bcd-train-01.json",
         "/run/bcd/allocations/infer-01.env",
         "/run/bcd/allocations/train-01.env",
+        "/run/cdi/bcd-infer-01.json",
+        "/run/cdi/bcd-train-01.json",
     ], files
-    assert vm.sh("stat -c '%U %a' " + " ".join(files)).split() == ["root", "644"] * 4
+    assert vm.sh("stat -c '%U %a' " + " ".join(files)).split() == ["root", "644"] * 6
     env = vm.sh("cat /run/bcd/allocations/train-01.env")
     assert f"BCD_CGROUP_PARENT={slice_of('train-01')}" in env and "VM_TEST=train-01" in env, env
     assert '"operation done"' in journal(vm, HELPER, 200)
@@ -367,7 +370,7 @@ def test_release_stops_the_empty_slice(node: Node) -> None:
     node.wait_events("released", "train-01")
     wait_for("the empty slice stopped after the release", lambda: not node.slice_active("train-01"), 60, node.diagnostics)
     assert node.vm.run(["test", "-e", cgroup_of("train-01")]).rc != 0, f"{cgroup_of('train-01')} still there"
-    assert node.hold_files() == ["/etc/cdi/bcd-infer-01.json", "/run/bcd/allocations/infer-01.env"]
+    assert node.hold_files() == ["/etc/cdi/bcd-infer-01.json", "/run/bcd/allocations/infer-01.env", "/run/cdi/bcd-infer-01.json"]
 
 
 def test_a_workload_keeps_the_slice_past_the_release(node: Node) -> None:
@@ -523,6 +526,8 @@ def _kept_holds_intact(node: Node, what: str) -> None:
         "/etc/cdi/bcd-keep-02.json",
         "/run/bcd/allocations/keep-01.env",
         "/run/bcd/allocations/keep-02.env",
+        "/run/cdi/bcd-keep-01.json",
+        "/run/cdi/bcd-keep-02.json",
     ], f"{what}: {files}"
     assert node.slice_active("keep-01"), f"{what}: the slice is not active\n{node.diagnostics()}"
     assert node.cgroup_file("keep-01", "memory.max") == str(LIMITS["memory_bytes"])

@@ -394,14 +394,19 @@ async def test_reboot_recreates_env_files_and_slices_without_new_events(root: Pa
     cdi = node.holds()
     sends = node.outbox.sends
 
-    # reboot: /run is tmpfs (env files and the fake slices live there); CDI specs survive
+    copies = node.consumer_copies()
+    assert set(copies) == {"a1", "a2", "a3"}
+
+    # reboot: /run is tmpfs (env files, the fake slices and the consumer copies in
+    # /run/cdi live there); CDI specs survive
     shutil.rmtree(node.run_dir)
     node.run_dir.mkdir()
     node = node.restart(boot_id="boot-2")
     p, r = await node.converge(S1)
     assert not r.errors
-    assert p.kinds() == ["EnsureSlice", "WriteEnv", "WriteEnv", "WriteEnv"]
+    assert p.kinds() == ["EnsureSlice", "WriteEnv", "WriteConsumer", "WriteEnv", "WriteConsumer", "WriteEnv", "WriteConsumer"]
     assert {a: node.env(a) for a in envs} == envs
+    assert node.consumer_copies() == copies
     assert node.slices.properties("a1") == slice_props
     assert node.holds() == cdi
     assert node.outbox.sends == sends  # no new Bound, not even a replayed one

@@ -20,7 +20,7 @@ from services.converger.plan import plan
 from services.converger.model import PlanConfig
 from services.converger.domains import NoDomains
 from services.converger.vfio import card_claims
-from shared.holdfiles import BINDING_CLAIM, parse_hold
+from shared.holdfiles import BINDING_CLAIM, consumer_spec, parse_hold
 from shared.holddisk import read_disk
 from shared.schemas import (
     ClaimDevice,
@@ -203,7 +203,8 @@ class Rig:
         self.state = state or ConvergerState(boot_id="boot-1")
         self.saves: list[str] = []
         self.mig = mig or MigModel()
-        self.writer = LocalHostWriter(self.cdi, self.run, FakeSlices(self.run))
+        self.copies = self.run / "cdi"
+        self.writer = LocalHostWriter(self.cdi, self.run, FakeSlices(self.run), consumer_dir=self.copies)
         self.keeper = ClaimKeeper(
             state=lambda: self.state,
             save=self._save,
@@ -234,6 +235,9 @@ class Rig:
     def files(self) -> list[str]:
         return sorted(p.name for p in self.cdi.glob("bcd-*.json"))
 
+    def copies_on_disk(self) -> list[str]:
+        return sorted(p.name for p in self.copies.glob("bcd-*.json"))
+
 
 def test_prepare_whole_card_writes_a_claim_hold_and_is_idempotent(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
@@ -244,6 +248,9 @@ def test_prepare_whole_card_writes_a_claim_hold_and_is_idempotent(tmp_path: Path
     assert hold.binding == BINDING_CLAIM and hold.devices == (GPU[0],)
     spec = json.loads((rig.cdi / f"bcd-claim-{UID}.json").read_text())
     assert f"NVIDIA_VISIBLE_DEVICES={GPU[0]}" in spec["containerEdits"]["env"]
+    # its consumer copy, for a containerd or CRI-O whose CDI library is older than v0.6
+    assert rig.copies_on_disk() == [f"bcd-claim-{UID}.json"]
+    assert json.loads((rig.copies / f"bcd-claim-{UID}.json").read_text()) == consumer_spec(spec)
     # the intent was journaled before the file, prepared after it
     assert json.loads(rig.saves[0])["claims"][UID]["state"] == "preparing" and rig.state.claims[UID].state == "prepared"
     again = asyncio.run(rig.keeper.prepare(req(gpu_dev(INV, 0))))
@@ -252,6 +259,7 @@ def test_prepare_whole_card_writes_a_claim_hold_and_is_idempotent(tmp_path: Path
     assert not other.ok and other.reason == "overlap" and "DRA claim ml/c1" in other.message
     u = asyncio.run(rig.keeper.unprepare(UID))
     assert u.ok and rig.files() == [] and UID not in rig.state.claims
+    assert rig.copies_on_disk() == []
     assert asyncio.run(rig.keeper.unprepare(UID)).ok  # again: nothing left, still fine
 
 

@@ -212,7 +212,7 @@ async def test_a_kept_hold_whose_env_file_cannot_be_written_is_not_reported_boun
     fifos = (env,) if what == "fifo" else ()
 
     p, r = await converge(node, s1, fifos)
-    assert p.kinds() == ["WriteEnv", "ReportBound"]
+    assert p.kinds() == ["WriteEnv", "WriteConsumer", "ReportBound"]
     assert any(f"cannot write {env}: {kind} is in the way" in e for e in r.errors), r.errors
     assert any("a1: Bound not reported in this pass: its files are not all in place" in e for e in r.errors), r.errors
     assert node.outbox.ids("bound") == []
@@ -277,3 +277,33 @@ def test_status_problems_stay_within_their_bound() -> None:
     assert CONVERGER_STATUS_CODEC.decode(CONVERGER_STATUS_CODEC.encode(st)) == st
     with pytest.raises(BadMessage):
         CONVERGER_STATUS_CODEC.decode(msgspec.json.encode(ConvergerStatus(problems=["p"] * (PROBLEMS_MAX + 1))))
+
+
+# ---------------------------------------------------------------------------- the consumer copy's path occupied
+
+
+@pytest.mark.parametrize("what", ["directory", "fifo"])
+async def test_an_occupied_consumer_copy_path_sends_no_bound_and_is_left_alone(root: Path, what: str) -> None:
+    """A FIFO or a directory named like a hold's consumer copy (`<consumer_dir>/bcd-a1.json`): the
+    pass never blocks on it, the bind stays retryable with the path named, no Bound goes, and the
+    entry is never removed; once it is gone the hold binds with one Bound."""
+    node = Node(root / "node")
+    copy = node.consumer_dir / "bcd-a1.json"
+    kind = occupy(copy, what)
+    fifos = (copy,) if what == "fifo" else ()
+    s1 = spec(1, hold("a1", G[0]), hold("b1", G[1]))
+    disk = within_deadline(lambda: read_disk(node.cdi_dir, node.run_dir, consumer_dir=node.consumer_dir), fifos)
+    assert any(str(copy) in p for p in disk.problems), disk.problems
+    p, r = await converge(node, s1, fifos)
+    assert r.retry
+    assert any(f"cannot write {copy}: {kind} is in the way" in e for e in r.errors), r.errors
+    assert node.outbox.ids("bound") == ["node-1.b1.bound.g1"]
+    # the hold spec of the bind that failed half-way went with it: nothing a runtime could use
+    assert "a1" not in node.holds()
+    p, r = await converge(node, s1, fifos)  # the next pass neither blocks nor removes it
+    assert r.retry and node.outbox.ids("bound") == ["node-1.b1.bound.g1"]
+    vacate(copy, what)
+    p, r = await converge(node, s1)
+    assert not r.errors, r.errors
+    assert sorted(node.outbox.ids("bound")) == ["node-1.a1.bound.g1", "node-1.b1.bound.g1"]
+    check_hold_invariants(node)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.converger.model import BindHold, StopSlice
+from shared.holdfiles import consumer_spec
 from shared.slices import legacy_slice_name, slice_name
 
 from tests.converger_kit import GPU, Node, check_hold_invariants, fast_dir, hold, spec
@@ -47,6 +48,8 @@ async def legacy_node(root: Path, *, pids: list[int]) -> Node:
     record = json.loads(node.slices.path(ALLOC).read_text())
     node.slices.path(ALLOC).unlink()
     (node.slices.dir / f"{OLD}.json").write_text(json.dumps({**record, "name": OLD, "pids": pids}))
+    # that bcd wrote no consumer copies either
+    (node.consumer_dir / f"bcd-{ALLOC}.json").unlink()
     node = node.restart()  # the new bcd starts
     assert node.holds()[ALLOC]["annotations"]["bcd.dev/cgroup-parent"] == OLD
     return node
@@ -59,7 +62,13 @@ def bound_ids(node: Node) -> list[str]:
 async def test_a_legacy_hold_with_a_busy_slice_is_kept_untouched(root: Path) -> None:
     node = await legacy_node(root, pids=[4242])
     p = node.plan(wanted())
-    assert p.steps == ()
+    # only the consumer copy the older bcd never wrote is added, made from the hold spec as it is
+    assert p.kinds() == ["WriteConsumer"]
+    _, result = await node.converge(wanted())
+    assert not result.errors
+    assert node.consumer_copies()[ALLOC] == consumer_spec(node.holds()[ALLOC])
+    assert f"BCD_CGROUP_PARENT={OLD}" in node.consumer_copies()[ALLOC]["containerEdits"]["env"]
+    assert node.plan(wanted()).steps == ()
     assert node.slice_names() == [ALLOC]  # its old slice counts as its slice
     assert f"BCD_CGROUP_PARENT={OLD}\n" in node.env(ALLOC)
 

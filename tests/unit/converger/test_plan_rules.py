@@ -129,6 +129,41 @@ def temp_files(node: Node) -> None:
     (node.run_dir / "allocations" / ".a1.env.tmp-4242").write_text("BCD_")
 
 
+def remove_copy(alloc: str) -> Callable[[Node], None]:
+    return lambda node: (node.consumer_dir / f"bcd-{alloc}.json").unlink()
+
+
+def edit_copy(alloc: str) -> Callable[[Node], None]:
+    """A consumer copy changed from outside (one env entry more): no longer what its hold spec makes."""
+
+    def run(node: Node) -> None:
+        path = node.consumer_dir / f"bcd-{alloc}.json"
+        path.write_text(path.read_text().replace('"env": [', '"env": ["INJECTED=1", ', 1))
+
+    return run
+
+
+def orphan_copy(alloc: str) -> Callable[[Node], None]:
+    """A consumer copy whose hold spec is gone (its hold spec removed from outside, or an old bcd's)."""
+
+    def run(node: Node) -> None:
+        node.consumer_dir.mkdir(parents=True, exist_ok=True)
+        (node.consumer_dir / f"bcd-{alloc}.json").write_text('{"cdiVersion": "0.3.0", "kind": "bcd.dev/gpu", "devices": []}')
+
+    return run
+
+
+def foreign_copies(node: Node) -> None:
+    """Another program's specs in the consumer dir (NVIDIA's generated one, a name that is no id)."""
+    node.consumer_dir.mkdir(parents=True, exist_ok=True)
+    (node.consumer_dir / "nvidia.yaml").write_text("cdiVersion: 0.5.0\n")
+    (node.consumer_dir / "bcd-Not_An_Id.json").write_text("{}")
+
+
+def copy_temp_file(node: Node) -> None:
+    (node.consumer_dir / ".bcd-a1.json.tmp-4242").write_text("{")
+
+
 # ------------------------------------------------------------------------------ the table
 
 
@@ -363,6 +398,16 @@ ROWS = [
     # assignment's binding changed since (this used to raise inside plan())
     Row("kept-hold-env-rebuilt-as-bound-after-binding-change", spec(2, hold("a1", G[0], binding="BINDING_KUBERNETES")), ["WriteEnv"],
         before=spec(1, hold("a1", G[0], cpus="0-3")), drift=remove_env("a1")),
+    # -------------------------------------------------------------- consumer copies (docs/cdi-runtimes.md)
+    Row("kept-missing-consumer-copy", S1, ["WriteConsumer"], before=S1, drift=remove_copy("a3")),
+    Row("kept-stale-consumer-copy", S1, ["WriteConsumer"], before=S1, drift=edit_copy("a1")),
+    Row("kept-missing-env-and-consumer-copy", S1, ["WriteEnv", "WriteConsumer"], before=S1, drift=both(remove_env("a2"), remove_copy("a2"))),
+    Row("orphan-consumer-copy-removed", S1, ["RemoveConsumer"], before=S1, drift=orphan_copy("gone1")),
+    Row("released-hold-takes-its-copy-no-extra-step", spec(2, hold("a1", G[0])), ["ReleaseHold", "ReleaseHold"], before=S1),
+    Row("foreign-files-in-the-consumer-dir-left-alone", S1, [], before=S1, drift=foreign_copies),
+    Row("consumer-copy-temp-file-removed", S1, ["RemoveTemp"], before=S1, drift=copy_temp_file),
+    Row("consumer-copies-not-kept-nothing-planned", S1, [], before=S1, drift=both(remove_copy("a1"), orphan_copy("gone1")),
+        observed={"consumer_copies": None}),
     # -------------------------------------------------------------- leftover slices
     Row("leftover-empty-slice-stopped", S1, ["StopSlice"], before=S1, drift=leftover_slice("old1")),
     Row("leftover-busy-slice-kept", S1, [], before=S1, drift=leftover_slice("old1", pids=(4242,))),
