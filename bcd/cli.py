@@ -369,10 +369,11 @@ def cmd_bus(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from .runtimes import default_probe
     from .status import doctor_checks, gather
 
     info = node_info(args.state_dir)
-    report = _run(gather(info))
+    report = _run(gather(info, runtimes=default_probe()))
     if not report.reachable:
         raise NodeUnreachable(report.error or f"node bus at {info.nats_url} not reachable")
     checks = doctor_checks(report)
@@ -486,23 +487,41 @@ def cmd_releases(args: argparse.Namespace) -> int:
 def cmd_cdi(args: argparse.Namespace) -> int:
     """`bcd cdi list`: the CDI device names bcd created, the hold and atoms behind each, and how a runtime asks for them.
 
-    Reads the hold files in the node's CDI dir (`--cdi-dir`, else node.json's), never the bus: it works
-    with the node stopped. Exit 1 when a file there could not be read as a hold or a name is used twice.
+    Reads the hold files in the node's CDI dir (`--cdi-dir`, else node.json's) and their consumer copies
+    (`--cdi-consumer-dir`, else node.json's), never the bus: it works with the node stopped. Looks for
+    podman, docker, containerd and crio on PATH and shows command lines only for those that can use a hold.
+    Exit 1 when a file there could not be read as a hold, a name is used twice, or a consumer copy is
+    missing, stale or without its hold.
     """
-    from .cdi import listing_json, read_cdi_dir, render_listing
+    from . import runtimes
+    from .cdi import hold_files, listing_json, read_cdi_dir, render_listing
+    from .client import NodeInfo, NodeNotFound
 
+    info: NodeInfo | None = None
+    if args.cdi_dir is None or args.cdi_consumer_dir is None:
+        try:
+            info = node_info(args.state_dir)
+        except NodeNotFound:
+            if args.cdi_dir is None:
+                raise
     if args.cdi_dir is not None:
         cdi_dir = args.cdi_dir
     else:
-        info = node_info(args.state_dir)
+        assert info is not None
         cdi_dir = Path(info.cdi_dir) if info.cdi_dir else args.state_dir / "cdi"
-    listing = read_cdi_dir(cdi_dir)
+    if args.cdi_consumer_dir is not None:
+        consumer_dir: Path | str = args.cdi_consumer_dir
+    else:
+        consumer_dir = info.cdi_consumer_dir if info is not None else ""
+    listing = read_cdi_dir(cdi_dir, consumer_dir)
     if args.allocations:
         wanted = set(args.allocations)
         missing = sorted(wanted - {h.allocation_id for h in listing.holds})
         listing.holds = [h for h in listing.holds if h.allocation_id in wanted]
         listing.problems.extend(f"no hold of allocation {a} in {cdi_dir}" for a in missing)
-    print(json.dumps(listing_json(listing), indent=2) if args.json else render_listing(listing))
+    found = runtimes.default_probe().find()
+    same_dirs = runtimes.same_dirs_of(found, hold_files(listing))
+    print(json.dumps(listing_json(listing, found, same_dirs), indent=2) if args.json else render_listing(listing, found, same_dirs))
     return 1 if listing.problems else 0
 
 
@@ -733,6 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     cdi.add_argument("action", choices=("list",), help="list: every hold's CDI device names, the atoms behind them, docker/podman/containerd usage")
     cdi.add_argument("allocations", nargs="*", metavar="ALLOCATION", help="only these allocations' holds (default: all)")
     cdi.add_argument("--cdi-dir", type=Path, default=None, help="read this CDI dir instead of the one in <state-dir>/node.json")
+    cdi.add_argument(
+        "--cdi-consumer-dir", type=Path, default=None, help="read the hold specs' consumer copies in this dir instead of the one in <state-dir>/node.json"
+    )
     from .fleet import add_parser as fleet_parser
 
     fleet_parser(sub, [common])

@@ -5,6 +5,13 @@ inventory, the converger's status and the outbox depth; `render_status`,
 `problems` and `doctor_checks` are pure functions of that report, so their
 verdicts are unit-tested as tables.
 
+`bcd doctor` also looks at this host's container runtimes (bcd.runtimes: podman,
+docker, containerd, crio on PATH) and the node's hold files: `gather` carries what
+it found in the report (`runtimes`, `hold_files`), and `doctor_checks` gives one
+`cdi-runtime` row per runtime (ok when it can use every hold, a warning naming the
+holds it cannot use and what to do), or one ok row when there is none. Never a
+failure: a node is healthy whether or not anything on the host can start containers.
+
 A card that only a person can move on (`ATTENTION_ROWS`: a disruption waiting
 for a reboot, a failed reclaim, phase Failed, an Orphaned card nobody is
 reclaiming) makes the node unhealthy (`bcd status` and `bcd doctor` exit 1)
@@ -46,6 +53,7 @@ from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.subjects import NodeSubjects
 
 from .client import NodeInfo, NodeUnreachable, connect, ping_all
+from .runtimes import RUNTIME_NAMES, HoldFiles, HoldUse, RuntimeFacts, RuntimeProbe, hold_use, same_dirs_of
 
 #: an outbox whose oldest event is older than this is not draining.
 OUTBOX_STALE_S = 120.0
@@ -67,9 +75,25 @@ class NodeReport:
     #: None when no DRA plugin answered.
     dra_plugin: DraPluginStatus | None = None
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    #: the container runtimes found on this host; None: not looked for (`bcd status`).
+    runtimes: list[RuntimeFacts] | None = None
+    #: each hold's spec file and consumer copy, as the node's CDI dirs hold them.
+    hold_files: list[HoldFiles] = field(default_factory=list)
+    #: each dir the runtimes and holds name -> the dir it really is (bcd.runtimes.same_dirs_of).
+    same_dirs: dict[str, str] = field(default_factory=dict)
 
 
-async def gather(info: NodeInfo) -> NodeReport:
+def look_at_runtimes(report: NodeReport, info: NodeInfo, probe: RuntimeProbe) -> None:
+    """Fill the report's runtimes, hold files and dir names: the probe's runtimes and the holds on disk."""
+    from .cdi import hold_files, read_cdi_dir
+
+    report.runtimes = probe.find()
+    report.hold_files = hold_files(read_cdi_dir(info.cdi_dir, info.cdi_consumer_dir)) if info.cdi_dir else []
+    report.same_dirs = same_dirs_of(report.runtimes, report.hold_files)
+
+
+async def gather(info: NodeInfo, runtimes: RuntimeProbe | None = None) -> NodeReport:
+    """What the node bus says; with `runtimes`, also this host's container runtimes and the holds on disk."""
     report = NodeReport(node_id=info.node_id, expected=list(info.services))
     try:
         nc = await connect(info)
@@ -96,6 +120,8 @@ async def gather(info: NodeInfo) -> NodeReport:
             report.outbox = await stream_depth(nc, subjects.outbox_stream)
     finally:
         await nc.close()
+    if runtimes is not None:
+        await asyncio.to_thread(look_at_runtimes, report, info, runtimes)
     return report
 
 
@@ -457,6 +483,44 @@ def gpu_problems(inv: Inventory | None) -> list[str]:
     return [a.text() for a in gpu_attention(inv)]
 
 
+#: the most hold ids a cdi-runtime row names per what-to-do.
+_NAMED_HOLDS = 5
+
+
+def _hold_ids(uses: list[HoldUse]) -> str:
+    ids = [u.allocation_id for u in uses]
+    more = f" and {len(ids) - _NAMED_HOLDS} more" if len(ids) > _NAMED_HOLDS else ""
+    return ", ".join(ids[:_NAMED_HOLDS]) + more
+
+
+def cdi_runtime_checks(report: NodeReport) -> list[tuple[str, str, str]]:
+    """One `cdi-runtime` row per runtime found (ok, or warn: the holds it cannot use and what to do);
+    one ok row when none was found; nothing when the runtimes were not looked for."""
+    if report.runtimes is None:
+        return []
+    if not report.runtimes:
+        return [("ok", "cdi-runtime", f"no container runtime found on this host ({', '.join(RUNTIME_NAMES)}): nothing to check")]
+    out: list[tuple[str, str, str]] = []
+    for rt in report.runtimes:
+        uses = [hold_use(rt, h, report.same_dirs) for h in report.hold_files]
+        bad = [u for u in uses if not u.usable]
+        if not uses:
+            out.append(("ok", "cdi-runtime", f"{rt.describe()}: no holds to use"))
+            continue
+        if not bad:
+            out.append(("ok", "cdi-runtime", f"{rt.describe()}: can use every hold ({len(uses)})"))
+            continue
+        if not rt.version:
+            out.append(("warn", "cdi-runtime", f"{rt.name}: version unknown ({rt.error}): cannot tell which of the {len(uses)} hold(s) it can use"))
+            continue
+        groups: dict[str, list[HoldUse]] = {}
+        for u in bad:
+            groups.setdefault(u.todo, []).append(u)
+        why = "; ".join(f"{_hold_ids(us)}: {todo}" for todo, us in groups.items())
+        out.append(("warn", "cdi-runtime", f"{rt.label} cannot use {len(bad)} of {len(uses)} hold(s): {why}"))
+    return out
+
+
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     """(level ok|warn|fail, check name, message) per check."""
     out: list[tuple[str, str, str]] = []
@@ -533,6 +597,7 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             out.append(("ok", "dra-plugin", dra_plugin_line(report).removeprefix(f"DRA plugin {dra.driver}: ")))
         elif dra.registration_error:
             out.append(("warn", "dra-plugin", f"the kubelet refused its registration: {dra.registration_error}"))
+    out.extend(cdi_runtime_checks(report))
     out.extend(("fail", "gpu", p) for p in gpu_problems(inv))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
@@ -554,5 +619,7 @@ __all__ = [
     "gpu_attention",
     "gpu_problems",
     "doctor_checks",
+    "cdi_runtime_checks",
+    "look_at_runtimes",
     "OUTBOX_STALE_S",
 ]

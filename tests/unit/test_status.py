@@ -6,10 +6,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from bcd.status import NodeReport, doctor_checks, problems, render_status
+from bcd.client import NodeInfo
+from bcd.runtimes import FakeRuntimes, HoldFiles, RuntimeFacts
+from bcd.status import NodeReport, doctor_checks, look_at_runtimes, problems, render_status
 from shared.jsutil import StreamDepth
 from shared.schemas import ConvergerStatus, HoldSummary, SectionStatus
-from tests.converger_kit import host_inventory
+from tests.converger_kit import Node, fast_dir, hold, host_inventory, spec
 
 NOW = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)
 SERVICES = ["signer", "inventory", "converger", "gateway_bridge", "kube_reaper"]
@@ -459,3 +461,112 @@ def test_status_and_gpu_list_show_running_and_finished_maintenance():
     listing = render_gpus(inv, [done])
     assert f"diag level 3: Failed at 2026-11-30 09:00:00 ({done.id}): Memory: ECC" in listing
     assert "maintenance unknown" in render_gpus(inv, None)
+
+
+# ---------------------------------------------------------------------------- cdi-runtime: what the host's runtimes can use
+
+HOLDS = [
+    HoldFiles("a1", "/etc/cdi/bcd-a1.json", "0.6.0", "/var/run/cdi/bcd-a1.json", "0.3.0"),
+    HoldFiles("a2", "/etc/cdi/bcd-a2.json", "0.6.0", "/var/run/cdi/bcd-a2.json", None),
+]
+PODMAN_43 = RuntimeFacts("podman", "/usr/bin/podman", "4.3.1")
+PODMAN_55 = RuntimeFacts("podman", "/usr/bin/podman", "5.5.0")
+DOCKER_20 = RuntimeFacts("docker", "/usr/bin/docker", "20.10.24", cdi_enabled=False, cdi_switch='set "features": {"cdi": true} in /etc/docker/daemon.json')
+NO_DAEMON = RuntimeFacts("docker", "/usr/bin/docker", error="`docker version --format '{{.Server.Version}}'` failed (exit 1): Cannot connect")
+
+
+def runtime_rows(**kw) -> list[tuple[str, str, str]]:
+    return [row for row in doctor_checks(report(**kw)) if row[1] == "cdi-runtime"]
+
+
+@pytest.mark.parametrize(
+    ("name", "runtimes", "holds", "rows"),
+    [
+        ("not-looked-for", None, HOLDS, []),
+        # VM tests and fake hosts have none: never a warning
+        ("none-found", [], HOLDS, [("ok", "no container runtime found on this host (podman, docker, containerd, crio): nothing to check")]),
+        (
+            "nothing-to-do",
+            [PODMAN_55],
+            HOLDS,
+            [("ok", "podman 5.5.0 (CDI library v1.0: reads cdiVersion <= 1.0.0; dirs /etc/cdi, /var/run/cdi): can use every hold (2)")],
+        ),
+        ("no-holds", [DOCKER_20], [], [("ok", "docker 20.10.24 (no CDI: it came in docker 25.0.0): no holds to use")]),
+        (
+            "one-hold-without-its-copy",
+            [PODMAN_43],
+            HOLDS,
+            [
+                (
+                    "warn",
+                    "podman 4.3.1 cannot use 1 of 2 hold(s): a2: its consumer copy /var/run/cdi/bcd-a2.json is missing "
+                    "(the converger writes it beside the hold spec: is it running this bcd?); or upgrade podman to 4.7.0 or later",
+                )
+            ],
+        ),
+        (
+            "one-row-per-runtime-holds-grouped-by-what-to-do",
+            [PODMAN_55, DOCKER_20],
+            HOLDS,
+            [
+                ("ok", "podman 5.5.0 (CDI library v1.0: reads cdiVersion <= 1.0.0; dirs /etc/cdi, /var/run/cdi): can use every hold (2)"),
+                (
+                    "warn",
+                    'docker 20.10.24 cannot use 2 of 2 hold(s): a1, a2: docker 20.10.24 has no CDI: upgrade docker to 25.0.0 or later '
+                    'and set "features": {"cdi": true} in /etc/docker/daemon.json',
+                ),
+            ],
+        ),
+        (
+            "version-unknown",
+            [NO_DAEMON],
+            HOLDS,
+            [("warn", "docker: version unknown (`docker version --format '{{.Server.Version}}'` failed (exit 1): Cannot connect): cannot tell which of the 2 hold(s) it can use")],
+        ),
+    ],
+)
+def test_doctor_says_which_holds_each_runtime_can_use(name, runtimes, holds, rows):
+    got = runtime_rows(runtimes=runtimes, hold_files=holds)
+    assert [(level, message) for level, _, message in got] == rows
+    # never a failure, and the node's health does not depend on it
+    assert problems(report(runtimes=runtimes, hold_files=holds)) == []
+
+
+def test_doctor_names_at_most_five_holds_per_line():
+    holds = [HoldFiles(f"a{i}", f"/etc/cdi/bcd-a{i}.json", "0.6.0") for i in range(8)]
+    ((level, _, message),) = runtime_rows(runtimes=[DOCKER_20], hold_files=holds)
+    assert level == "warn" and "cannot use 8 of 8 hold(s): a0, a1, a2, a3, a4 and 3 more: " in message
+
+
+def test_doctor_matches_two_names_of_one_dir():
+    rt = RuntimeFacts("podman", "/usr/bin/podman", "4.3.1", spec_dirs=("/etc/cdi", "/run/cdi"))
+    holds = HOLDS[:1]
+    assert runtime_rows(runtimes=[rt], hold_files=holds)[0][0] == "warn"
+    same = {"/etc/cdi": "/etc/cdi", "/run/cdi": "/run/cdi", "/var/run/cdi": "/run/cdi"}
+    assert runtime_rows(runtimes=[rt], hold_files=holds, same_dirs=same)[0][0] == "ok"
+
+
+async def test_doctor_looks_at_the_holds_on_disk_and_the_runtimes_found():
+    with fast_dir() as root:
+        node = Node(root / "node")
+        await node.converge(spec(2, hold("a1", GPU0)))
+        info = NodeInfo(node_id="node-1", nats_url="nats://127.0.0.1:1", creds_dir="", cdi_dir=str(node.cdi_dir), cdi_consumer_dir=str(root / "copies"))
+        r = report()
+        rt = RuntimeFacts("podman", "/usr/bin/podman", "4.3.1", spec_dirs=(str(node.cdi_dir), str(root / "copies")))
+        look_at_runtimes(r, info, FakeRuntimes([rt]))
+        assert r.runtimes == [rt]
+        assert r.hold_files == [HoldFiles("a1", str(node.cdi_dir / "bcd-a1.json"), "0.6.0", str(root / "copies" / "bcd-a1.json"), None)]
+        assert set(r.same_dirs) == {str(node.cdi_dir), str(root / "copies")}
+        ((level, _, message),) = runtime_rows(**{k: getattr(r, k) for k in ("runtimes", "hold_files", "same_dirs")})
+        assert level == "warn" and message.startswith("podman 4.3.1 cannot use 1 of 1 hold(s): a1: its consumer copy")
+        # a node.json from before consumer copies, and one with no CDI dir
+        look_at_runtimes(r, msgspec_replace(info, cdi_consumer_dir=""), FakeRuntimes([]))
+        assert r.hold_files[0].copy_file == "" and runtime_rows(runtimes=r.runtimes)[0][0] == "ok"
+        look_at_runtimes(r, msgspec_replace(info, cdi_dir=""), FakeRuntimes([rt]))
+        assert r.hold_files == []
+
+
+def msgspec_replace(info: NodeInfo, **kw) -> NodeInfo:
+    import msgspec
+
+    return msgspec.structs.replace(info, **kw)
