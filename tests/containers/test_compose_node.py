@@ -1,7 +1,10 @@
 """The compose node (deploy/compose/compose.yaml, brought up by deploy/compose/node.sh as
 `make compose-up` does) on the example fake host, from the image `make images` builds:
 it binds the demo and the control plane verifies every event; each service runs as
-its own non-root Unix user; a service's NATS user cannot publish another's subjects."""
+its own non-root Unix user; a service's NATS user cannot publish another's subjects.
+
+Every test runs twice, on a node brought up by Compose v1 (docker-compose 1.29) and by
+Compose v2 (the `compose` fixture of conftest.py, given to node.sh as COMPOSE)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ from pathlib import Path
 import pytest
 from testcontainers.core.container import DockerContainer
 
+from shared.holdfiles import consumer_spec
 from shared.subjects import NodeSubjects
 from tests.integration.kubelet_standin import KubeletStandIn, run_pod
 
-from .conftest import ROOT, free_port
+from .conftest import ROOT, compose_version, free_port
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
 
@@ -35,6 +39,7 @@ SERVICE_UIDS = {
     "kube_reaper": 10006,
     "vfio_switcher": 10007,
     "device_plugin": 10009,
+    "dra_plugin": 10010,
     "helper": 0,  # the root helper: uid 0, no capability (compose.yaml says why)
     "upstream": 10001,
     "controlplane": 10008,
@@ -44,6 +49,8 @@ SERVICE_UIDS = {
 class ComposeNode:
     def __init__(self, directory: Path, project: str, env: dict[str, str]) -> None:
         self.dir, self.project, self.env = directory, project, env
+        #: the Compose that runs it (node.sh's COMPOSE): "1.29.2", "2.40.3"
+        self.compose_version = compose_version(tuple(env["COMPOSE"].split()))
         #: images a test made, removed once the node's containers are gone
         self.images_to_remove: list[str] = []
 
@@ -55,10 +62,17 @@ class ComposeNode:
     def compose(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return self.node_sh("compose", str(self.dir), *args, timeout=timeout)
 
-    def container_id(self, service: str) -> str:
-        r = self.compose("ps", "-q", service)
-        assert r.returncode == 0 and r.stdout.strip(), r.stderr
-        return r.stdout.strip().splitlines()[0]
+    def container_ids(self) -> dict[str, str]:
+        """Every service's container from one `compose ps -q` (each v1 call costs a second of
+        Python start), by the service label v1 and v2 both set; names differ
+        (v1 `project_service_1`, v2 `project-service-1`), so none is built from them."""
+        r = self.compose("ps", "-q")
+        assert r.returncode == 0 and r.stdout.split(), r.stderr
+        fmt = '{{index .Config.Labels "com.docker.compose.service"}} {{.Id}}'
+        out = subprocess.run(["docker", "inspect", "-f", fmt, *r.stdout.split()], capture_output=True, text=True, check=True).stdout
+        ids = dict(line.split() for line in out.splitlines() if line.strip())
+        assert len(ids) == len(r.stdout.split()), out  # one container per service
+        return ids
 
     def events(self) -> list[dict]:
         path = self.dir / "controlplane" / "events.jsonl"
@@ -71,11 +85,13 @@ class ComposeNode:
 
 
 @pytest.fixture(scope="module")
-def compose_node(bcd_image, tmp_path_factory):
+def compose_node(compose, bcd_image, tmp_path_factory):
     directory = tmp_path_factory.mktemp("compose") / "node"
-    project = f"bcdtest{os.getpid()}"
+    # one project per Compose version: a node the other left behind is never taken over
+    project = f"bcdtest{os.getpid()}v{compose_version(tuple(compose.split()))[:1]}"
     env = {
         **os.environ,
+        "COMPOSE": compose,
         "BCD_COMPOSE_PROJECT": project,
         "BCD_IMAGE": bcd_image,
         "BCD_NODE_ID": NODE_ID,
@@ -86,7 +102,7 @@ def compose_node(bcd_image, tmp_path_factory):
     node = ComposeNode(directory, project, env)
     up = node.node_sh("up", str(directory))
     try:
-        assert up.returncode == 0, f"node.sh up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        assert up.returncode == 0, f"node.sh up (Compose {node.compose_version}) failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
         yield node
     finally:
         logs = node.compose("logs", "--no-color", "--tail", "40")
@@ -132,6 +148,11 @@ def test_the_compose_node_binds_the_demo_and_every_event_is_verified_upstream(co
         spec = node.dir / "cdi" / f"bcd-{alloc}.json"
         assert spec.is_file() and spec.stat().st_uid == SERVICE_UIDS["helper"], spec
         assert (node.dir / "run" / "allocations" / f"{alloc}.env").is_file()
+        # and its consumer copy, made by the helper from the spec on its disk
+        copy = node.dir / "run" / "cdi" / f"bcd-{alloc}.json"
+        assert copy.is_file() and copy.stat().st_uid == SERVICE_UIDS["helper"], copy
+        assert json.loads(copy.read_text()) == consumer_spec(json.loads(spec.read_text()))
+    assert sorted(p.name for p in (node.dir / "run" / "cdi").glob("bcd-*.json")) == sorted(f"bcd-{a}.json" for a in DEMO_BOUND)
 
     # `bcd status` from the host tells what the containers did
     st = node.bcd("status", "--json")
@@ -146,8 +167,10 @@ def test_the_compose_node_binds_the_demo_and_every_event_is_verified_upstream(co
 def test_each_service_runs_as_its_own_user_non_root_but_the_helper_with_no_capabilities(compose_node):
     node = compose_node
     seen: dict[str, set[int]] = {}
+    ids = node.container_ids()
+    assert set(ids) == set(SERVICE_UIDS), ids
     for service, uid in SERVICE_UIDS.items():
-        cid = node.container_id(service)
+        cid = ids[service]
         inspect = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True, text=True, check=True).stdout)[0]
         host = inspect["HostConfig"]
         assert host["ReadonlyRootfs"] is True, service
@@ -170,7 +193,7 @@ def test_each_service_runs_as_its_own_user_non_root_but_the_helper_with_no_capab
     assert [s for s, uid in SERVICE_UIDS.items() if uid == 0] == ["helper"]
     # the converger is an ordinary user that cannot write a hold itself: it reads the
     # hold directories, the helper writes them
-    inspect = json.loads(subprocess.run(["docker", "inspect", node.container_id("converger")], capture_output=True, text=True, check=True).stdout)[0]
+    inspect = json.loads(subprocess.run(["docker", "inspect", ids["converger"]], capture_output=True, text=True, check=True).stdout)[0]
     mounts = {m["Destination"]: m["RW"] for m in inspect["Mounts"]}
     assert mounts["/etc/cdi"] is False and mounts["/run/bcd"] is False, mounts
 
@@ -208,6 +231,7 @@ def test_a_service_container_cannot_publish_another_services_subjects(compose_no
     allowed = s.inventory_changed  # its own: the probe is heard there (the peers drop the bad body)
     probe = (
         DockerContainer(bcd_image)
+        # networks are `project_network` in v1 and v2 alike (only container names changed)
         .with_kwargs(network=f"{node.project}_node", user=f"{SERVICE_UIDS['inventory']}:10000", read_only=True, cap_drop=["ALL"])
         .with_volume_mapping(str(node.dir / "bus" / "creds" / "inventory.password"), "/run/secrets/inventory.password", "ro")
         .with_command(["python3", "-c", PROBE, "nats://bus:4222", "inventory", "/run/secrets/inventory.password", allowed, *forbidden])
@@ -245,7 +269,8 @@ def test_containers_recreated_from_a_new_image_keep_their_holds_without_a_second
     before_events = node.events()
     holds = {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted((node.dir / "cdi").glob("bcd-*.json"))}
     assert {n[4:-5] for n in holds} == DEMO_BOUND
-    old_ids = {svc: node.container_id(svc) for svc in SERVICE_UIDS}
+    old_ids = node.container_ids()
+    assert set(old_ids) == set(SERVICE_UIDS), old_ids
 
     new_tag = f"bcd:upgrade-{os.getpid()}"
     built = subprocess.run(
@@ -260,8 +285,9 @@ def test_containers_recreated_from_a_new_image_keep_their_holds_without_a_second
         node.env["BCD_IMAGE"] = new_tag
         up = node.compose("up", "-d", timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
+        new_ids = node.container_ids()
         for svc, old in old_ids.items():
-            cid = node.container_id(svc)
+            cid = new_ids[svc]
             assert cid != old, f"{svc} was not recreated"
             image = subprocess.run(["docker", "inspect", "-f", "{{.Image}}", cid], capture_output=True, text=True, check=True).stdout.strip()
             assert image == new_image, (svc, image, new_image)
