@@ -10,8 +10,9 @@ lines (`bound 120/1024, ...`) instead of a line per hold, and its failures up
 to that many.
 
 Results per allocation: `bound` (a Bound at or below the generation for the
-same reservation), `kept` (the control plane already had it active: an
-unchanged hold is not reported again), `failed` (an AllocationFailed at the
+same reservation), `kept` (the control plane already had it active on the
+same devices: an unchanged hold is not reported again; a Released of it at
+the generation means its assignment changed and a Bound follows), `failed` (an AllocationFailed at the
 generation), `pending` (nothing yet). Holds no longer named come back as
 `released` at the generation.
 """
@@ -110,6 +111,9 @@ class Follower:
     #: the newer generation whose section came first (outcome SUPERSEDED).
     superseded_by: int | None = None
     refusal: str = ""
+    #: holds the control plane had active on this node that the spec no longer names: released at
+    #: this generation, or (a Kubernetes hold) pending until no pod holds its devices
+    releasing: dict[str, Reservation] = field(default_factory=dict)
     _failures_shown: int = 0
     _last_progressing: str = ""
     _progress_said: tuple[int, ...] = ()
@@ -124,10 +128,22 @@ class Follower:
         for a in spec.devices:
             h = HoldOutcome(allocation_id=a.allocation_id, reservation_id=a.reservation_id, devices=list(a.devices))
             r = (reservations or {}).get(a.reservation_id)
-            if r is not None and r.state == "active" and r.node_id == spec.node_id and r.allocation_id == a.allocation_id:
+            if (
+                r is not None
+                and r.state == "active"
+                and r.node_id == spec.node_id
+                and r.allocation_id == a.allocation_id
+                # on other devices it is a changed assignment: released and bound again (upstream.md)
+                and (not r.devices or sorted(r.devices) == sorted(a.devices))
+            ):
                 h.result, h.devices = "kept", list(r.devices) or h.devices
             holds[a.allocation_id] = h
-        return cls(node_id=spec.node_id, generation=generation, holds=holds, per_hold_lines=per_hold_lines)
+        releasing = {
+            r.allocation_id: r
+            for r in (reservations or {}).values()
+            if r.state in ("active", "releasing") and r.node_id == spec.node_id and r.allocation_id not in holds
+        }
+        return cls(node_id=spec.node_id, generation=generation, holds=holds, per_hold_lines=per_hold_lines, releasing=releasing)
 
     # ------------------------------------------------------------------ state
 
@@ -218,9 +234,16 @@ class Follower:
             "generation": rec.generation,
         }
         self.released.append(entry)
+        h = self.holds.get(rec.allocation_id)
+        again = ""
+        if h is not None:
+            # the spec still names it: its assignment changed, the Bound that binds it again follows
+            again = "  (its assignment changed: bound again)"
+            if h.result == "kept":
+                h.result = "pending"
         if self.quiet:
             return []
-        return [f"released {rec.allocation_id} ({rec.reservation_id})  {_devices(entry['devices']) or '(no devices)'}"]
+        return [f"released {rec.allocation_id} ({rec.reservation_id})  {_devices(entry['devices']) or '(no devices)'}{again}"]
 
     def _section(self, rec: EventRecord, ev: dict[str, Any]) -> list[str]:
         observed = ev.get("observed_generation", rec.generation)
@@ -248,7 +271,15 @@ class Follower:
             # pending is held without a new report (bound before, or re-created unreported)
             if h.result == "pending":
                 h.result = "kept"
-        return []
+        # a hold the spec dropped with no Released by now is a Kubernetes release still pending:
+        # said, not left out (its devices stay claimed until it is reported)
+        done = {r["allocation_id"] for r in self.released}
+        return [
+            f"releasing {alloc} ({r.reservation_id})  {_devices(r.devices) or '(no devices)'}  "
+            "(a Kubernetes hold: released once no pod holds its devices; `bcd status` shows it, `bcd releases` lists it)"
+            for alloc, r in sorted(self.releasing.items())
+            if alloc not in done
+        ]
 
     def _condition(self, rec: EventRecord, ev: dict[str, Any]) -> list[str]:
         c = ev.get("condition") if isinstance(ev.get("condition"), dict) else {}

@@ -61,7 +61,7 @@ class _NoSlices:
 class PlannedHold:
     allocation_id: str
     reservation_id: str
-    action: str  # bind | keep | release | refuse
+    action: str  # bind | rebind | restore | keep | wait | release | refuse
     devices: list[str] = field(default_factory=list)
     cgroup_parent: str = ""
     reason: str = ""
@@ -104,7 +104,8 @@ def _devices(devices: list[str], limit: int = 3) -> str:
 
 
 def summarize_plan(spec: NodeSpec, p: Plan, observed_holds: dict[str, Any], notes: list[str]) -> DryRun:
-    """The plan as an operator reads it: each allocation bound, kept or refused, each hold released."""
+    """The plan as an operator reads it: each allocation bound, bound again (its assignment changed),
+    kept, waiting or refused, each hold released."""
     binds = {s.allocation_id: s for s in p.steps if isinstance(s, BindHold)}
     refusals = {f.allocation_id: f for f in p.failures}
     released: dict[str, PlannedHold] = {}
@@ -117,15 +118,34 @@ def summarize_plan(spec: NodeSpec, p: Plan, observed_holds: dict[str, Any], note
                 s.allocation_id, rel.reservation_id, "release", list(rel.devices), message="Kubernetes hold: reported once no pod holds its devices"
             )
     dropped = {s.allocation_id for s in p.steps if isinstance(s, DropPendingRelease)}
+    changed = dict(p.changed)
+    waiting = {a: "its old hold is a pending Kubernetes release; bound once that is reported" for a in p.waiting}
     holds: list[PlannedHold] = []
     for a in spec.devices:
         alloc = a.allocation_id
         if alloc in refusals:
             f = refusals[alloc]
             holds.append(PlannedHold(alloc, a.reservation_id, "refuse", list(a.devices), reason=f.reason, message=f.message))
+        elif alloc in binds and alloc in released:
+            # a held allocation whose assignment changed: released, then bound again
+            b = binds[alloc]
+            old = released.pop(alloc)
+            holds.append(PlannedHold(alloc, a.reservation_id, "rebind", list(b.event.devices), cgroup_parent=b.event.cgroup_parent,
+                                     message=f"its assignment changed ({'; '.join(changed.get(alloc, ()))}); released from {_devices(old.devices)} first"))
+        elif alloc in binds and not binds[alloc].report:
+            # reported bound before, its files went from outside: put back as bound, not reported again
+            b = binds[alloc]
+            holds.append(PlannedHold(alloc, a.reservation_id, "restore", list(b.event.devices), cgroup_parent=b.event.cgroup_parent,
+                                     message=f"its files went from outside: put back as bound at generation {b.event.generation}, not reported again"))
         elif alloc in binds:
             b = binds[alloc]
             holds.append(PlannedHold(alloc, a.reservation_id, "bind", list(b.event.devices), cgroup_parent=b.event.cgroup_parent))
+        elif alloc in waiting:
+            # its old hold (a Kubernetes one) is withdrawn in this pass, or was earlier: one line, not two
+            old = released.pop(alloc, None)
+            why = f"its assignment changed ({'; '.join(changed[alloc])}); " if alloc in changed else ""
+            withdrawn = f"its old hold on {_devices(old.devices)} is withdrawn now; " if old is not None else ""
+            holds.append(PlannedHold(alloc, a.reservation_id, "wait", list(a.devices), message=why + withdrawn + waiting[alloc]))
         elif alloc in observed_holds:
             h = observed_holds[alloc]
             holds.append(PlannedHold(alloc, a.reservation_id, "keep", list(h.devices), cgroup_parent=h.cgroup_parent))
@@ -220,8 +240,9 @@ def render_dry_run(d: DryRun, source: str = "") -> str:
         lines.append(text)
     lines.extend(f"  switch   {s}" for s in d.switches)
     lines.extend(f"  note: {n}" for n in d.notes)
-    counts = {a: len(d.by_action(a)) for a in ("bind", "keep", "release", "refuse")}
-    tally = ", ".join(f"{n} {a}" for a, n in counts.items())
+    counts = {a: len(d.by_action(a)) for a in ("bind", "rebind", "restore", "keep", "wait", "release", "refuse")}
+    # rebind, restore and wait only when there are any (the four others always)
+    tally = ", ".join(f"{n} {a}" for a, n in counts.items() if n or a not in ("rebind", "restore", "wait"))
     lines.append(f"would be: {d.state} ({tally}); `bcd apply` without --dry-run puts it")
     return "\n".join(lines)
 

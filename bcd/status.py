@@ -140,6 +140,8 @@ def problems(report: NodeReport) -> list[str]:
     if conv is not None and conv.section is not None and conv.section.state == "PROGRESSING" and conv.next_retry_in_s is not None:
         out.append(f"devices section PROGRESSING (retrying): {conv.section.message.splitlines()[-1] if conv.section.message else ''}")
     if conv is not None:
+        # the journal and the disk disagree: not healthy until the next pass put it right
+        out.extend(f"hold files drifted: {line}" for line in conv.drift)
         if conv.vendor_cdi_error:
             out.append(f"vendor CDI spec unreadable, no new hold is bound: {conv.vendor_cdi_error}")
         if conv.outbox_error:
@@ -158,7 +160,26 @@ def _holders(conv: ConvergerStatus | None) -> dict[str, str]:
     for h in conv.holds if conv else []:
         for d in h.devices:
             out[d] = names.get(h.allocation_id, h.allocation_id)
+    for r in conv.pending_releases if conv else []:
+        # withdrawn, its devices still claimed until no pod holds them (issue 28.6: it showed "-")
+        for d in r.devices:
+            out.setdefault(d, f"{r.allocation_id} (pending Kubernetes release)")
     return out
+
+
+def pending_release_lines(conv: ConvergerStatus, now: datetime) -> list[str]:
+    """Each pending Kubernetes release, how long, and the way out on a host with no kubelet."""
+    lines = []
+    for r in conv.pending_releases:
+        age = max(0, int((now - r.since).total_seconds()))
+        what = (
+            "freed by the operator: reported at the next pass"
+            if r.freed
+            else "reported once no pod holds its devices (a kubelet that does not answer counts as holding them; "
+            f"a host with no kubelet: `bcd releases --free {r.allocation_id}`)"
+        )
+        lines.append(f"  releasing {r.allocation_id} ({r.reservation_id}) gen {r.generation} for {age} s: {', '.join(r.devices)}: {what}")
+    return lines
 
 
 def render_status(report: NodeReport) -> str:
@@ -212,6 +233,9 @@ def render_status(report: NodeReport) -> str:
                 lines.append(f"    kubelet: {advertised_text(report, h.allocation_id)}")
         # what the converger skipped or got less of (files that are not regular files, a reduced outbox)
         lines.extend(f"  problem: {p}" for p in conv.problems)
+        # the journal against the disk: a hold whose files went from outside, before the pass puts them back
+        lines.extend(f"  DRIFT {d}" for d in conv.drift)
+        lines.extend(pending_release_lines(conv, report.now))
         # node conditions the converger raised and that hold now (NodeSpecUnknownFields, ...)
         lines.extend(f"  condition {c.type}: {c.reason}: {c.message}" for c in conv.conditions if c.status == "True")
     else:
@@ -570,6 +594,7 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
         for p in conv.problems:
             if p not in (conv.outbox_error, conv.outbox_warning):
                 out.append(("warn", "hold-dirs", p))
+        out.extend(("warn", "hold-drift", d) for d in conv.drift)
         if conv.section is not None and conv.section.state == "FAILED":
             out.append(("warn", "section", "devices section FAILED: " + "; ".join(conv.section.message.splitlines())))
         for c in conv.conditions:

@@ -96,7 +96,7 @@ from shared.schemas.bus import (
     HelperLimits,
 )
 from shared.schemas.codec import BoundedDecoder, bounded_json_loads
-from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, env_value_problem, reserved_env_key
+from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, INT64_MAX, env_value_problem, reserved_env_key
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorCdi, VendorSpecError, read_vendor_cdi_bytes, vendor_cdi_from_json
 
 # the systemd slice of a sliced hold, also its bcd.dev/cgroup-parent
@@ -554,6 +554,8 @@ class HoldOnDisk:
     #: content_digest of the consumer copy this hold spec makes (consumer_file_bytes); b"" when
     #: the reader did not compute it. Not part of the hold's identity.
     consumer_digest: bytes = field(default=b"", compare=False)
+    #: the assignment's KEY=VALUE lines, as its spec carries them (after the lines bcd sets itself).
+    env: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def sliced(self) -> bool:
@@ -607,8 +609,9 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
     if not isinstance(reservation, str) or not ID_RE.search(reservation):
         raise refuse(f"{ANN_RESERVATION} missing or not a valid id")
     generation = annotations.get(ANN_GENERATION)
-    if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
-        raise refuse(f"{ANN_GENERATION} missing or not a non-negative integer")
+    if not isinstance(generation, str) or not _GENERATION_RE.match(generation) or int(generation) > INT64_MAX:
+        # exactly what a writer writes: a spec's generation, a non-negative int64
+        raise refuse(f"{ANN_GENERATION} missing or not a non-negative int64")
     cgroup_parent = annotations.get(ANN_CGROUP_PARENT, "")
     # the converger stops this unit by name: only our own slice name is trusted
     # (or the one bcd gave it before a '-' of the id was spelled '.': that hold
@@ -649,7 +652,18 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
         limits=limits,
         cdi_names=tuple(qualified_names(spec)),
         consumer_digest=content_digest(render_cdi_spec(consumer_spec(spec))),
+        env=_assignment_env(spec),
     )
+
+
+def _assignment_env(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The assignment's env lines of a hold spec: its spec-level env without the keys bcd sets
+    itself (a spec can never set those, so what is left is exactly what it asked for)."""
+    edits = spec.get("containerEdits")
+    env = edits.get("env") if isinstance(edits, Mapping) else None
+    if not isinstance(env, list):
+        return ()
+    return tuple(e for e in env if isinstance(e, str) and "=" in e and not reserved_env_key(e.split("=", 1)[0]))
 
 
 def _binding_without_annotation(spec: Mapping[str, Any]) -> str:

@@ -137,6 +137,12 @@ class Applier:
         batch = Batch()
         group = GroupCommit(self)
         for step in plan.steps:
+            if isinstance(step, BindHold) and any(r.allocation_id == step.allocation_id for r in batch.releases):
+                # the same allocation released and bound again (its assignment changed): the
+                # release completes in a group commit of its own first, so the journal never
+                # holds both intents of one allocation and the Released is out before the Bound
+                await group.run(batch, state, result, run)
+                batch = Batch()
             if isinstance(step, (ReleaseHold, BindHold, ReportBound, ReportFailed)):
                 batch.add(step)
                 continue
@@ -323,6 +329,11 @@ class Applier:
         await self.outbox.publish("released", rel.event_id, encode(report))
         self.crash("kube.published")
         self._update_releases(lambda rels: rels.pop(step.allocation_id, None))
+        assert self.releases is not None
+        try:
+            self.releases.clear_freed(step.allocation_id)  # the operator's word, if any, is spent
+        except OSError as exc:
+            log.warning("operator's freed marker not removed", allocation_id=step.allocation_id, error=str(exc))
         state.reported.pop(step.allocation_id, None)
         state.bound.pop(step.allocation_id, None)
         state.intents.pop(step.allocation_id, None)

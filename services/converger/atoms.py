@@ -50,9 +50,10 @@ def parse_atom(atom_id: str) -> AtomRef:
         return AtomRef(atom_id, "mig", m["gpu"], gi=int(m["gi"]), ci=int(m["ci"]))
     if m := SLOT_RE.match(atom_id):
         return AtomRef(atom_id, "slot", m["gpu"], slot=int(m["slot"]))
-    if atom_id.startswith("GPU-"):
+    if atom_id.startswith("GPU-") or "/" not in atom_id:
+        # a bare word ("gpu0") is no device class: it is a malformed atom id (issue 28.8)
         raise AtomError("unsupported-device", f"{atom_id} is not a well-formed GPU, MIG instance or slot id")
-    cls = atom_id.split("/", 1)[0] if "/" in atom_id else atom_id
+    cls = atom_id.split("/", 1)[0]
     raise AtomError("unsupported-device", f"{atom_id}: device class {cls} is not supported by this node")
 
 

@@ -409,6 +409,11 @@ class Plan:
     vfio_waiting: tuple[str, ...] = ()
     #: why a card the VFIO side wants is not switched (logged when they change).
     vfio_notes: tuple[str, ...] = ()
+    #: held allocations whose assignment changed, and what differs: released, then bound again.
+    changed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: wanted allocations that wait for their old hold's pending Kubernetes release (bound in the
+    #: pass that reports it; the pass rechecks them with the pending releases).
+    waiting: tuple[str, ...] = ()
 
     def kinds(self) -> list[str]:
         return [type(s).__name__ for s in self.steps]

@@ -151,8 +151,14 @@ class ReleaseFacts:
 async def release_facts(store: ReleasesStore, reaper: Reaper, cdi_dir: Path, run_dir: Path) -> ReleaseFacts:
     """Load releasing.json (setting an unreadable one aside) and ask the reaper about each release."""
     pending, unreadable = await asyncio.to_thread(store.load)
+    freed = await asyncio.to_thread(store.freed) if pending else set()
     held: dict[str, bool] = {}
     for alloc, rel in pending.items():
+        if alloc in freed:
+            # the operator's word (`bcd releases --free`): a host with no kubelet to ask
+            log.info("pending Kubernetes release taken as free: the operator said no pod holds it", allocation_id=alloc)
+            held[alloc] = False
+            continue
         held[alloc] = await reaper.held(alloc, list(rel.devices))
     no_orphans = False
     if unreadable:

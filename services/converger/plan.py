@@ -75,7 +75,7 @@ from .model import (
     WriteEnv,
 )
 from .releases import PendingRelease
-from .vfio import EXCLUDED_HOLDER, UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
+from .vfio import UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
 
 HOLD_BINDINGS = frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"})
 
@@ -128,7 +128,8 @@ class Claims:
         if ref.gpu in self.vfio:
             return f"{ref.id}: {ref.gpu} is claimed by {self.vfio[ref.gpu]}"
         if ref.gpu in self.excluded:
-            return f"{ref.id}: {ref.gpu} is held by {EXCLUDED_HOLDER}"
+            # not "held by (excluded by the operator)" (issue 28.8): nobody holds it, it is taken out
+            return f"{ref.id}: {ref.gpu} is excluded by the operator"
         if ref.id in self.atoms:
             return f"{ref.id} is held by {self.atoms[ref.id]}"
         parts = self.parts.get(ref.gpu, {})
@@ -190,8 +191,7 @@ def hold_content(
     (Perf fix: this used to build a uuid -> GPU map of the whole inventory for
     every assignment with a slot, O(assignments x GPUs) per pass.)
     """
-    kubernetes = assignment.binding == "BINDING_KUBERNETES"
-    sliced = assignment.sliced and not kubernetes
+    sliced, limits = recorded_limits(assignment)
     inv = observed.inventory
     mps = ""
     if inv is not None and any(d.kind == "slot" for d in devices):
@@ -207,10 +207,52 @@ def hold_content(
         cgroup_parent=slice_name(assignment.allocation_id) if sliced else "",
         env=tuple(assignment.env),
         mps_pipe_dir=mps,
-        # a Kubernetes hold gets no slice, but what it booked stays on record
-        # (bcd.dev/limits): host admission counts it while the hold lives
-        limits=assignment.limits if (sliced or (kubernetes and assignment.sliced)) else None,
+        limits=limits,
     )
+
+
+def recorded_limits(assignment: DeviceAssignment) -> tuple[bool, Limits | None]:
+    """(whether the hold is sliced, the limits its spec records in bcd.dev/limits).
+
+    A Kubernetes hold gets no slice, but what it booked stays on record: host
+    admission counts it while the hold lives."""
+    kubernetes = assignment.binding == "BINDING_KUBERNETES"
+    sliced = assignment.sliced and not kubernetes
+    return sliced, assignment.limits if (sliced or (kubernetes and assignment.sliced)) else None
+
+
+def _listed(values: Iterable[str], limit: int = 4) -> str:
+    values = list(values)
+    shown = ", ".join(values[:limit])
+    return (shown + f" +{len(values) - limit} more" if len(values) > limit else shown) or "none"
+
+
+def assignment_changes(assignment: DeviceAssignment, hold: HoldOnDisk) -> tuple[str, ...]:
+    """What the assignment asks that the hold on disk does not say (() when it is the same hold).
+
+    An allocation's hold is what its assignment says (docs/upstream.md): one that
+    changed is released and bound again. Limits are compared only where the hold
+    records them (a hold of an older bcd may not); devices as a set."""
+    changes: list[str] = []
+    if assignment.binding != hold.binding:
+        changes.append(f"binding {hold.binding} -> {assignment.binding}")
+    if assignment.reservation_id != hold.reservation_id:
+        changes.append(f"reservation {hold.reservation_id} -> {assignment.reservation_id}")
+    if sorted(assignment.devices) != sorted(hold.devices):
+        gone = [d for d in hold.devices if d not in assignment.devices]
+        new = [d for d in assignment.devices if d not in hold.devices]
+        long = max(len(hold.devices), len(assignment.devices)) > 4
+        changes.append(f"devices {_listed(hold.devices)} -> {_listed(assignment.devices)}" + (f" (-{_listed(gone)} +{_listed(new)})" if long else ""))
+    sliced, limits = recorded_limits(assignment)
+    if sliced != bool(hold.cgroup_parent):
+        changes.append("limits: now sliced" if sliced else "limits: no longer sliced")
+    elif hold.limits is not None and limits != hold.limits:
+        changes.append(f"limits {msgspec.json.encode(hold.limits).decode()} -> {msgspec.json.encode(limits).decode() if limits else 'none'}")
+    if tuple(assignment.env) != hold.env:
+        gone = [e.split("=", 1)[0] for e in hold.env if e not in assignment.env]
+        new = [e.split("=", 1)[0] for e in assignment.env if e not in hold.env]
+        changes.append(f"env -{_listed(gone)} +{_listed(new)}" if (gone or new) else "env order")
+    return tuple(changes)
 
 
 @dataclass
@@ -231,6 +273,10 @@ class _Pass:
     #: pending releases the spec wants again: dropped unreported when the hold binds
     #: again on the same devices in this pass, else still pending.
     taken_back: dict[str, PendingRelease] = field(default_factory=dict)
+    #: held allocations whose assignment changed: what differs; released, then bound again.
+    changed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: wanted allocations that wait for their old hold's pending Kubernetes release: why.
+    waiting: dict[str, str] = field(default_factory=dict)
 
     @property
     def gen(self) -> int:
@@ -274,40 +320,59 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
         generation=spec.generation,
         steps=tuple(p.steps),
         failures=tuple(failures),
-        section=section_status(spec.generation, failures),
+        section=section_status(spec.generation, failures, (p.waiting[a] for a in sorted(p.waiting))),
         notes=tuple(p.notes),
         pending=tuple(sorted(p.pending)),
+        changed=tuple(sorted(p.changed.items())),
+        waiting=tuple(sorted(p.waiting)),
         vfio_waiting=vfio.waiting,
         vfio_notes=vfio.notes,
     )
 
 
-def section_status(generation: int, failures: Iterable[Failure]) -> SectionStatus:
-    """CONVERGED, or FAILED listing `<allocation>: <reason>` as far as the message's bound allows."""
+def section_status(generation: int, failures: Iterable[Failure], waiting: Iterable[str] = ()) -> SectionStatus:
+    """CONVERGED; FAILED listing `<allocation>: <reason>` as far as the message's bound allows;
+    PROGRESSING while a wanted hold waits (for its old hold's pending release), saying why."""
     lines = [f"{f.allocation_id}: {f.reason}" for f in failures]
+    waits = list(waiting)
     return SectionStatus(
         section=SECTION,
-        state="FAILED" if lines else "CONVERGED",
+        state="FAILED" if lines else "PROGRESSING" if waits else "CONVERGED",
         observed_generation=generation,
-        message=summarise(lines),
+        message=summarise([*lines, *waits]),
     )
 
 
 # ------------------------------------------------------------------------------ 1. Kubernetes releases
 
 
+def wanted_again(assignment: DeviceAssignment | None, rel: PendingRelease) -> bool:
+    """The spec wants the released hold back as it was: a Kubernetes hold of the same
+    reservation on the same devices (seed: taken back, dropped unreported). Anything else
+    is another hold under the same id: the release goes on, and that hold waits for it."""
+    return (
+        assignment is not None
+        and assignment.binding == "BINDING_KUBERNETES"
+        and assignment.reservation_id == rel.reservation_id
+        and sorted(assignment.devices) == sorted(rel.devices)
+    )
+
+
 def plan_kubernetes_releases(p: _Pass) -> None:
     """Pending releases: reported once no pod holds them, dropped unreported when wanted again."""
     for alloc, rel in sorted(p.observed.pending_releases.items()):
-        if alloc in p.wanted and alloc in p.observed.holds:
+        again = wanted_again(p.wanted.get(alloc), rel)
+        if again and alloc in p.observed.holds:
             # recorded, then a crash before the withdraw, and wanted again: the hold is still whole
             p.steps.append(DropPendingRelease(alloc))
             continue
-        if alloc in p.wanted:
-            # taken back only if the hold binds again in this pass, on the same devices
-            # (plan_new_holds decides); until then its devices stay claimed
+        if again:
+            # taken back only if the hold binds again in this pass (plan_new_holds
+            # decides); until then its devices stay claimed
             p.taken_back[alloc] = rel
             continue
+        if alloc in p.wanted:
+            p.changed.setdefault(alloc, (f"devices {_listed(rel.devices)} -> {_listed(p.wanted[alloc].devices)}",) if sorted(rel.devices) != sorted(p.wanted[alloc].devices) else ("another hold under this id",))
         p.released.add(alloc)
         if alloc in p.observed.holds:
             # recorded, then a crash before the withdraw: finish withdrawing first
@@ -339,8 +404,16 @@ def plan_releases(p: _Pass) -> None:
             p.steps.append(_release(alloc, intent.event_id, intent.reservation_id, intent.generation, intent.devices, sliced=intent.sliced))
             p.released.add(alloc)
     for alloc, hold in sorted(observed.holds.items()):
-        if alloc in p.released or alloc in p.wanted:
+        if alloc in p.released:
             continue
+        if alloc in p.wanted:
+            changes = assignment_changes(p.wanted[alloc], hold)
+            if not changes:
+                continue
+            # the hold is what its assignment says: this one is released, and the
+            # assignment bound again after it (plan_new_holds), in the seed's order
+            p.changed[alloc] = changes
+            p.notes.append(f"{alloc}: its assignment changed ({'; '.join(changes)}): released, then bound again")
         intent = state.intents.get(alloc)
         if alloc not in state.reported and intent is not None and intent.op == "bind":
             # A bind interrupted after its CDI spec landed may already have its
@@ -367,11 +440,18 @@ def plan_releases(p: _Pass) -> None:
             continue
         p.steps.append(_release(alloc, released_id(node, alloc, gen), hold.reservation_id, gen, hold.devices, sliced=bool(hold.cgroup_parent)))
     for alloc, facts in sorted(state.bound.items()):
-        # a reported hold whose CDI spec vanished from outside, now unwanted: it
-        # still gets its Released (and its env file and slice go)
-        if alloc not in p.wanted and alloc not in observed.holds and alloc not in p.released and alloc in state.reported:
-            p.steps.append(_release(alloc, released_id(node, alloc, gen), facts.reservation_id, gen, facts.devices, sliced=facts.sliced))
-            p.released.add(alloc)
+        # a reported hold whose CDI spec vanished from outside, now unwanted (or
+        # wanted on other devices): it still gets its Released (and its env file
+        # and slice go)
+        if alloc in observed.holds or alloc in p.released or alloc not in state.reported or alloc in observed.pending_releases:
+            continue  # (a withdrawn Kubernetes hold is reported by its pending release)
+        wanted = p.wanted.get(alloc)
+        if wanted is not None and sorted(wanted.devices) == sorted(facts.devices) and wanted.reservation_id == facts.reservation_id:
+            continue  # re-created as it was bound, unreported (plan_new_holds)
+        if wanted is not None:
+            p.changed[alloc] = (f"devices {_listed(facts.devices)} -> {_listed(wanted.devices)}",)
+        p.steps.append(_release(alloc, released_id(node, alloc, gen), facts.reservation_id, gen, facts.devices, sliced=facts.sliced))
+        p.released.add(alloc)
     for alloc, intent in sorted(state.intents.items()):
         # an interrupted bind whose CDI spec never landed and that is no longer wanted
         if intent.op == "bind" and alloc not in p.wanted and alloc not in observed.holds and alloc not in p.released:
@@ -585,13 +665,16 @@ def plan_new_holds(
                 # refused until a later generation asks again, even if the
                 # cause (an excluded card, a full host) has gone since.
                 raise _Refused(refused.reason, refused.message)
-            resolved = check_new_hold(assignment, index, claims, p.config)
-            if taken_back is not None and sorted(r.ref.id for r in resolved) != sorted(taken_back.devices):
-                raise _Refused(
-                    "overlap",
-                    f"{alloc} is still being released from {', '.join(taken_back.devices)} (pending Kubernetes release): "
-                    "it binds to other devices once that release is reported",
+            if alloc in p.pending:
+                # its old hold is a Kubernetes release still pending: this one binds in the
+                # pass that reports it (the section reads PROGRESSING until then)
+                rel = p.pending[alloc]
+                p.waiting[alloc] = (
+                    f"{alloc}: waits for its pending Kubernetes release from {_listed(rel.devices)} "
+                    "(pods may still hold them); bound once that release is reported"
                 )
+                continue
+            resolved = check_new_hold(assignment, index, claims, p.config)
             if taken_back is None:
                 admission.check(assignment.limits, p.notes)
         except _Refused as exc:
@@ -864,6 +947,9 @@ __all__ = [
     "claims_after_releases",
     "plan_kept_holds",
     "consumer_copy_stale",
+    "assignment_changes",
+    "wanted_again",
+    "recorded_limits",
     "plan_new_holds",
     "plan_failures",
     "check_new_hold",

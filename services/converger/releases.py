@@ -9,6 +9,12 @@ reaper says no pod holds them and AllocationReleased is in the outbox.
 An unreadable file is renamed `releasing.json.unreadable-<unix time>` (kept,
 never deleted) and the marker `releasing.unreadable` is written: while the
 marker exists every GPU of the node counts as claimed.
+
+On a host with no kubelet (or one whose pod-resources socket never answers)
+a release would stay pending for ever: an unreachable kubelet counts as
+holding the devices. The way out is the operator's word: `bcd releases --free
+ALLOC` leaves an empty file `releases-freed/<allocation>` here, the pass takes
+that release as free (reported at once), and reporting it removes the file.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ import msgspec
 
 from shared import logs
 from shared.fsutil import atomic_write, read_regular, remove_durably
-from shared.schemas import AtomId, Id, Limits
+from shared.schemas import ID_RE, AtomId, Id, Limits
 from shared.schemas.codec import BoundedDecoder
 
 log = logs.get_logger("bcd.converger.releases")
 
 RELEASES_FILE = "releasing.json"
 UNREADABLE_MARKER = "releasing.unreadable"
+#: one empty file per pending release the operator says no pod holds (`bcd releases --free`)
+FREED_DIR = "releases-freed"
 #: the largest releases file read back (a FIFO, a symlink or more is unreadable).
 RELEASES_MAX_BYTES = 64 * 1024 * 1024
 
@@ -114,5 +122,30 @@ class ReleasesStore:
     def clear_marker(self) -> bool:
         return remove_durably(self.marker)
 
+    @property
+    def freed_dir(self) -> Path:
+        return self.dir / FREED_DIR
 
-__all__ = ["RELEASES_FILE", "UNREADABLE_MARKER", "PendingRelease", "ReleasesFile", "ReleasesStore"]
+    def freed(self) -> set[str]:
+        """The pending releases the operator said no pod holds (names that are ids; regular files only)."""
+        try:
+            with os.scandir(self.freed_dir) as it:
+                return {e.name for e in it if ID_RE.match(e.name) and e.is_file(follow_symlinks=False)}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+
+    def mark_freed(self, allocation_id: str) -> Path:
+        """The operator's word that no pod holds the devices of this pending release."""
+        if not ID_RE.match(allocation_id):
+            raise ValueError(f"{allocation_id!r} is not an allocation id")
+        self.freed_dir.mkdir(mode=0o700, exist_ok=True)
+        path = self.freed_dir / allocation_id
+        atomic_write(path, b"", 0o600)
+        return path
+
+    def clear_freed(self, allocation_id: str) -> None:
+        if ID_RE.match(allocation_id):
+            remove_durably(self.freed_dir / allocation_id)
+
+
+__all__ = ["RELEASES_FILE", "UNREADABLE_MARKER", "FREED_DIR", "PendingRelease", "ReleasesFile", "ReleasesStore"]

@@ -29,7 +29,7 @@ import msgspec
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.holdfiles import BINDING_CLAIM, HoldOnDisk, VendorCache, checked_consumer_dir, default_consumer_dir
+from shared.holdfiles import BINDING_CLAIM, ENV_SUBDIR, HoldOnDisk, VendorCache, checked_consumer_dir, default_consumer_dir
 from shared.host import HostFactError, read_boot_id
 from shared.runtime import LoopGuard, Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
 from shared.schemas import (
@@ -68,6 +68,7 @@ from shared.schemas import (
     HolderQuery,
     HolderReply,
     HoldSummary,
+    PendingReleaseSummary,
     Inventory,
     MigInstanceReply,
     MigInstanceRequest,
@@ -102,6 +103,7 @@ from .hostwriter import (
 )
 from .loop import PassLoop
 from .model import ConvergerState, MigLayoutRecord, PlanConfig
+from .drift import dirs_signature, journal_disagreements
 from .observe import DiskView, observe, read_disk, release_facts
 from .outbox import BusSigner, JetStreamOutbox
 from .plan import UNREADABLE, claim_holders, plan
@@ -138,6 +140,8 @@ class ConvergerApp(ServiceApp):
         self.holds_after_pass: dict[str, HoldOnDisk] | None = None
         #: the DRA claims cut short by the last stop were looked at (once the inventory is known)
         self.claims_reconciled = False
+        #: what the hold directories held when the last pass ended (None: no pass yet)
+        self.dirs_seen: tuple | None = None
 
     def options(self) -> list[Option]:
         return [
@@ -163,6 +167,12 @@ class ConvergerApp(ServiceApp):
             Option("--slices", "slice backend: fake (JSON records) or systemd (D-Bus)", default="auto", choices=("auto", "fake", "systemd")),
             Option("--retry-interval", "seconds before a retryable pass runs again", default=30.0, type=float),
             Option("--drift-interval", "seconds between drift passes", default=600.0, type=float),
+            Option(
+                "--watch-interval",
+                "seconds between looks at the hold directories: a change there that no pass made wakes a pass (0: off)",
+                default=2.0,
+                type=float,
+            ),
             Option("--system-reserve-bytes", "host memory never promised to holds", default=0, type=int),
             Option("--outbox-max-msgs", "events the outbox keeps while upstream is away; full: new binds wait", default=100_000, type=int),
             Option("--outbox-max-bytes", "bytes the outbox keeps while upstream is away", default=256 * 1024 * 1024, type=int),
@@ -360,7 +370,7 @@ class ConvergerApp(ServiceApp):
         self.m_vfio = Gauge("bcd_vfio_recorded_gpus", "GPUs in the converger's VFIO record", registry=reg)
         self.m_gpu_ops = Counter("bcd_gpu_operations", "Maintenance operations (reset, diag) by outcome", ["op", "outcome"], registry=reg)
         self.m_gpu_ops_running = Gauge("bcd_gpu_operations_running", "Maintenance operations running now", ["op"], registry=reg)
-        self.m_diag = Gauge("bcd_gpu_diag_passed", "1 when the card's last diagnostic at that level passed, 0 when it did not", ["pci", "level"], registry=reg)
+        self.m_diag = Gauge("bcd_gpu_diag_passed", "1 when the card's last diagnostic at that level passed, 0 when it did not", ["pci_address", "level"], registry=reg)
         for op in gpuops.OPS:
             self.m_gpu_ops_running.labels(op=op).set(0)
         # the journal's last results, so the gauge is right after a restart (the counter starts afresh)
@@ -468,7 +478,22 @@ class ConvergerApp(ServiceApp):
         holds = disk.holds
         vendor = Path(self.opts.cdi_dir) / VENDOR_CDI_FILE
         problems = [*disk.problems, *(p for p in (self.outbox.warning, self.outbox.error) if p)]
+        pending, _ = await asyncio.to_thread(self.releases.peek)
+        freed = await asyncio.to_thread(self.releases.freed) if pending else set()
+        drift = journal_disagreements(self.state, disk, pending)
         return ConvergerStatus(
+            drift=bounded_problems(drift),
+            pending_releases=[
+                PendingReleaseSummary(
+                    allocation_id=r.allocation_id,
+                    reservation_id=r.reservation_id,
+                    generation=r.generation,
+                    devices=list(r.devices),
+                    since=r.since,
+                    freed=r.allocation_id in freed,
+                )
+                for r in sorted(pending.values(), key=lambda r: (r.since, r.allocation_id))
+            ],
             generation=self.spec.generation if self.spec else None,
             section=self.state.last_section,
             holds=[
@@ -772,7 +797,7 @@ class ConvergerApp(ServiceApp):
 
     def _diag_gauge(self, op: GpuOp) -> None:
         if op.op == "diag" and op.outcome in ("Passed", "Failed"):
-            self.m_diag.labels(pci=op.pci, level=str(op.level)).set(1 if op.outcome == "Passed" else 0)
+            self.m_diag.labels(pci_address=op.pci, level=str(op.level)).set(1 if op.outcome == "Passed" else 0)
 
     async def run_pass(self, reason: str) -> bool:
         """One pass, then the claims if they changed; returns True when something is left to retry."""
@@ -791,100 +816,126 @@ class ConvergerApp(ServiceApp):
         await self._publish_claims(self.holds_after_pass)
         return retry
 
+    def _watched_dirs(self) -> list[Path | None]:
+        return [Path(self.opts.cdi_dir), Path(self.opts.run_dir) / ENV_SUBDIR, self.consumer_dir]
+
     async def _pass(self, reason: str) -> bool:
         async with self.lock:
-            if self.spec is None:
-                return False
+            try:
+                return await self._pass_locked(reason)
+            finally:
+                # what the pass left: a later change is someone else's (the watch wakes a pass)
+                self.dirs_seen = await asyncio.to_thread(dirs_signature, self._watched_dirs())
+
+    async def _watch_hold_dirs(self, stopping: asyncio.Event) -> None:
+        """Every --watch-interval: the hold directories changed since the last pass (a spec, env
+        file or consumer copy removed or edited from outside): wake a pass, which puts them back."""
+        guard = LoopGuard(self.ctx.log, "hold directory watch")
+        while not stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopping.wait(), self.opts.watch_interval)
+            async with guard:
+                if stopping.is_set() or self.lock.locked() or self.dirs_seen is None:
+                    continue
+                now = await asyncio.to_thread(dirs_signature, self._watched_dirs())
+                if now != self.dirs_seen and not self.lock.locked():
+                    self.dirs_seen = now
+                    self.ctx.log.info("hold directories changed outside a pass: a pass puts them right")
+                    self.loop.trigger("hold files changed")
+
+    async def _pass_locked(self, reason: str) -> bool:
+        if self.spec is None:
+            return False
+        if self.inventory is None:
+            await self._fetch_inventory(wake=False)
             if self.inventory is None:
-                await self._fetch_inventory(wake=False)
-                if self.inventory is None:
-                    return True
-            spec, log = self.spec, self.ctx.log
-            with self.m_pass.time():
-                await self.outbox.recheck()
-                facts = await release_facts(self.releases, self.reaper, self.opts.cdi_dir, self.opts.run_dir)
-                observed = await asyncio.to_thread(
-                    observe,
-                    releases=facts,
-                    spec=spec,
-                    cdi_dir=self.opts.cdi_dir,
-                    run_dir=self.opts.run_dir,
-                    slices=self.slices,
-                    inventory=self.inventory,
-                    domains=self.domains,
-                    state=self.state,
-                    warned=self.warned,
-                    switched=self.applier.switched,
-                    spec_unknown_fields=self.spec_unknown,
-                    consumer_dir=self.consumer_dir,
-                )
-                observed = dataclasses.replace(observed, maintenance=gpuops.maintenance_claims(self.state.gpu_ops))
-                # a success the inventory already shows no longer needs remembering
-                for pci in [pci for pci in self.applier.switched if pci not in observed.switched]:
-                    del self.applier.switched[pci]
-                p = plan(spec, observed, self.config)
-                for note in p.notes:
-                    log.warning(note)
-                # a card that waits is noted at every retry: WARN once, then DEBUG while it lasts
-                for note in p.vfio_notes:
-                    (log.debug if note in self.vfio_noted else log.warning)(note)
-                self.vfio_noted = set(p.vfio_notes)
-                new_failures = [f for f in p.failures if self.state.reported_failures.get(f.allocation_id) != spec.generation]
-                result = await self.applier.apply(p, self.state)
-            if result.switch_requests:
-                # the inventory rescans on the switcher's notice (inventory.changed
-                # follows); read it now too, in case that came before our reply
-                await self._fetch_inventory()
-            self.m_vfio.set(len(self.state.vfio))
-            self.last_pass_at = datetime.now(timezone.utc)
-            self.pending = {a: r for a, r in facts.pending.items() if a in p.pending}
-            self.m_pending.set(len(p.pending))
-            oldest = min((r.since for r in facts.pending.values() if r.allocation_id in p.pending), default=None)
-            self.m_pending_age.set((self.last_pass_at - oldest).total_seconds() if oldest else 0)
-            unreadable = self.state.conditions.get(UNREADABLE)
-            self.m_unreadable.set(1 if unreadable is not None and unreadable.status == "True" else 0)
-            self.failures = {f.allocation_id: f.reason for f in p.failures}
-            for f in new_failures:
-                self.m_failures.labels(reason=f.reason).inc()
-            section = result.section
-            outcome = "retry" if result.retry else ("failed" if p.failures else "converged")
-            self.m_passes.labels(outcome=outcome).inc()
-            self.m_generation.set(spec.generation)
-            if section is not None:
-                self.m_section.clear()
-                self.m_section.labels(state=section.state).set(1)
-            holds_now = self.holds_after_pass = await asyncio.to_thread(self._holds)
-            self.m_holds.clear()
-            for binding in ("BINDING_HOLD", "BINDING_KUBERNETES"):
-                self.m_holds.labels(binding=binding).set(sum(1 for h in holds_now.values() if h.binding == binding))
-            # the device plugin advertises the Kubernetes holds: a hint when they changed
-            kube_now = {a: (h.generation, h.devices) for a, h in holds_now.items() if h.binding == "BINDING_KUBERNETES"}
-            if kube_now != self.kube_holds_seen:
-                self.kube_holds_seen = kube_now
-                await self.consumers.holds_changed()
-            fields = dict(reason=reason, generation=spec.generation, steps=len(p.steps), done=result.done)
-            if result.vfio_retry or p.vfio_waiting:
-                fields.update(vfio_retry_in_s=self.opts.retry_interval, vfio_waiting=list(p.vfio_waiting))
-            if result.retry:
-                # seed: section failures are logged WARN while retrying, ERROR when failed
-                log.warning("pass incomplete; retrying", errors=result.errors, retry_in_s=self.opts.retry_interval, **fields)
-            elif p.failures:
-                log.error("section failed", failures={f.allocation_id: f"{f.reason}: {f.message}" for f in p.failures}, **fields)
-            elif p.steps:
-                log.info("pass converged", **fields)
-            else:
-                log.debug("nothing to do", **fields)
-            # the reaper keeps its watches in memory: ask again for every pending
-            # release (idempotent there), so a restarted reaper resumes evicting
-            for alloc in p.pending:
-                rel = self.pending.get(alloc) or facts.pending.get(alloc)
-                if rel is not None:
-                    await self.reaper.evict(alloc, list(rel.devices))
-            # a pending Kubernetes release is rechecked every retry interval (the
-            # reaper's "freed" message usually comes first)
-            # a driver switch refused, failed or unanswered, or waiting for a hold
-            # to go, is asked for again at the next retry interval
-            return result.retry or bool(p.pending) or result.vfio_retry or bool(p.vfio_waiting)
+                return True
+        spec, log = self.spec, self.ctx.log
+        with self.m_pass.time():
+            await self.outbox.recheck()
+            facts = await release_facts(self.releases, self.reaper, self.opts.cdi_dir, self.opts.run_dir)
+            observed = await asyncio.to_thread(
+                observe,
+                releases=facts,
+                spec=spec,
+                cdi_dir=self.opts.cdi_dir,
+                run_dir=self.opts.run_dir,
+                slices=self.slices,
+                inventory=self.inventory,
+                domains=self.domains,
+                state=self.state,
+                warned=self.warned,
+                switched=self.applier.switched,
+                spec_unknown_fields=self.spec_unknown,
+                consumer_dir=self.consumer_dir,
+            )
+            observed = dataclasses.replace(observed, maintenance=gpuops.maintenance_claims(self.state.gpu_ops))
+            # a success the inventory already shows no longer needs remembering
+            for pci in [pci for pci in self.applier.switched if pci not in observed.switched]:
+                del self.applier.switched[pci]
+            p = plan(spec, observed, self.config)
+            for note in p.notes:
+                log.warning(note)
+            # a card that waits is noted at every retry: WARN once, then DEBUG while it lasts
+            for note in p.vfio_notes:
+                (log.debug if note in self.vfio_noted else log.warning)(note)
+            self.vfio_noted = set(p.vfio_notes)
+            new_failures = [f for f in p.failures if self.state.reported_failures.get(f.allocation_id) != spec.generation]
+            result = await self.applier.apply(p, self.state)
+        if result.switch_requests:
+            # the inventory rescans on the switcher's notice (inventory.changed
+            # follows); read it now too, in case that came before our reply
+            await self._fetch_inventory()
+        self.m_vfio.set(len(self.state.vfio))
+        self.last_pass_at = datetime.now(timezone.utc)
+        self.pending = {a: r for a, r in facts.pending.items() if a in p.pending}
+        self.m_pending.set(len(p.pending))
+        oldest = min((r.since for r in facts.pending.values() if r.allocation_id in p.pending), default=None)
+        self.m_pending_age.set((self.last_pass_at - oldest).total_seconds() if oldest else 0)
+        unreadable = self.state.conditions.get(UNREADABLE)
+        self.m_unreadable.set(1 if unreadable is not None and unreadable.status == "True" else 0)
+        self.failures = {f.allocation_id: f.reason for f in p.failures}
+        for f in new_failures:
+            self.m_failures.labels(reason=f.reason).inc()
+        section = result.section
+        outcome = "retry" if result.retry else ("failed" if p.failures else "converged")
+        self.m_passes.labels(outcome=outcome).inc()
+        self.m_generation.set(spec.generation)
+        if section is not None:
+            self.m_section.clear()
+            self.m_section.labels(state=section.state).set(1)
+        holds_now = self.holds_after_pass = await asyncio.to_thread(self._holds)
+        self.m_holds.clear()
+        for binding in ("BINDING_HOLD", "BINDING_KUBERNETES"):
+            self.m_holds.labels(binding=binding).set(sum(1 for h in holds_now.values() if h.binding == binding))
+        # the device plugin advertises the Kubernetes holds: a hint when they changed
+        kube_now = {a: (h.generation, h.devices) for a, h in holds_now.items() if h.binding == "BINDING_KUBERNETES"}
+        if kube_now != self.kube_holds_seen:
+            self.kube_holds_seen = kube_now
+            await self.consumers.holds_changed()
+        fields = dict(reason=reason, generation=spec.generation, steps=len(p.steps), done=result.done)
+        if result.vfio_retry or p.vfio_waiting:
+            fields.update(vfio_retry_in_s=self.opts.retry_interval, vfio_waiting=list(p.vfio_waiting))
+        if result.retry:
+            # seed: section failures are logged WARN while retrying, ERROR when failed
+            log.warning("pass incomplete; retrying", errors=result.errors, retry_in_s=self.opts.retry_interval, **fields)
+        elif p.failures:
+            log.error("section failed", failures={f.allocation_id: f"{f.reason}: {f.message}" for f in p.failures}, **fields)
+        elif p.steps:
+            log.info("pass converged", **fields)
+        else:
+            log.debug("nothing to do", **fields)
+        # the reaper keeps its watches in memory: ask again for every pending
+        # release (idempotent there), so a restarted reaper resumes evicting
+        for alloc in p.pending:
+            rel = self.pending.get(alloc) or facts.pending.get(alloc)
+            if rel is not None:
+                await self.reaper.evict(alloc, list(rel.devices))
+        # a pending Kubernetes release is rechecked every retry interval (the
+        # reaper's "freed" message usually comes first)
+        # a driver switch refused, failed or unanswered, or waiting for a hold
+        # to go, is asked for again at the next retry interval
+        return result.retry or bool(p.pending) or result.vfio_retry or bool(p.vfio_waiting)
 
     # ------------------------------------------------------------------ the root helper
 
@@ -969,6 +1020,8 @@ class ConvergerApp(ServiceApp):
         async with asyncio.TaskGroup() as tasks:
             if self.helper_writer is not None and (self.opts.writer == "auto" or not self.privileged):
                 tasks.create_task(self._watch_helper(ctx.stopping), name="converger.helper-watch")
+            if self.opts.watch_interval > 0:
+                tasks.create_task(self._watch_hold_dirs(ctx.stopping), name="converger.hold-dir-watch")
             await self.loop.run(ctx.stopping)
 
     async def close(self, ctx: ServiceContext) -> None:

@@ -113,6 +113,10 @@ class CardRecord(msgspec.Struct, kw_only=True):
     uuid: str = ""
     #: the status the last evaluation derived (None before the first).
     status: PhysicalGPUStatus | None = None
+    #: the status the last `gpu` event said upstream (None: none yet; from a state file of an
+    #: older bcd, `status` stands for it): an event says a change from this, never from a status
+    #: held back while the claims are not known yet at start
+    said: PhysicalGPUStatus | None = None
     #: since when the card has been a passthrough binding with no claim, without a break.
     orphan_since: datetime | None = None
     excluded: bool = False
@@ -237,6 +241,22 @@ def status_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
     )
 
 
+#: what a card's status says without the claims: a change here is news even while the claims are
+#: not known yet (the rest, managementState, Managed, Reclaim and the phase they make, is not)
+_CLAIM_BLIND = (ADAPTER_READY, RECONFIGURING)
+
+
+def claim_blind_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
+    """status_key of what the claims do not decide: the driver binding and AdapterReady, Reconfiguring."""
+    if status is None:
+        return None
+    return (
+        status.driver_binding.driver,
+        status.driver_binding.mode,
+        tuple(sorted((c.type, c.status, c.reason) for c in status.conditions if c.type in _CLAIM_BLIND)),
+    )
+
+
 def _change_text(status: PhysicalGPUStatus, extra: str = "") -> str:
     key = status_key(status)
     return f"{key!r}|{extra}"
@@ -264,9 +284,14 @@ class GpuTracker:
         reclaim_timeout: timedelta = RECLAIM_TIMEOUT,
         state: GpuState | None = None,
         max_outbox: int = 10_000,
+        claims_grace: timedelta = timedelta(seconds=15),
     ) -> None:
         self.node_id = node_id
         self.clock = clock
+        #: at start the converger may not answer yet: a status that exists only because the claims
+        #: are not known (Unknown/Indeterminate) is not said upstream before this is over
+        self.claims_grace = claims_grace
+        self.started = clock()
         self.orphan_grace = orphan_grace
         self.reclaim_timeout = reclaim_timeout
         self.state = state if state is not None else GpuState()
@@ -381,6 +406,7 @@ class GpuTracker:
             state.boot_id = inv.boot_id
         claims_known = claims is not None
         self.claims_known = claims_known
+        starting = now - self.started < self.claims_grace
         by_card = claims_by_card(claims)
         layouts = {m.pci_address: m for m in claims.mig_layouts} if claims is not None else None
         result = Evaluation(inventory=inv, new_boot=new_boot, claims_known=claims_known)
@@ -408,11 +434,21 @@ class GpuTracker:
             status = with_mig_layout(status, rec.status, layouts, pci)
             rec.status = status
             gpus.append(msgspec.structs.replace(g, status=status))
+            if rec.said is None and previous is not None:
+                rec.said = previous  # a state file of an older bcd: its last status was said
             notice = switch_event if switch_event is not None and switch_event.pci == pci else None
             if notice is not None:
                 result.events.append(self._event(pci, g.uuid, status, now, notice))
-            elif status_key(previous) != status_key(status):
+                rec.said = status
+            elif status_key(rec.said) != status_key(status) and not (
+                not claims_known and starting and claim_blind_key(rec.said) == claim_blind_key(status)
+            ):
+                # (while the claims are not known yet at start, a change only they make is not
+                # said: the status stands fail-closed here, and upstream hears only what outlasts
+                # the grace; a change of the card itself, Reconfiguring Completing after a
+                # reboot, is said at once)
                 result.events.append(self._event(pci, g.uuid, status, now))
+                rec.said = status
 
         if switch_event is not None and switch_event.pci not in listed and PCI_RE.match(switch_event.pci):
             # the card is not on the bus any more (it vanished during the switch): report what is known

@@ -156,6 +156,13 @@ class InventoryApp(ServiceApp):
             Option("--data-dir", "state directory of this node; the inventory keeps <data-dir>/inventory/gpus.json", default=Path("/var/lib/bcd"), type=Path),
             Option("--gpu-tick", "seconds between evaluations while a GPU timer runs (orphan grace, reclaim, disruption)", default=5.0, type=float),
             Option("--claims-timeout", "seconds to wait for the converger's claims (no answer reads Indeterminate)", default=1.0, type=float),
+            Option(
+                "--claims-grace",
+                "seconds after start in which a card's status that only comes of the converger not answering yet "
+                "(Unknown/Indeterminate) is kept here, fail-closed, but not sent upstream as a gpu event",
+                default=15.0,
+                type=float,
+            ),
             Option("--orphan-grace", "seconds a passthrough binding with no claim must last to read Orphaned (tests only; the seed says 120)", default=120.0, type=float),
             Option("--reclaim-timeout", "seconds after which a reclaim still not on the compute driver is Failed (tests only; the seed says 120)", default=120.0, type=float),
         ]
@@ -183,6 +190,7 @@ class InventoryApp(ServiceApp):
             orphan_grace=timedelta(seconds=o.orphan_grace),
             reclaim_timeout=timedelta(seconds=o.reclaim_timeout),
             state=state,
+            claims_grace=timedelta(seconds=o.claims_grace),
         )
         ctx.metadata["state_file"] = str(self.store.path)
         try:

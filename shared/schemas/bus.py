@@ -7,7 +7,26 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .common import END, AtomId, Condition, EventId, Id, KeyId, Name, PciAddress, Text
+from .common import (
+    END,
+    HUGEPAGE_MAX_KIB,
+    HUGEPAGE_MIN_KIB,
+    HUGEPAGES_MAX_COUNT,
+    LIMITS_MAX_CPU,
+    LIMITS_MAX_CPU_MILLIS,
+    LIMITS_MAX_MEMORY_BYTES,
+    LIMITS_MAX_NUMA_NODE,
+    AtomId,
+    Condition,
+    EventId,
+    Generation,
+    Id,
+    KeyId,
+    Name,
+    NonNegInt,
+    PciAddress,
+    Text,
+)
 from .events import AttestedEvent, AttestedReport, SectionStatus
 from .inventory import Gpu
 
@@ -68,7 +87,7 @@ class Empty(msgspec.Struct, frozen=True, kw_only=True):
 class SpecAck(msgspec.Struct, frozen=True, kw_only=True):
     """The converger's answer to a handed-over NodeSpec."""
 
-    generation: int
+    generation: Generation
     #: False when the spec was the one already applied (nothing new to do).
     changed: bool = True
 
@@ -76,11 +95,24 @@ class SpecAck(msgspec.Struct, frozen=True, kw_only=True):
 class HoldSummary(msgspec.Struct, frozen=True, kw_only=True):
     allocation_id: str
     reservation_id: str
-    generation: int
+    generation: Generation
     binding: str
     devices: list[str]
     cgroup_parent: str = ""
     reported: bool = True
+
+
+class PendingReleaseSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """A withdrawn Kubernetes hold whose Released waits until no pod holds its devices."""
+
+    allocation_id: str
+    reservation_id: str
+    #: the generation that released it (its Released carries it)
+    generation: Generation
+    devices: list[str]
+    since: datetime
+    #: the operator said no pod holds them (`bcd releases --free`): reported at the next pass
+    freed: bool = False
 
 
 #: the most problems a ConvergerStatus lists (the last says how many more there are).
@@ -88,7 +120,7 @@ PROBLEMS_MAX = 32
 
 
 class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
-    generation: int | None = None
+    generation: Generation | None = None
     section: SectionStatus | None = None
     holds: list[HoldSummary] = []
     #: allocation id -> reason, for the failures of the current generation.
@@ -107,6 +139,10 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     #: what an operator should look at (entries of the hold directories that are
     #: not regular files and were skipped, a reduced outbox), at most PROBLEMS_MAX.
     problems: Annotated[list[Text], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
+    #: where the journal and the hold files disagree now (a reported hold whose spec, env file
+    #: or consumer copy is not on disk, a hold spec the journal never bound), one line each;
+    #: the next pass, woken within --watch-interval, puts them right
+    drift: Annotated[list[Text], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
     #: the outbox is smaller than --outbox-max-bytes asked (the server refused the reservation), or "".
     outbox_warning: Text = ""
     #: the outbox stream could not be created (no room even for its floor): no event is journaled, or "".
@@ -115,13 +151,15 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     #: KubernetesReleaseStuck, ...), by type; status False ones are cleared ones.
     conditions: Annotated[list[Condition], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
     #: host memory the converger never promises to holds (--system-reserve-bytes): what a dry run plans with.
-    system_reserve_bytes: int = 0
+    system_reserve_bytes: NonNegInt = 0
     #: maintenance operations: those running, then the last of each kind per card.
     gpu_ops: Annotated[list["GpuOp"], msgspec.Meta(max_length=4096)] = []
     #: the cards with a desired MIG layout and where each stands.
     mig_layouts: Annotated[list["MigLayoutState"], msgspec.Meta(max_length=1024)] = []
     #: the DRA claims held as holds of their own (bcd-claim-<uid>.json)
     claims: Annotated[list["ClaimSummary"], msgspec.Meta(max_length=4096)] = []
+    #: Kubernetes holds withdrawn and not yet released (their devices stay claimed), oldest first
+    pending_releases: Annotated[list[PendingReleaseSummary], msgspec.Meta(max_length=4096)] = []
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,10 +225,10 @@ class PluginResource(msgspec.Struct, frozen=True, kw_only=True):
     #: the plugin's socket file name in the kubelet's device-plugins directory.
     endpoint: Name
     registered: bool = False
-    devices: int = 0
-    healthy: int = 0
+    devices: NonNegInt = 0
+    healthy: NonNegInt = 0
     #: ListAndWatch streams the kubelet holds open.
-    streams: int = 0
+    streams: NonNegInt = 0
     #: why the last Register failed, or "".
     error: Text = ""
 
@@ -217,7 +255,7 @@ class DevicePluginStatus(msgspec.Struct, frozen=True, kw_only=True):
     resources: Annotated[list[PluginResource], msgspec.Meta(max_length=DEVICE_PLUGIN_LIST_MAX)] = []
     holds: Annotated[list[AdvertisedHold], msgspec.Meta(max_length=DEVICE_PLUGIN_LIST_MAX)] = []
     #: Allocate calls answered since start.
-    allocations: int = 0
+    allocations: NonNegInt = 0
 
 
 class WithdrawReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,7 +264,7 @@ class WithdrawReply(msgspec.Struct, frozen=True, kw_only=True):
     #: device ids no longer advertised.
     withdrawn: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
     #: ListAndWatch streams that were sent the update (and took it) before this reply.
-    streams: int = 0
+    streams: NonNegInt = 0
     detail: Text = ""
 
 
@@ -323,7 +361,7 @@ class Claims(msgspec.Struct, frozen=True, kw_only=True):
 
     claims: list[GpuClaim] = []
     vfio: list[PciAddress] = []
-    generation: int | None = None
+    generation: Generation | None = None
     at: datetime
     #: the cards with a desired MIG layout, and where each stands.
     mig_layouts: Annotated[list[MigLayoutState], msgspec.Meta(max_length=1024)] = []
@@ -377,7 +415,7 @@ class GpuOp(msgspec.Struct, frozen=True, kw_only=True):
     id: Name
     op: Name
     pci: Annotated[str, msgspec.Meta(max_length=128)]
-    level: int = 0
+    level: NonNegInt = 0
     #: mig-layout: the layout being made
     layout: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     state: Literal["running", "done"] = "running"
@@ -438,7 +476,7 @@ class MigLayoutReply(msgspec.Struct, frozen=True, kw_only=True):
 
 class DiagReply(msgspec.Struct, frozen=True, kw_only=True):
     pci: Annotated[str, msgspec.Meta(max_length=128)]
-    level: int
+    level: NonNegInt
     #: Running | Passed | Failed | NotInstalled | Error
     outcome: Name
     message: Text = ""
@@ -478,8 +516,8 @@ class MigInstanceReply(msgspec.Struct, frozen=True, kw_only=True):
     #: not-supported (the adapter cannot) | refused (the request is wrong for this card)
     outcome: Name
     message: Text = ""
-    gi: int | None = None
-    ci: int | None = None
+    gi: NonNegInt | None = None
+    ci: NonNegInt | None = None
     #: create-ci: the MIG device's uuid (MIG-...), what NVIDIA_VISIBLE_DEVICES takes
     uuid: Annotated[str, msgspec.Meta(max_length=160)] = ""
 
@@ -588,10 +626,10 @@ class DraPluginStatus(msgspec.Struct, frozen=True, kw_only=True):
     plugin_socket: Text = ""
     #: "" while the API server answers, else why not
     api_error: Text = ""
-    pool_generation: int = 0
-    slices: int = 0
+    pool_generation: Generation = 0
+    slices: NonNegInt = 0
     #: devices published in the pool (whole cards and MIG placements)
-    devices: int = 0
+    devices: NonNegInt = 0
     #: the cards published, by PCI address
     cards: Annotated[list[PciAddress], msgspec.Meta(max_length=1024)] = []
     #: why cards are not published, one line per card
@@ -619,8 +657,8 @@ GPU_UUID_PATTERN = r"^(GPU-)?[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-
 #: a MIG device uuid as NVML names it ("MIG-<uuid>", or the older "MIG-GPU-<uuid>/<gi>/<ci>").
 MIG_UUID_PATTERN = r"^MIG-[A-Za-z0-9][A-Za-z0-9/-]{0,127}" + END
 #: the largest CPU number (and NUMA node number) a helper request may name.
-HELPER_MAX_CPU = 8191
-HELPER_MAX_NUMA_NODE = 1023
+HELPER_MAX_CPU = LIMITS_MAX_CPU
+HELPER_MAX_NUMA_NODE = LIMITS_MAX_NUMA_NODE
 
 _HelperId = Annotated[str, msgspec.Meta(max_length=128)]
 _AtomPart = Annotated[int, msgspec.Meta(ge=0, le=9999)]
@@ -647,16 +685,16 @@ class HelperDevice(HelperStruct, frozen=True, kw_only=True):
 
 
 class HelperHugePages(HelperStruct, frozen=True, kw_only=True):
-    page_size_kib: Annotated[int, msgspec.Meta(ge=4, le=16 * 1024 * 1024)]
-    count: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
+    page_size_kib: Annotated[int, msgspec.Meta(ge=HUGEPAGE_MIN_KIB, le=HUGEPAGE_MAX_KIB)]
+    count: Annotated[int, msgspec.Meta(ge=0, le=HUGEPAGES_MAX_COUNT)]
 
 
 class HelperLimits(HelperStruct, frozen=True, kw_only=True):
     """A slice's limits, bounded (the helper also checks the highest CPU and NUMA node)."""
 
     cpus: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
-    cpu_millis: Annotated[int, msgspec.Meta(ge=0, le=(HELPER_MAX_CPU + 1) * 1000)] | None = None
-    memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)] | None = None
+    cpu_millis: Annotated[int, msgspec.Meta(ge=0, le=LIMITS_MAX_CPU_MILLIS)] | None = None
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=LIMITS_MAX_MEMORY_BYTES)] | None = None
     hugepages: Annotated[list[HelperHugePages], msgspec.Meta(max_length=8)] = []
     mems: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
@@ -666,7 +704,7 @@ class HelperHold(HelperStruct, frozen=True, kw_only=True):
 
     allocation_id: _HelperId
     reservation_id: _HelperId
-    generation: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    generation: Generation
     binding: Literal["BINDING_HOLD", "BINDING_KUBERNETES", "BINDING_CLAIM"]
     devices: Annotated[list[HelperDevice], msgspec.Meta(min_length=1, max_length=64)]
     #: the hold runs in its slice (the helper names it bcd-alloc-<id>.slice itself).
@@ -740,7 +778,7 @@ class HelperInfo(msgspec.Struct, frozen=True, kw_only=True):
     #: "fake" or "systemd"
     slices: Name
     mps_pipe_dir: Text
-    euid: int
+    euid: NonNegInt
     version: Name = ""
     #: where it writes the hold specs' consumer copies ("" from a helper older than them).
     cdi_consumer_dir: Text = ""
@@ -775,6 +813,7 @@ __all__ = [
     "Empty",
     "SpecAck",
     "HoldSummary",
+    "PendingReleaseSummary",
     "ConvergerStatus",
     "PROBLEMS_MAX",
     "HolderQuery",

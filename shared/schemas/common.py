@@ -124,9 +124,27 @@ def reserved_env_key(key: str) -> bool:
     return key.startswith(RESERVED_ENV_PREFIX) or key in RESERVED_ENV_KEYS
 
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
-Generation = Annotated[int, msgspec.Meta(ge=0)]
+#: Every integer of every schema is a Go int64 (the upstream contract, docs/upstream.md): a control
+#: plane typing a field int64 reads every value bcd sends, and bcd refuses at decode what such a
+#: control plane could not have sent (a JSON number past 2^63 - 1 would otherwise decode to a Python
+#: int of any size and be written into files whose readers refuse it).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
+Generation = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX, description="a non-negative int64; increases")]
+
+#: What a hold's limits may book (the spec's Limits and the root helper's HelperLimits share them,
+#: so the helper takes every limit a spec can carry): CPUs and NUMA nodes numbered up to these,
+#: a CPU quota of that many CPUs, memory up to 1 PiB, huge pages up to 16 GiB a page, 2^32 of them.
+LIMITS_MAX_CPU = 8191
+LIMITS_MAX_NUMA_NODE = 1023
+LIMITS_MAX_CPU_MILLIS = (LIMITS_MAX_CPU + 1) * 1000
+LIMITS_MAX_MEMORY_BYTES = 2**50
+HUGEPAGE_MIN_KIB = 4
+HUGEPAGE_MAX_KIB = 16 * 1024 * 1024
+HUGEPAGES_MAX_COUNT = 2**32
 
 #: event ids are derived by the caller (hex digests), so a replay keeps its id.
 EVENT_ID_PATTERN = r"^[a-z0-9][a-z0-9_.:-]{0,199}" + END

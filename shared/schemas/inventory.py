@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .common import Condition, CpuListOrEmpty, Id, Name, NonNegInt, PciAddress, Struct
+from .common import Condition, CpuListOrEmpty, Id, Int64, Name, NonNegInt, PciAddress, Struct
 
 AtomKind = Literal["gpu", "mig", "slot"]
 
@@ -108,7 +108,7 @@ class Gpu(Struct, kw_only=True):
     name: Name = ""
     vendor: Name = ""
     memory_bytes: NonNegInt = 0
-    numa_node: int | None = None
+    numa_node: Int64 | None = None
     #: kernel driver bound now ("" when none).
     driver: Name = ""
     #: the card's native driver, to switch back to after passthrough.

@@ -12,6 +12,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from .common import (
+    HUGEPAGE_MAX_KIB,
+    HUGEPAGE_MIN_KIB,
+    HUGEPAGES_MAX_COUNT,
+    LIMITS_MAX_CPU_MILLIS,
+    LIMITS_MAX_MEMORY_BYTES,
     AtomId,
     CpuList,
     EnvLine,
@@ -36,16 +41,19 @@ MAX_ENV_LINES = 128
 
 
 class HugePages(Struct, kw_only=True):
-    page_size_kib: PositiveInt
-    count: NonNegInt
+    page_size_kib: Annotated[int, msgspec.Meta(ge=HUGEPAGE_MIN_KIB, le=HUGEPAGE_MAX_KIB)]
+    count: Annotated[int, msgspec.Meta(ge=0, le=HUGEPAGES_MAX_COUNT)]
 
 
 class Limits(Struct, kw_only=True):
-    """Host resources an assignment books; any of them makes the hold sliced."""
+    """Host resources an assignment books; any of them makes the hold sliced.
+
+    Bounded as the root helper is (shared.schemas.common LIMITS_*): whatever limits a
+    spec carries, the helper that writes its slice takes."""
 
     cpus: CpuList | None = None
-    cpu_millis: NonNegInt | None = None
-    memory_bytes: NonNegInt | None = None
+    cpu_millis: Annotated[int, msgspec.Meta(ge=0, le=LIMITS_MAX_CPU_MILLIS)] | None = None
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=LIMITS_MAX_MEMORY_BYTES)] | None = None
     hugepages: Annotated[list[HugePages], msgspec.Meta(max_length=8)] = []
     #: NUMA nodes, nodelist syntax ("0" or "0-1").
     mems: CpuList | None = None

@@ -61,7 +61,10 @@ def test_wait_follows_each_hold_to_the_outcome_and_dry_run_puts_nothing(node: No
     assert lines[-1] == f"generation {gen}: FAILED (3 bound, 0 kept, 3 failed, 0 released)"
 
     # a dry run of a change: the plan against the holds now, nothing put
-    change = {"node_id": "node-1", "devices": [assignment("train-01", GPU[0]), assignment("new-one", GPU[2]), assignment("clash", GPU[2])]}
+    # train-01 exactly as the demo assigned it: kept (the same allocation with other limits or env is
+    # another assignment, released and bound again: issue 28.1)
+    train = next(a for a in json.loads(DEMO.read_text())["devices"] if a["allocation_id"] == "train-01")
+    change = {"node_id": "node-1", "devices": [train, assignment("new-one", GPU[2]), assignment("clash", GPU[2])]}
     path = write(node, change)
     before = (last_generation(node), node.holds(), len(node.events()))
     dry = apply(node, path, "--dry-run", timeout=30)
@@ -85,7 +88,11 @@ def test_wait_follows_each_hold_to_the_outcome_and_dry_run_puts_nothing(node: No
     }  # fmt: skip
 
     # a converging spec: exit 0, the kept hold said as kept, the released ones as released
-    ok = write(node, {"node_id": "node-1", "devices": [assignment("train-01", GPU[0]), assignment("new-one", GPU[2])]})
+    rebind = write(node, {"node_id": "node-1", "devices": [assignment("train-01", GPU[0])]})
+    dry = apply(node, rebind, "--dry-run", "--json", timeout=30)
+    assert {h["allocation_id"]: h["action"] for h in json.loads(dry.stdout)["holds"]}["train-01"] == "rebind", dry.stdout
+
+    ok = write(node, {"node_id": "node-1", "devices": [train, assignment("new-one", GPU[2])]})
     out = apply(node, ok, *WAIT, "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads(out.stdout)

@@ -112,8 +112,8 @@ def test_reset_and_diag_refuse_every_kind_of_holder_and_say_how_they_end(maint_n
     status = bcd("status", "--state-dir", str(node.state))
     assert "gpu maintenance:" in status.stdout and "diag level 3 0000:ab:00.0: Failed" in status.stdout
     m = converger_metrics(node)
-    assert m[("bcd_gpu_diag_passed", (("level", "3"), ("pci", PCI[5])))] == 0
-    assert m[("bcd_gpu_diag_passed", (("level", "1"), ("pci", PCI[0])))] == 1
+    assert m[("bcd_gpu_diag_passed", (("level", "3"), ("pci_address", PCI[5])))] == 0
+    assert m[("bcd_gpu_diag_passed", (("level", "1"), ("pci_address", PCI[0])))] == 1
     assert m[("bcd_gpu_operations_total", (("op", "reset"), ("outcome", "Succeeded")))] == 1
     assert m[("bcd_gpu_operations_total", (("op", "reset"), ("outcome", "Refused")))] == len(holders) + 2  # the holders, no reset, not listed
     assert m[("bcd_gpu_operations_running", (("op", "diag"),))] == 0

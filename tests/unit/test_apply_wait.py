@@ -192,3 +192,45 @@ def test_follow_tails_the_log_from_the_offset_and_gives_up_at_the_deadline(tmp_p
     follow(log, log.stat().st_size, g, timeout=1.0, emit=out.append, clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
     assert g.outcome is None and clock[0] >= 1.0
     assert g.summary(1.0)[0].startswith("generation 6: no outcome within 1 s")
+
+
+def test_a_held_allocation_on_other_devices_is_not_said_kept_but_released_and_bound_again() -> None:
+    """Issue 28.1: `kept job-a ... GPU-…0003 (bound at an earlier generation)` was printed for job-a
+    moved to GPU-…0004, which the node then kept on 0003; now the node releases and binds it again."""
+    reservations = {
+        "rsv-job-a": Reservation(reservation_id="rsv-job-a", node_id="node-1", allocation_id="job-a", state="active", generation=4, devices=[GPU[2]], updated_at=NOW)
+    }
+    f = Follower.for_spec(spec(assignment("job-a", GPU[3])), 5, reservations)
+    assert f.start_lines() == []
+    lines = run(f, [released("job-a", 5, GPU[2]), bound("job-a", 5, GPU[3]), section(5, "CONVERGED")])
+    assert lines[0] == "released job-a (rsv-job-a)  GPU-5f1c…0003  (its assignment changed: bound again)"
+    assert f.holds["job-a"].result == "bound" and f.holds["job-a"].devices == [GPU[3]]
+    assert f.counts() == {"bound": 1, "kept": 0, "failed": 0, "pending": 0, "released": 1}
+
+
+def test_a_kept_hold_released_at_the_generation_is_bound_again_not_kept() -> None:
+    """Same devices, other env or limits: premarked kept, then its Released and Bound come."""
+    reservations = {
+        "rsv-job-a": Reservation(reservation_id="rsv-job-a", node_id="node-1", allocation_id="job-a", state="active", generation=4, devices=[GPU[2]], updated_at=NOW)
+    }
+    f = Follower.for_spec(spec(assignment("job-a", GPU[2])), 5, reservations)
+    run(f, [released("job-a", 5, GPU[2])])
+    assert f.holds["job-a"].result == "pending"
+    run(f, [bound("job-a", 5, GPU[2]), section(5, "CONVERGED")])
+    assert f.holds["job-a"].result == "bound" and f.counts()["kept"] == 0
+
+
+def test_a_dropped_hold_without_a_released_is_said_pending_not_left_out() -> None:
+    """Issue 28.6: `apply --wait` printed nothing for a released Kubernetes hold whose pods (or no
+    kubelet) kept it pending; a plain hold dropped is said by its Released."""
+    reservations = {
+        r: Reservation(reservation_id=f"rsv-{a}", node_id="node-1", allocation_id=a, state="releasing", generation=5, devices=[d], updated_at=NOW)
+        for r, a, d in (("rsv-k1", "k1", GPU[2]), ("rsv-plain", "plain", GPU[3]))
+    }
+    f = Follower.for_spec(spec(assignment("new", GPU[0])), 5, reservations)
+    lines = run(f, [bound("new", 5, GPU[0]), released("plain", 5, GPU[3]), section(5, "CONVERGED")])
+    assert lines[-1] == (
+        "releasing k1 (rsv-k1)  GPU-5f1c…0003  (a Kubernetes hold: released once no pod holds its devices; "
+        "`bcd status` shows it, `bcd releases` lists it)"
+    )
+    assert not any("releasing plain" in line for line in lines)

@@ -316,3 +316,11 @@ def test_format_line_rejected_and_duplicate_and_plain():
         _rec(type="section", verified=None, generation=3, detail="CONVERGED", event={"event": "section", "section": "devices"})
     )
     assert sec.endswith("section   devices gen 3  CONVERGED  plain")
+
+
+def test_format_line_keeps_a_multi_line_section_message_on_one_line():
+    """Issue 28.8: a FAILED section's message (one failure a line) came out raw in `bcd events`."""
+    sec = format_line(
+        _rec(type="section", verified=None, generation=4, detail="FAILED: a: overlap\nb: device-missing\n", event={"event": "section", "section": "devices"})
+    )
+    assert "\n" not in sec and sec.endswith("section   devices gen 4  FAILED: a: overlap; b: device-missing  plain")

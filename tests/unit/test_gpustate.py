@@ -814,7 +814,7 @@ def test_since_stays_while_status_and_reason_do_not_change() -> None:
 
 def test_every_change_is_one_event_and_no_change_is_none() -> None:
     clock = Clock()
-    t = tracker(clock)
+    t = tracker(clock, claims_grace=timedelta(0))  # the start's grace: the test below
     first = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
     assert [e.event.pci_address for e in first.events] == [PCI, PCI2]  # first sight of each card
     clock.advance(timedelta(seconds=5))
@@ -1056,3 +1056,70 @@ def test_known_uuids_are_remembered() -> None:
     assert t.known_uuids() == {PCI: gpu().uuid, PCI2: gpu(PCI2, index=1).uuid}
     t.evaluate(inv(gpu()), FREE)  # PCI2 vanished; its exclusion (and uuid) stay
     assert t.known_uuids() == {PCI: gpu().uuid, PCI2: gpu(PCI2, index=1).uuid}
+
+
+def test_a_restart_says_nothing_upstream_that_did_not_happen() -> None:
+    """Issue 28.7: every restart published a gpu event with managementState Unknown for every card
+    (the converger not answering its claims yet), held ones too, then the real state 30 ms later.
+    Now what exists only while the claims are not known at start is kept (fail-closed) but not said."""
+    clock = Clock()
+    before = tracker(clock)
+    held = claims((PCI2, "allocation", "a-1"))
+    first = before.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    assert [(e.event.pci_address, e.event.management_state) for e in first.events] == [(PCI, "Unclaimed"), (PCI2, "Managed")]
+    snapshot = before.snapshot()
+
+    clock.advance(timedelta(minutes=5))
+    after = tracker(clock)  # the restarted inventory, its state from disk
+    after.restore(snapshot)
+    starting = after.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
+    assert starting.events == []
+    assert status_of(after, PCI2).driver_binding.management_state == "Unknown"  # fail-closed all the same
+    clock.advance(timedelta(milliseconds=30))
+    answered = after.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    assert answered.events == []  # the same as before the restart: nothing to say
+    assert status_of(after, PCI2).driver_binding.management_state == "Managed"
+    assert list(after.outbox) == list(before.outbox)
+
+    # a converger that stays away past the grace is a change worth saying
+    clock.advance(timedelta(seconds=20))
+    gone = after.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
+    assert [(e.event.pci_address, e.event.management_state) for e in gone.events] == [(PCI, "Unknown"), (PCI2, "Unknown")]
+
+
+def test_a_state_file_of_an_older_bcd_says_nothing_at_its_first_evaluation() -> None:
+    """Upgrades too: a card record without `said` takes its last status as said."""
+    clock = Clock()
+    old = tracker(clock, claims_grace=timedelta(0))
+    old.evaluate(inv(gpu()), FREE)
+    state = old.state
+    for rec in state.cards.values():
+        rec.said = None  # what an older bcd wrote
+    new = tracker(clock, claims_grace=timedelta(0), state=state)
+    assert new.evaluate(inv(gpu()), FREE).events == []
+
+
+def test_a_change_of_the_card_itself_is_said_at_start_while_the_claims_are_not_known() -> None:
+    """The grace holds back only what the missing claims make (managementState Unknown); a reboot's
+    Reconfiguring Completing is the card's own news and must reach upstream even if the converger
+    has not answered yet (the e2e reboot test lost it: Completing then cleared, neither said)."""
+    clock = Clock()
+    before = tracker(clock)
+    before.evaluate(inv(gpu()), FREE)
+    clock.advance(timedelta(seconds=1))
+    before.note_switch(switch_reply(at=clock.now))
+    for _ in range(3):
+        before.evaluate(inv(gpu(driver="")), FREE)
+        clock.advance(timedelta(seconds=5))
+    assert sr(status_of(before), "Reconfiguring") == ("True", "RebootRequested")
+    snapshot = before.snapshot()
+
+    after = tracker(clock)  # rebooted: a new boot, the card back on its base driver
+    after.restore(snapshot)
+    first = after.evaluate(inv(gpu(), boot="boot-b"), None)
+    assert [sr(e.event.status, "Reconfiguring") for e in first.events] == [("True", "Completing")]
+    second = after.evaluate(inv(gpu(), boot="boot-b"), None)
+    assert [sr(e.event.status, "Reconfiguring") for e in second.events] == [None]
+    # what the claims then add (Unclaimed for Unknown) is said once they are known
+    third = after.evaluate(inv(gpu(), boot="boot-b"), FREE)
+    assert [e.event.management_state for e in third.events] == ["Unclaimed"]

@@ -67,7 +67,7 @@ from shared.schemas import (
     SignRequest,
     encode,
 )
-from shared.schemas.common import ID_RE, env_value_problem
+from shared.schemas.common import ID_RE, LIMITS_MAX_CPU_MILLIS, LIMITS_MAX_MEMORY_BYTES, env_value_problem
 from shared.schemas.events import EVENT_TYPES
 from shared.schemas.nodespec import MAX_ASSIGNMENTS, MAX_DEVICES_PER_ASSIGNMENT, MAX_ENV_LINES
 
@@ -781,8 +781,9 @@ _envs = st.lists(st.tuples(_env_keys, _env_values), max_size=6, unique_by=lambda
 _limits = st.builds(
     Limits,
     cpus=st.none() | _cpulists(),
-    cpu_millis=st.none() | st.integers(0, 2**40),
-    memory_bytes=st.none() | st.integers(0, 2**62),
+    # the contract's ranges (shared.schemas.common): the largest values a spec may carry included
+    cpu_millis=st.none() | st.integers(0, LIMITS_MAX_CPU_MILLIS),
+    memory_bytes=st.none() | st.integers(0, LIMITS_MAX_MEMORY_BYTES),
     hugepages=st.lists(
         st.builds(HugePages, page_size_kib=st.sampled_from([4, 2048, 1 << 20]), count=st.integers(0, 1 << 20)),
         max_size=3,

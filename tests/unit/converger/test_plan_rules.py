@@ -68,7 +68,6 @@ def gpu3_on_vfio(doc: dict) -> None:
 
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-EXCLUDED_HOLDER = "(excluded by the operator)"
 
 
 def excluded(pci: str, reason: str = "Excluded") -> Callable[[Inventory], Inventory]:
@@ -219,6 +218,9 @@ ROWS = [
         [("m1", "unsupported-device", f"{G[6]}/gi1 is not a well-formed GPU, MIG instance or slot id")]),
     Row("device-malformed-slot", spec(1, hold("s1", f"{G[4]}/slotA")), ["ReportFailed"],
         [("s1", "unsupported-device", f"{G[4]}/slotA is not a well-formed GPU, MIG instance or slot id")]),
+    # issue 28.8: a bare word said "device class gpu0 is not supported"
+    Row("device-bare-word", spec(1, hold("g0", "gpu0")), ["ReportFailed"],
+        [("g0", "unsupported-device", "gpu0 is not a well-formed GPU, MIG instance or slot id")]),
     Row("device-malformed-slot-leading-zero", spec(1, hold("s1", f"{G[4]}/slot01")), ["ReportFailed"],
         [("s1", "unsupported-device", f"{G[4]}/slot01 is not a well-formed GPU, MIG instance or slot id")]),
     Row("device-none", spec(1, hold("e1")), ["ReportFailed"],
@@ -271,14 +273,14 @@ ROWS = [
         ["ReportFailed", "SwitchGpu", "SwitchGpu", "SwitchGpu"], [("b1", "overlap", f"{G[1]}: {G[1]} is claimed by instance vm-b")]),
     # a card the operator excluded takes no new hold; a hold kept on it stays
     Row("overlap-excluded-card", spec(1, hold("b1", G[0]), hold("c1", G[1])), ["BindHold", "ReportFailed"],
-        [("b1", "overlap", f"{G[0]}: {G[0]} is held by {EXCLUDED_HOLDER}")], bound=["c1"], inventory=excluded(PCI[0])),
+        [("b1", "overlap", f"{G[0]}: {G[0]} is excluded by the operator")], bound=["c1"], inventory=excluded(PCI[0])),
     Row("overlap-excluded-release-pending-mig", spec(1, hold("b1", f"{G[6]}/gi1/ci0")), ["ReportFailed"],
-        [("b1", "overlap", f"{G[6]}/gi1/ci0: {G[6]} is held by {EXCLUDED_HOLDER}")],
+        [("b1", "overlap", f"{G[6]}/gi1/ci0: {G[6]} is excluded by the operator")],
         inventory=excluded(PCI[6], "ExcludedReleasePending")),
     Row("excluded-card-keeps-its-hold", spec(1, hold("a1", G[0])), [], before=spec(1, hold("a1", G[0])),
         inventory=excluded(PCI[0], "ExcludedReleasePending")),
     Row("excluded-card-new-hold-beside-kept-one", spec(2, hold("a1", f"{G[4]}/slot0"), hold("b1", f"{G[4]}/slot1")), ["ReportFailed"],
-        [("b1", "overlap", f"{G[4]}/slot1: {G[4]} is held by {EXCLUDED_HOLDER}")], before=spec(1, hold("a1", f"{G[4]}/slot0")),
+        [("b1", "overlap", f"{G[4]}/slot1: {G[4]} is excluded by the operator")], before=spec(1, hold("a1", f"{G[4]}/slot0")),
         inventory=excluded("0000:9a:00.0", "ExcludedReleasePending")),
     Row("overlap-running-domain", spec(1, hold("b1", G[1]), hold("c1", G[2])), ["BindHold", "ReportFailed"],
         [("b1", "overlap", f"{G[1]}: {G[1]} is claimed by running domain build-vm-01")], bound=["c1"], host=domain_on_gpu1),
@@ -393,17 +395,32 @@ ROWS = [
     Row("kept-missing-env", S1, ["WriteEnv"], before=S1, drift=remove_env("a2")),
     Row("kept-missing-slice", S1, ["EnsureSlice"], before=S1, drift=remove_slice("a1")),
     Row("kept-missing-slice-and-env", S1, ["EnsureSlice", "WriteEnv"], before=S1, drift=both(remove_slice("a1"), remove_env("a1"))),
-    Row("kept-hold-not-rebound-by-changed-assignment", spec(2, hold("a1", G[1])), [], before=spec(1, hold("a1", G[0]))),
-    # the env file of a kept hold is rebuilt from the hold as bound, even when the
-    # assignment's binding changed since (this used to raise inside plan())
-    Row("kept-hold-env-rebuilt-as-bound-after-binding-change", spec(2, hold("a1", G[0], binding="BINDING_KUBERNETES")), ["WriteEnv"],
-        before=spec(1, hold("a1", G[0], cpus="0-3")), drift=remove_env("a1")),
+    # -------------------------------------------------------------- a held allocation's assignment changed (issue 28.1):
+    # its hold is released and the assignment bound again, releases first (docs/upstream.md)
+    Row("changed-devices-released-and-bound-again", spec(2, hold("a1", G[1])), ["ReleaseHold", "BindHold"], bound=["a1"],
+        before=spec(1, hold("a1", G[0])), notes=(f"a1: its assignment changed (devices {G[0]} -> {G[1]}): released, then bound again",)),
+    Row("changed-env-released-and-bound-again", spec(2, hold("a1", G[0], env=("A=2",))), ["ReleaseHold", "BindHold"], bound=["a1"],
+        before=spec(1, hold("a1", G[0], env=("A=1",))), notes=("a1: its assignment changed (env -A +A): released, then bound again",)),
+    Row("changed-limits-released-and-bound-again", spec(2, hold("a1", G[0], cpus="0-7")), ["ReleaseHold", "BindHold"], bound=["a1"],
+        before=spec(1, hold("a1", G[0], cpus="0-3")),
+        notes=('a1: its assignment changed (limits {"cpus":"0-3","cpu_millis":null,"memory_bytes":null,"hugepages":[],"mems":null} -> '
+               '{"cpus":"0-7","cpu_millis":null,"memory_bytes":null,"hugepages":[],"mems":null}): released, then bound again',)),
+    Row("changed-reservation-released-and-bound-again", spec(2, hold("a1", G[0], rsv="rsv-other")), ["ReleaseHold", "BindHold"],
+        bound=["a1"], before=spec(1, hold("a1", G[0])), notes=("a1: its assignment changed (reservation rsv-a1 -> rsv-other): released, then bound again",)),
+    Row("changed-binding-released-and-bound-again", spec(2, hold("a1", G[0], binding="BINDING_KUBERNETES")), ["ReleaseHold", "BindHold"],
+        bound=["a1"], before=spec(1, hold("a1", G[0], cpus="0-3")), drift=remove_env("a1"),
+        notes=("a1: its assignment changed (binding BINDING_HOLD -> BINDING_KUBERNETES; limits: no longer sliced): released, then bound again",)),
+    Row("changed-to-what-cannot-bind-releases-and-refuses", spec(2, hold("a1", G[0], mems="0-3", memory_bytes=GIB)), ["ReleaseHold", "ReportFailed"],
+        [("a1", "resources-exhausted", "ResourcesExhausted: mems 0-3 names NUMA nodes 2-3 this host does not have (it has 0-1)")],
+        before=spec(1, hold("a1", G[0])), notes=(
+            'a1: its assignment changed (limits: now sliced): released, then bound again',)),
+    Row("same-devices-in-another-order-is-the-same-hold", spec(2, hold("a1", G[1], G[0])), [], before=spec(1, hold("a1", G[0], G[1]))),
     # -------------------------------------------------------------- consumer copies (docs/cdi-runtimes.md)
     Row("kept-missing-consumer-copy", S1, ["WriteConsumer"], before=S1, drift=remove_copy("a3")),
     Row("kept-stale-consumer-copy", S1, ["WriteConsumer"], before=S1, drift=edit_copy("a1")),
     Row("kept-missing-env-and-consumer-copy", S1, ["WriteEnv", "WriteConsumer"], before=S1, drift=both(remove_env("a2"), remove_copy("a2"))),
     Row("orphan-consumer-copy-removed", S1, ["RemoveConsumer"], before=S1, drift=orphan_copy("gone1")),
-    Row("released-hold-takes-its-copy-no-extra-step", spec(2, hold("a1", G[0])), ["ReleaseHold", "ReleaseHold"], before=S1),
+    Row("released-hold-takes-its-copy-no-extra-step", spec(2, S1.devices[0]), ["ReleaseHold", "ReleaseHold"], before=S1),
     Row("foreign-files-in-the-consumer-dir-left-alone", S1, [], before=S1, drift=foreign_copies),
     Row("consumer-copy-temp-file-removed", S1, ["RemoveTemp"], before=S1, drift=copy_temp_file),
     Row("consumer-copies-not-kept-nothing-planned", S1, [], before=S1, drift=both(remove_copy("a1"), orphan_copy("gone1")),

@@ -1,0 +1,90 @@
+"""Drift of bcd's own files: noticed within seconds, and said where the journal and the disk disagree.
+
+A hold is its files (the CDI spec, its consumer copy, its env file), and a
+pass makes them whole again (a reported hold whose spec went is put back as it
+was bound, unreported). Before, a spec removed from outside waited for the next
+generation or the 10-minute drift pass, and meanwhile `bcd status` showed the
+card Unclaimed with the section CONVERGED. So:
+
+- `dirs_signature` is what the hold directories hold now (each entry's name,
+  inode, size and mtime), cheap enough to take every `--watch-interval` (2 s):
+  the converger takes it after each pass and wakes a pass when it changes
+  (polling, not inotify: the same on every file system and in every
+  container, with nothing to lose when events overflow);
+- `journal_disagreements` is pure: the journal (what was reported bound) against
+  the disk as read now, one line per hold whose files are not what the journal
+  says; the status carries them (`ConvergerStatus.drift`), `bcd status` shows
+  them and `bcd doctor` warns `hold-drift`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from shared.holddisk import DiskView
+from shared.holdfiles import BINDING_CLAIM, hold_file_name
+
+from .model import ConvergerState
+
+#: one entry of a directory as the signature sees it: (name, inode, size, mtime in ns)
+Entry = tuple[str, int, int, int]
+
+
+def dirs_signature(dirs: Iterable[Path | None]) -> tuple[tuple[str, tuple[Entry, ...]], ...]:
+    """What each directory holds now ((dir, entries) per dir; a missing dir has none). Symlinks,
+    FIFOs and the rest are listed by their own lstat: nothing is followed or opened."""
+    out = []
+    for d in dirs:
+        if d is None:
+            continue
+        entries: list[Entry] = []
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass
+        out.append((str(d), tuple(sorted(entries))))
+    return tuple(out)
+
+
+def journal_disagreements(state: ConvergerState, disk: DiskView, pending_releases: Mapping[str, object] = {}) -> list[str]:  # noqa: B006 - read-only
+    """Where the journal and the hold files disagree, one line each, sorted; [] when they agree.
+
+    The journal is what was reported: a hold reported bound (and not being released) must
+    have its CDI spec, its env file and (consumer copies kept) its consumer copy."""
+    lines: list[str] = []
+    for alloc in sorted(state.reported):
+        facts = state.bound.get(alloc)
+        intent = state.intents.get(alloc)
+        if facts is None or alloc in pending_releases or (intent is not None and intent.op == "release"):
+            continue
+        hold = disk.holds.get(alloc)
+        if hold is None:
+            lines.append(
+                f"{alloc}: reported bound (generation {facts.generation}, {', '.join(facts.devices) or 'no devices'}) "
+                f"but its CDI spec {hold_file_name(alloc)} is not on disk: put back by the next pass"
+            )
+            continue
+        missing = []
+        if alloc not in disk.env_files:
+            missing.append("its env file")
+        copies = disk.consumer_copies
+        if copies is not None and copies.get(alloc) != hold.consumer_digest:
+            missing.append("its consumer copy" if alloc not in copies else "a consumer copy that is not what its spec makes")
+        if missing:
+            lines.append(f"{alloc}: bound, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in place: put back by the next pass")
+    for alloc, hold in sorted(disk.holds.items()):
+        if hold.binding == BINDING_CLAIM or alloc in state.reported or alloc in state.intents or alloc in pending_releases:
+            continue
+        lines.append(f"{alloc}: {hold_file_name(alloc)} is on disk but the journal has no bind of it: the next pass reports it, or releases it if the spec does not want it")
+    return lines
+
+
+__all__ = ["Entry", "dirs_signature", "journal_disagreements"]

@@ -1,0 +1,60 @@
+"""A Kubernetes release on a host with no kubelet is shown and has a way out (issue 28.6).
+
+Before, on such a host the release stayed pending for ever (an unreachable
+kubelet counts as holding the devices) and was hidden: the card showed
+`Managed -`, `bcd apply --wait` printed nothing for the released hold, and a
+new hold on the card failed `overlap ... (pending Kubernetes release)`. Now
+`bcd status` shows the card held by the pending release, with how long and
+the way out; `bcd apply --wait` says it; and `bcd releases --free` (the
+operator's word that no pod holds the devices) gets its Released reported and
+the card free again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _kube(alloc: str, gpu: str) -> dict:
+    return {**assignment(alloc, gpu), "binding": "BINDING_KUBERNETES"}
+
+
+def test_a_release_with_no_kubelet_is_shown_and_freed_by_the_operator(node: Node, tmp_path) -> None:
+    gen = node.apply({"node_id": "node-1", "devices": [_kube("k1", GPU[2])]})
+    node.wait_generation(gen)
+
+    spec = tmp_path / "drop.json"
+    spec.write_text(json.dumps({"node_id": "node-1", "devices": [assignment("other", GPU[0])]}))
+    out = bcd("apply", str(spec), "--state-dir", str(node.state), "--wait", "--wait-timeout", "60", timeout=90)
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = out.stdout + out.stderr
+    assert "releasing k1 (rsv-k1)" in said and "released once no pod holds its devices" in said, said
+
+    status = bcd("status", "--state-dir", str(node.state))
+    row = next(line for line in status.stdout.splitlines() if line.startswith("2    "))
+    assert "k1 (pending Kubernetes release)" in row, status.stdout
+    assert "  releasing k1 (rsv-k1) gen" in status.stdout and "`bcd releases --free k1`" in status.stdout, status.stdout
+    assert applied(node, "released") == []
+
+    # a new hold on that card still waits for it: the card is claimed, and says by whom
+    spec.write_text(json.dumps({"node_id": "node-1", "devices": [assignment("other", GPU[0]), assignment("new", GPU[2])]}))
+    out = bcd("apply", str(spec), "--state-dir", str(node.state), "--wait", "--wait-timeout", "60", timeout=90)
+    assert out.returncode == 1 and "k1 (pending Kubernetes release)" in out.stdout + out.stderr, out.stdout + out.stderr
+
+    # the way out on a host with no kubelet
+    freed = bcd("releases", "--state-dir", str(node.state), "--free", "k1")
+    assert freed.returncode == 0, freed.stdout + freed.stderr
+    assert "k1: you assert no pod holds" in freed.stdout
+    wait_for(lambda: [e.event_id for e in applied(node, "released")] == [f"node-1.k1.released.g{gen + 1}"], 30, "k1's Released")
+    assert not (node.state / "data" / "releases-freed" / "k1").exists()
+    again = bcd("status", "--state-dir", str(node.state))
+    assert "releasing k1" not in again.stdout and "pending Kubernetes release" not in again.stdout, again.stdout
+    # an allocation that is not a pending release is refused, naming what is
+    wrong = bcd("releases", "--state-dir", str(node.state), "--free", "nope")
+    assert wrong.returncode == 2 and "no pending Kubernetes release of nope" in wrong.stderr
