@@ -30,7 +30,9 @@ from .controlplane import (
     STATE_FILE,
     STATE_MAX_BYTES,
     ControlPlaneState,
+    KeyFileError,
     PutResult,
+    StateError,
     UnknownNode,
     check_spec,
     next_generation,
@@ -98,12 +100,19 @@ def _refused(args: argparse.Namespace, text: str, extra: dict[str, Any] | None =
 
 def _unknown(args: argparse.Namespace, exc: UnknownFieldsError) -> int:
     fields = exc.fields
-    print(f"bcd apply: {args.spec}: {len(fields)} field{'s' if len(fields) != 1 else ''} NodeSpec does not know:", file=sys.stderr)
-    for f in fields[:UNKNOWN_LINES]:
-        print(f"  {f}", file=sys.stderr)
-    if len(fields) > UNKNOWN_LINES:
-        print(f"  ... and {len(fields) - UNKNOWN_LINES} more", file=sys.stderr)
-    print("  nothing was put (--allow-unknown-fields puts them as given, for a newer node)", file=sys.stderr)
+    if len(fields) == 1:
+        # one field, one line (issue 28.8: it took three)
+        print(f"bcd apply: {args.spec}: {fields[0]}; nothing was put (--allow-unknown-fields puts it as given, for a newer node)", file=sys.stderr)
+    else:
+        print(
+            f"bcd apply: {args.spec}: {len(fields)} fields NodeSpec does not know; nothing was put "
+            "(--allow-unknown-fields puts them as given, for a newer node):",
+            file=sys.stderr,
+        )
+        for f in fields[:UNKNOWN_LINES]:
+            print(f"  {f}", file=sys.stderr)
+        if len(fields) > UNKNOWN_LINES:
+            print(f"  ... and {len(fields) - UNKNOWN_LINES} more", file=sys.stderr)
     if args.json:
         doc = {"spec": str(args.spec), "outcome": "REFUSED", "error": "unknown fields", "unknown_fields": [{"path": f.path, "suggestion": f.suggestion} for f in fields]}
         print(json.dumps(doc, indent=2))
@@ -133,6 +142,10 @@ def apply_command(args: argparse.Namespace) -> int:
     info = node_info(state_dir)
     if args.dry_run:
         return _dry_run(args, info, checked)
+    if info.put_command:
+        # the compose node: its control plane's key is its container's, and it signs there
+        how = info.put_command.replace("SPEC", str(args.spec))
+        return _refused(args, f"{args.state_dir} is a node whose control plane signs in its own container: put the spec with `{how}` (a dry run works here)")
     events = Path(info.controlplane_dir) / EVENTS_FILE if info.controlplane_dir else None
     offset = events_offset(events) if events is not None else 0
     try:
@@ -154,6 +167,8 @@ def apply_command(args: argparse.Namespace) -> int:
     except ConnectionError as exc:
         return _refused(args, f"{exc}; is `bcd up` running? (--state-dir {args.state_dir})", code=EXIT_UNREACHABLE)
     except (OSError, ValueError) as exc:  # a node joined to another upstream
+        return _refused(args, str(exc))
+    except (KeyFileError, StateError) as exc:  # the control plane's files: the text says what to do
         return _refused(args, str(exc))
     wait = args.wait if args.wait is not None else sys.stdout.isatty()
     if result.note:

@@ -40,7 +40,7 @@ from shared.schemas import (
 from shared.schemas.codec import BoundedDecoder
 from shared.subjects import NodeSubjects
 
-from .client import DEFAULT_CONNECT_TIMEOUT, NodeUnreachable, connect, node_info, ping_all, request, set_connect_timeout
+from .client import DEFAULT_CONNECT_TIMEOUT, NodeInfo, NodeUnreachable, connect, node_info, ping_all, request, set_connect_timeout
 from .exits import UsageError, exit_codes_text, run_command
 from .up import NODE_SERVICES, cmd_up
 
@@ -84,13 +84,24 @@ def cmd_ping(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(replies, indent=2))
     else:
-        print(f"{'SERVICE':<16} {'VERSION':<8} {'NODE':<12} {'METRICS':<24} ID")
+        print(f"{'SERVICE':<16} {'VERSION':<8} {'NODE':<12} {'METRICS':<34} ID")
         for r in replies:
             md = r.get("metadata") or {}
-            print(f"{r['name']:<16} {r['version']:<8} {md.get('node_id', ''):<12} {md.get('metrics', ''):<24} {r['id']}")
+            print(f"{r['name']:<16} {r['version']:<8} {md.get('node_id', ''):<12} {_metrics_seen_from_here(info, r['name'], md):<34} {r['id']}")
     if missing:
         print(f"bcd ping: no answer within {args.wait:g}s from {', '.join(missing)} (node.json lists them)", file=sys.stderr)
     return 0 if replies and not missing else 1
+
+
+def _metrics_seen_from_here(info: NodeInfo, service: str, metadata: dict) -> str:
+    """The metrics endpoint as this host reaches it: node.json's, where it lists one; a compose
+    node's services listen inside their containers (issue 28.8: ping listed those ports as if here)."""
+    if service in info.metrics:
+        return info.metrics[service]
+    own = str(metadata.get("metrics", ""))
+    if info.put_command and own:
+        return f"(in its container: {own})"
+    return own
 
 
 def _gib(n: int | None) -> str:
@@ -333,13 +344,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     info = node_info(args.state_dir)
     report = _run(gather(info))
     if not report.reachable:
-        raise NodeUnreachable(report.error or f"node bus at {info.nats_url} not reachable")
+        error = report.error or f"node bus at {info.nats_url} not reachable"
+        if args.json:
+            # the documented shape, saying so (issue 28.8: nothing came on stdout), then exit 3
+            keys = ("services", "converger", "device_plugin", "dra_plugin", "outbox")
+            print(json.dumps({"node_id": report.node_id, "reachable": False, "error": error, **{k: None for k in keys}, "problems": [error]}, indent=2))
+        raise NodeUnreachable(error)
     if args.json:
         print(
             json.dumps(
                 {
                     "node_id": report.node_id,
                     "reachable": report.reachable,
+                    "error": "",
                     "services": sorted(report.services),
                     "converger": msgspec.to_builtins(report.converger),
                     "device_plugin": msgspec.to_builtins(report.device_plugin),
@@ -414,6 +431,26 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _free_releases(args: argparse.Namespace, info: NodeInfo, data: Path, kick: Any) -> int:
+    """`bcd releases --free ALLOC...`: the operator's word that no pod holds those pending releases'
+    devices (a host with no kubelet: an unreachable kubelet counts as holding them for ever)."""
+    from services.converger.releases import ReleasesStore
+
+    store = ReleasesStore(data)
+    pending, _ = store.peek()
+    unknown = [a for a in args.free if a not in pending]
+    if unknown:
+        raise UsageError(f"no pending Kubernetes release of {', '.join(unknown)} (pending: {', '.join(sorted(pending)) or 'none'}); nothing was marked")
+    for alloc in args.free:
+        path = store.mark_freed(alloc)
+        if not args.json:
+            print(f"{alloc}: you assert no pod holds {', '.join(pending[alloc].devices)}: its Released is reported at the next pass ({path})")
+    _run(kick())
+    if args.json:
+        print(json.dumps({"node_id": info.node_id, "freed": list(args.free)}, indent=2))
+    return 0
+
+
 def cmd_releases(args: argparse.Namespace) -> int:
     """Pending Kubernetes releases; `--clear-unreadable` removes the unreadable-releases marker.
 
@@ -427,6 +464,16 @@ def cmd_releases(args: argparse.Namespace) -> int:
     info = node_info(args.state_dir)
     data = Path(info.data_dir)
     marker = data / UNREADABLE_MARKER
+
+    async def kick() -> None:
+        nc = await connect(info)
+        try:
+            await nc.request(NodeSubjects(info.node_id).converger_pass, b"", timeout=3)
+        finally:
+            await nc.close()
+
+    if args.free:
+        return _free_releases(args, info, data, kick)
     if args.clear_unreadable:
         if not marker.exists():
             if args.json:
@@ -437,14 +484,6 @@ def cmd_releases(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"removing {marker}: you assert that no pod holds a GPU of an allocation this node does not know")
         marker.unlink()
-
-        async def kick() -> None:
-            nc = await connect(info)
-            try:
-                await nc.request(NodeSubjects(info.node_id).converger_pass, b"", timeout=3)
-            finally:
-                await nc.close()
-
         _run(kick())
         if args.json:
             print(json.dumps({"node_id": info.node_id, "cleared": True, "marker": str(marker)}, indent=2))
@@ -728,6 +767,13 @@ def build_parser() -> argparse.ArgumentParser:
     rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")
     rel.add_argument(
         "--clear-unreadable", action="store_true", help="remove the unreadable-releases marker (you assert no pod holds a GPU of an allocation the node does not know)"
+    )
+    rel.add_argument(
+        "--free",
+        nargs="+",
+        metavar="ALLOCATION",
+        default=[],
+        help="report these pending releases now: you assert no pod holds their devices (a host with no kubelet, whose releases never end)",
     )
     gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card (or one); exclude, include, reclaim, reset or diagnose one card")
     gpu.add_argument(

@@ -48,6 +48,9 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: str = ""
     #: the embedded reference control plane ("" when joined to an existing upstream).
     controlplane_dir: str = ""
+    #: how a spec is put for this node when `bcd apply` cannot put it itself ("" when it can): the
+    #: compose node's control plane signs in its own container (`SPEC` stands for the spec file)
+    put_command: str = ""
     upstream_url: str = ""
 
 

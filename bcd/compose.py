@@ -217,6 +217,8 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         run_dir=str(run),
         data_dir=str(data),
         controlplane_dir=str(cp),
+        # its key is the control plane container's (uid 10008): the container signs and puts
+        put_command=f"deploy/compose/node.sh apply {d} SPEC",
         upstream_url=f"nats://127.0.0.1:{upstream_port}",
     )
     write_node_info(d, info)

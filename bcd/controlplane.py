@@ -98,6 +98,7 @@ from shared.schemas import (
     encode,
 )
 from shared.schemas.codec import DEFAULT_MAX_BYTES, BoundedDecoder, bounded_json_loads
+from shared.schemas.common import INT64_MAX
 from shared.schemas.events import EVENT_TYPES
 from shared.schemas.strict import UnknownField, UnknownFieldsError, unknown_fields
 from shared.ed25519der import public_key_pem as spki_pem
@@ -245,10 +246,17 @@ def next_generation(state: ControlPlaneState, node_id: str, requested: int | Non
     Returns (generation, note); the note says why a requested one was bumped.
     """
     last = max(state.node(node_id).last_generation, published)
+    if requested is not None and requested > last:
+        return requested, ""
+    if last + 1 > INT64_MAX:
+        # a spec's generation is an int64 (docs/upstream.md): there is no next one to put
+        raise BadMessage(
+            f"node {node_id}'s last put generation is {last}: the next, {last + 1}, is above the largest a spec may "
+            f"carry ({INT64_MAX}); a node that took a spec at {last} needs its control plane's record and its "
+            "state reset (docs/upstream.md, generations)"
+        )
     if requested is None:
         return last + 1, ""
-    if requested > last:
-        return requested, ""
     return last + 1, f"generation {requested} is not above the last put generation {last}; put as {last + 1}"
 
 
@@ -417,12 +425,18 @@ class StateStore:
 class StateError(Exception):
     """state.json is unusable; the text says what to do."""
 
+    #: a situation an operator can be in (bcd.exits prints it as one line, not an internal error)
+    operator_error = True
+
 
 # ----------------------------------------------------------------------------- keys
 
 
 class KeyFileError(Exception):
     """The control-plane key file is unsafe or unreadable; the text says what to do."""
+
+    #: a situation an operator can be in (bcd.exits prints it as one line, not an internal error)
+    operator_error = True
 
 
 def public_key_pem(key: Ed25519PrivateKey) -> bytes:
@@ -515,7 +529,8 @@ def format_line(rec: EventRecord) -> str:
     if what:
         parts.append(" " + what)
     if rec.detail:
-        parts.append("  " + rec.detail)
+        # one line per event: a section's message lists one failure a line (issue 28.8)
+        parts.append("  " + "; ".join(line for line in rec.detail.splitlines() if line.strip()))
     if rec.outcome == "rejected":
         status = f"REJECTED: {rec.reason}"
     elif rec.outcome == "duplicate":
@@ -564,10 +579,10 @@ def _spec_fields(spec: NodeSpec | dict[str, Any] | str | bytes) -> dict[str, Any
     if isinstance(spec, NodeSpec):
         return msgspec.to_builtins(spec)
     if isinstance(spec, (str, bytes, bytearray)):
-        try:
-            data = bounded_json_loads(spec, 4 * DEFAULT_MAX_BYTES, "spec")
-        except ValueError as exc:
-            raise BadMessage(f"spec: not valid JSON ({exc})") from None
+        if not spec.strip():
+            raise BadMessage("spec: empty (a NodeSpec is a JSON object)")
+        # bounded_json_loads says "spec: not valid JSON (...)" itself (it was said twice, issue 28.8)
+        data = bounded_json_loads(spec, 4 * DEFAULT_MAX_BYTES, "spec")
     else:
         data = spec
     if not isinstance(data, dict):
@@ -1328,6 +1343,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="put fields NodeSpec does not declare as given (for a newer node) instead of refusing the spec (exit 2)",
     )
+    put.add_argument(
+        "--hello-wait",
+        type=float,
+        default=float(_env("BCD_CP_HELLO_WAIT", str(LOCAL_HELLO_WAIT_S))),
+        help="seconds to wait for the node's Hello: a spec for a node that never said Hello is refused (exit 2) [env BCD_CP_HELLO_WAIT]",
+    )
+    put.add_argument("--force", action="store_true", help="put the spec even for a node that never said Hello")
     return parser
 
 
@@ -1506,22 +1528,60 @@ async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
 async def _put(args: argparse.Namespace) -> int:
     spec: Path | bytes = sys.stdin.buffer.read() if args.spec == "-" else Path(args.spec)
     result = await put_spec_file(
-        args.nats_url, args.user, args.password_file, args.state_dir, spec, allow_unknown_fields=args.allow_unknown_fields, replicas=args.replicas
+        args.nats_url,
+        args.user,
+        args.password_file,
+        args.state_dir,
+        spec,
+        allow_unknown_fields=args.allow_unknown_fields,
+        replicas=args.replicas,
+        require_known_node=not args.force,
+        hello_wait=args.hello_wait,
     )
     if result.note:
-        print(result.note, file=sys.stderr)
+        print(f"note: {result.note}", file=sys.stderr)
     print(result.generation)
     return 0
 
 
+def _put_main(args: argparse.Namespace) -> int:
+    """`put` as a command: its generation on stdout, a refusal or failure as one line on stderr
+    (`bcd-controlplane put: ...`), as `bcd apply` says it; `serve` logs structured lines."""
+
+    def say(text: str, code: int) -> int:
+        print(f"bcd-controlplane put: {text}", file=sys.stderr)
+        return code
+
+    if args.state_dir is None:
+        return say("--state-dir (or BCD_CP_STATE_DIR) is required", 2)
+    try:
+        return asyncio.run(_put(args))
+    except (KeyFileError, StateError) as exc:
+        return say(str(exc), 2)
+    except UnknownNode as exc:
+        return say(f"{exc}: is the node id right? Nothing was put (--force puts it anyway)", 2)
+    except UnknownFieldsError as exc:
+        return say(str(exc).replace("\n", "; "), 2)
+    except BadMessage as exc:
+        return say(f"spec refused: {exc}", 1)
+    except (OSError, nats.errors.Error) as exc:
+        return say(f"put failed: {type(exc).__name__}: {exc}", 2)
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "put":
+        # a command, not a server: warnings and errors only, the outcome as one line
+        logs.configure("controlplane", "ERROR", args.log_format)
+        return _put_main(args)
     logs.configure("controlplane", args.log_level, args.log_format)
     if args.state_dir is None:
         log.error("cannot start", reason="--state-dir (or BCD_CP_STATE_DIR) is required")
         return 2
     try:
-        return asyncio.run(_serve(args) if args.command == "serve" else _put(args))
+        return asyncio.run(_serve(args))
     except (KeyFileError, StateError) as exc:
         log.error("cannot start", reason=str(exc))
         return 2

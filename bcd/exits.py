@@ -4,6 +4,8 @@
 returns its code (0 ok, 1 unhealthy) or raises; whatever it raises ends as ONE
 line on stderr and a documented code, never a traceback (unless `--debug`):
 no node or an unreachable node bus is 3, a service that does not answer is 4,
+an exception that declares itself an operator's situation (`operator_error =
+True`: an unsafe key file, a state file that does not read) is its text,
 a closed stdout (`bcd status | head -1`) is 141 and Ctrl-C is 130, both quiet.
 """
 
@@ -133,6 +135,10 @@ def run_command(func: Callable[[Any], int | None], args: Any, *, debug: bool = F
     except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, nats.errors.UnexpectedEOF) as exc:
         return fail(Exit.UNREACHABLE, f"bcd: lost the node bus ({type(exc).__name__}); is `bcd up` running? (--state-dir {state})")
     except Exception as exc:  # noqa: BLE001 - a bug still ends as one line; --debug shows where
+        if getattr(exc, "operator_error", False):
+            # a situation an operator can be in (an unsafe key file, a state file that does not
+            # read), raised by code below the CLI that says what to do: not a bug
+            return fail(Exit.FAILED, f"bcd: {exc}")
         return fail(Exit.FAILED, f"bcd: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
 
 

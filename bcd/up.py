@@ -19,6 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import msgspec
+
 from shared import logs
 from shared.runtime import METRICS_PORTS
 from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, upstream_node_user
@@ -241,17 +243,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     supervisor = Supervisor(bus, specs, on_ready=banner)
 
     async def main() -> int:
-        demo = None
+        tasks: list[asyncio.Task[None]] = []
+        if args.any_ports:
+            # free ports: each service says the one it took; node.json and the banner get them (issue 28.8)
+            tasks.append(asyncio.create_task(record_metrics(state, info, list(args.services))))
         if args.apply:
             demo = asyncio.create_task(run_demo(state, info, Path(args.apply), [*args.services, *(["controlplane"] if embedded else [])]))
             demo.add_done_callback(_report_demo)
+            tasks.append(demo)
         try:
             return await supervisor.run()
         finally:
-            if demo is not None:
-                demo.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await demo
+                    await task
 
     try:
         return asyncio.run(main())
@@ -323,8 +329,36 @@ async def wait_ready(info: NodeInfo, services: list[str], timeout: float = 60.0)
     return False
 
 
+async def record_metrics(state: Path, info: NodeInfo, services: list[str]) -> None:
+    """With free ports: the metrics endpoint each service took ($SRV.PING metadata) into node.json
+    and the log, once they answer (`bcd status` and Prometheus file discovery read node.json)."""
+    if not await wait_ready(info, services):
+        return
+    nc = await connect(info)
+    try:
+        answers = await ping_all(nc, 0.5)
+    finally:
+        await nc.close()
+    metrics = {
+        r["name"]: f"http://{r['metadata']['metrics']}/metrics"
+        for r in sorted(answers, key=lambda r: r["name"])
+        if r.get("name") in services and (r.get("metadata") or {}).get("metrics")
+    }
+    write_node_info(state, msgspec.structs.replace(info, metrics=metrics))
+    print("\n".join(f"  metrics      {n:<15} {u}" for n, u in metrics.items()), file=sys.stderr, flush=True)
+
+
+def demo_already_put(cp_dir: Path, node_id: str) -> int:
+    """The generation the embedded control plane last put for the node (0: none yet, the demo goes)."""
+    from .applycmd import _cp_state
+
+    rec = _cp_state(cp_dir).nodes.get(node_id)
+    return rec.last_generation if rec is not None else 0
+
+
 async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[str]) -> None:
-    """make run: apply the example spec, show the status table and the verified events, then follow."""
+    """make run: apply the example spec (only on a state dir whose node never got a spec: a second
+    `make run` keeps what the user made), show the status table and the verified events, then follow."""
     from .controlplane import apply_spec_file
     from .events import follow_events
     from .status import gather, render_status
@@ -332,12 +366,23 @@ async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[
     if not await wait_ready(info, services):
         print("bcd up: services did not come up in time; see the logs", file=sys.stderr)
         return
-    try:
-        generation = await apply_spec_file(state, spec_file)
-    except Exception as exc:  # noqa: BLE001 - shown to the user, the node keeps running
-        print(f"bcd up: could not apply {spec_file}: {exc}", file=sys.stderr)
-        return
-    print(f"\napplied {spec_file} as generation {generation}; waiting for the node to report...\n", flush=True)
+    earlier = demo_already_put(Path(info.controlplane_dir), info.node_id) if info.controlplane_dir else 0
+    if earlier:
+        # a second `make run` on the same state: the holds made since are the user's, and putting
+        # the demo again would release every one of them (issue 28.4)
+        print(
+            f"\nbcd up: {info.node_id} already has generation {earlier} on {state}: its holds stay as they are, "
+            f"{spec_file} is not applied again (`bcd apply {spec_file} --state-dir {state}` puts it)\n",
+            flush=True,
+        )
+        generation = earlier
+    else:
+        try:
+            generation = await apply_spec_file(state, spec_file)
+        except Exception as exc:  # noqa: BLE001 - shown to the user, the node keeps running
+            print(f"bcd up: could not apply {spec_file}: {exc}", file=sys.stderr)
+            return
+        print(f"\napplied {spec_file} as generation {generation}; waiting for the node to report...\n", flush=True)
     for _ in range(100):
         report = await gather(info)
         sec = report.converger.section if report.converger else None

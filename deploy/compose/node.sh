@@ -4,6 +4,8 @@
 #   deploy/compose/node.sh up [DIR]     init DIR (default state/compose), start the node with
 #                                       the upstream profile, apply examples/specs/demo.json,
 #                                       print `bcd status`
+#   deploy/compose/node.sh apply DIR SPEC   put SPEC (a NodeSpec file) through the control
+#                                       plane's container, which holds the key and signs it
 #   deploy/compose/node.sh down [DIR]   stop and remove the containers (DIR is kept)
 #   deploy/compose/node.sh compose [DIR] ARGS...   any compose command on that node
 #
@@ -68,23 +70,44 @@ else
 fi
 compose() { "${COMPOSE_CMD[@]}" --env-file "$DIR/.env" -p "$PROJECT" -f "$ROOT/deploy/compose/compose.yaml" --profile upstream "$@"; }
 
+# put a spec through the control plane's own container: it signs and puts it (its key never
+# leaves it); the upstream server may still be starting
+put_spec() {  # $1 the spec file, $2 what to say before the generation
+    local name gen i
+    name="$(basename "$1")"
+    cp "$1" "$DIR/spec/$name"
+    for i in $(seq 1 30); do
+        if gen="$(compose exec -T controlplane python3 -m bcd.controlplane put "/spec/$name" 2>"$DIR/spec/.put-error")"; then
+            echo "$2: generation $gen"
+            return 0
+        fi
+        # a spec the control plane refuses is said at once, not retried (a node not yet
+        # announced, an upstream still starting: tried again)
+        if grep -q "^bcd-controlplane put: spec refused\|unknown field" "$DIR/spec/.put-error" 2>/dev/null; then cat "$DIR/spec/.put-error" >&2; return 2; fi
+        [ "$i" = 30 ] && { echo "node.sh: the control plane could not put $1: $(tail -1 "$DIR/spec/.put-error" 2>/dev/null)" >&2; return 1; }
+        sleep 1
+    done
+}
+
 case "$action" in
+apply)
+    [ -f "$DIR/.env" ] || { echo "node.sh: $DIR/.env not found (nothing was brought up there)" >&2; exit 1; }
+    [ $# -ge 1 ] && [ -f "$1" ] || { echo "usage: $0 apply DIR SPEC (a NodeSpec JSON file)" >&2; exit 2; }
+    put_spec "$1" "applied $1"
+    ;;
 up)
     "$BIN/bcd" compose init "$DIR" --node-id "${BCD_NODE_ID:-node-1}" \
         --bus-port "${BCD_BUS_PORT:-14222}" --http-port "${BCD_BUS_HTTP_PORT:-18222}" \
         --upstream-port "${BCD_UPSTREAM_PORT:-14223}" >/dev/null
     compose up -d --remove-orphans
-    cp "$ROOT/examples/specs/demo.json" "$DIR/spec/demo.json"
-    # the control plane's own container signs and puts the spec (its key never leaves it);
-    # the upstream server may still be starting
-    for i in $(seq 1 30); do
-        if gen="$(compose exec -T controlplane python3 -m bcd.controlplane put /spec/demo.json 2>/dev/null)"; then
-            echo "demo spec put: generation $gen"
-            break
-        fi
-        [ "$i" = 30 ] && { echo "node.sh: the control plane could not put the demo spec" >&2; exit 1; }
-        sleep 1
-    done
+    node_id="$(sed -n 's/^BCD_NODE_ID=//p' "$DIR/.env")"
+    # the demo only on a node that never got a spec: a second `up` keeps what the user made
+    earlier="$("$BIN/python" -c 'import sys; from pathlib import Path; from bcd.up import demo_already_put; print(demo_already_put(Path(sys.argv[1]), sys.argv[2]))' "$DIR/controlplane" "$node_id")"
+    if [ "$earlier" != 0 ]; then
+        echo "$node_id already has generation $earlier: its holds stay as they are, the demo is not put again ($0 apply $DIR examples/specs/demo.json puts it)"
+    else
+        put_spec "$ROOT/examples/specs/demo.json" "demo spec put"
+    fi
     for i in $(seq 1 30); do
         # the output first: piped into grep -q under pipefail, bcd status's exit 1 (unhealthy)
         # or a SIGPIPE failed the test even when the line was there
@@ -103,7 +126,7 @@ compose)
     compose "$@"
     ;;
 *)
-    echo "usage: $0 up|down|compose [DIR] [ARGS...]" >&2
+    echo "usage: $0 up|apply|down|compose [DIR] [ARGS...]" >&2
     exit 2
     ;;
 esac

@@ -360,3 +360,34 @@ async def test_the_dra_plugin_container_registers_with_a_kubelet_on_the_host(com
         assert "DRA plugin gpu.bcd.dev: registered with the kubelet" in st.stdout, st.stdout
     finally:
         await kubelet.close()
+
+
+def test_a_spec_is_applied_through_node_sh_and_a_second_up_keeps_it(compose_node, tmp_path):
+    """Issue 28.4/28.5: `bcd apply --state-dir <compose dir>` ended in `internal error: KeyFileError`
+    (the key is the control plane container's), the README said no other way, and a second
+    `node.sh up` put the demo again, releasing what the user had bound. Now `bcd apply` says in
+    one line to use `node.sh apply`, which puts the spec through the control plane's container,
+    and a second `up` keeps the user's holds."""
+    node = compose_node
+    demo = json.loads((ROOT / "examples" / "specs" / "demo.json").read_text())
+    # GPU 4: no other test of this module touches it (GPU 3 is pods-01's, held while its release waits)
+    spec = {**demo, "devices": [*demo["devices"], {"allocation_id": "mine", "reservation_id": "rsv-mine", "binding": "BINDING_HOLD", "devices": ["GPU-5f1c2a90-0000-4000-8000-000000000004"]}]}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(spec))
+
+    refused = node.bcd("apply", str(path))
+    assert refused.returncode == 2 and "internal error" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().count("\n") == 0 and f"deploy/compose/node.sh apply {node.dir} {path}" in refused.stderr, refused.stderr
+
+    put = node.node_sh("apply", str(node.dir), str(path))
+    assert put.returncode == 0, put.stdout + put.stderr
+    gen = int(put.stdout.strip().rsplit("generation ", 1)[1])
+    wait_for("mine bound", lambda: any(e["type"] == "bound" and e["allocation_id"] == "mine" and e["outcome"] == "applied" for e in node.events()), 90)
+
+    again = node.node_sh("up", str(node.dir))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"already has generation {gen}: its holds stay as they are" in again.stdout, again.stdout
+    time.sleep(2)
+    st = json.loads(node.bcd("status", "--json").stdout)
+    assert "mine" in {h["allocation_id"] for h in st["converger"]["holds"]}
+    assert not [e for e in node.events() if e["type"] == "released" and e["allocation_id"] == "mine"]

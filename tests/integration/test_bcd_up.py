@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,16 @@ def test_up_runs_every_service_restarts_crashes_and_stops_clean(up):
     node = json.loads((state / "node.json").read_text())
     monitor = node["monitor_url"]
     assert monitor.startswith("http://127.0.0.1:")
+
+    # with --any-ports each service takes a free metrics port: node.json names them (issue 28.8),
+    # and every one of them answers with Prometheus text
+    metrics = wait_for(lambda: json.loads((state / "node.json").read_text()).get("metrics") or None, 30, "node.json to name the metrics endpoints")
+    assert {"inventory", "signer", "converger"} <= set(metrics)
+    assert len(set(metrics.values())) == len(metrics), metrics
+    for name, url in metrics.items():
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            assert b"# TYPE" in resp.read(), name
+    assert "metrics      converger" in log.read_text()
 
     # kill -9 one service: the supervisor starts it again
     old_pid = int(services["inventory"]["metadata"]["pid"])

@@ -550,12 +550,19 @@ async def test_command_put_and_serve(upstream, tmp_path):
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec("node-1", WHOLE)))
 
-    def put() -> subprocess.CompletedProcess[str]:
+    def put(*flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(  # noqa: S603
-            [sys.executable, "-m", "bcd.controlplane", "put", str(spec_file)],
+            [sys.executable, "-m", "bcd.controlplane", "put", str(spec_file), *(flags or ("--force",))],
             env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
         )
 
+    # issue 28.8: a node that never said Hello gets no spec unless --force, in one line (not JSON logs)
+    unknown = await asyncio.to_thread(put, "--hello-wait", "0")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.strip() == (
+        "bcd-controlplane put: node node-1 has never announced itself (no Hello in bcd_nodes): is the node id right? "
+        "Nothing was put (--force puts it anyway)"
+    ), unknown.stderr
     first = await asyncio.to_thread(put)
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == "1"

@@ -360,3 +360,39 @@ def test_events_of_a_node_that_joined_an_upstream_is_refused_in_one_line(tmp_pat
     out = bcd("events", "--state-dir", str(tmp_path), "--no-follow")
     assert out.returncode == Exit.USAGE and out.stdout == ""
     assert out.stderr.splitlines() == ["bcd: events: node n1 joined an existing upstream (nats://cp:4222); its control plane keeps the event log"]
+
+
+def test_status_json_with_the_node_down_prints_the_documented_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 28.8: `bcd status --json` printed nothing on stdout with the node down."""
+    from bcd.cli import main
+    from bcd.client import NodeInfo, write_node_info
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    write_node_info(tmp_path, NodeInfo(node_id="node-1", nats_url=f"nats://127.0.0.1:{port}", creds_dir=str(tmp_path)))
+    (tmp_path / "cli.password").write_text("x")
+    with pytest.raises(SystemExit) as done:
+        main(["status", "--state-dir", str(tmp_path), "--json"])
+    out = capsys.readouterr()
+    assert done.value.code == 3
+    doc = json.loads(out.out)
+    assert doc["reachable"] is False and doc["node_id"] == "node-1" and "not reachable" in doc["error"]
+    assert set(doc) >= {"services", "converger", "outbox", "problems"} and doc["problems"] == [doc["error"]]
+    assert "is `bcd up` running?" in out.err
+
+
+@pytest.mark.parametrize(
+    ("info", "metadata", "shown"),
+    [
+        pytest.param(dict(metrics={"converger": "http://127.0.0.1:40001/metrics"}), {"metrics": "0.0.0.0:40001"}, "http://127.0.0.1:40001/metrics", id="node.json-names-it"),
+        pytest.param(dict(), {"metrics": "127.0.0.1:9462"}, "127.0.0.1:9462", id="a-node-on-this-host"),
+        pytest.param(dict(put_command="deploy/compose/node.sh apply D SPEC"), {"metrics": "0.0.0.0:9462"}, "(in its container: 0.0.0.0:9462)", id="compose-container-port"),
+        pytest.param(dict(put_command="x"), {}, "", id="no-metrics"),
+    ],
+)
+def test_ping_shows_the_metrics_endpoint_as_this_host_reaches_it(info: dict, metadata: dict, shown: str) -> None:
+    from bcd.client import NodeInfo
+
+    node = NodeInfo(node_id="n", nats_url="nats://127.0.0.1:1", creds_dir="/x", **info)
+    assert cli._metrics_seen_from_here(node, "converger", metadata) == shown
