@@ -178,6 +178,8 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     # writes the fake vendor spec into cdi/); the converger only reads them
     cdi = _dir(d / "cdi", 0, 0o2775)
     run = _dir(d / "run", 0, 0o2755)
+    # the MPS control daemons' directories (DRA claims shared through MPS): the inventory's
+    _dir(run / "mps", UIDS["inventory"], 0o755)
     # a stand-in kubelet dir: the device plugin makes its sockets in device-plugins/
     # (a worker mounts the kubelet's own /var/lib/kubelet instead: docs/install.md)
     kubelet = _dir(d / "kubelet", 0, 0o755, 0)

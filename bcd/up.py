@@ -127,6 +127,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         "BCD_LOG_LEVEL": args.log_level,
         "BCD_LOG_FORMAT": "json",
         "BCD_ADAPTER": "fakehw" if fake_host else "nvidia",
+        # the inventory keeps DRA claims' MPS daemons here; the helper mounts their pipes from it
+        "BCD_MPS_ROOT": str(paths["run"] / "mps"),
     }
     if fake_host is not None:
         common["BCD_FAKE_HOST"] = str(fake_host)

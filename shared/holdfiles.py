@@ -90,6 +90,7 @@ from shared.schemas.bus import (
     HELPER_MAX_CPU,
     HELPER_MAX_NUMA_NODE,
     MIG_UUID_PATTERN,
+    MPS_CONTROL_PATTERN,
     HelperDevice,
     HelperHold,
     HelperHugePages,
@@ -104,6 +105,13 @@ from shared.slices import parse_cpulist, slice_name, slice_names
 
 #: the CDI kind of every hold; a container asks for `bcd.dev/gpu=<device name>`.
 KIND = "bcd.dev/gpu"
+#: a card passed through: its IOMMU group's node, and the VFIO container node every VFIO user opens
+VFIO_DEV_DIR = "/dev/vfio"
+VFIO_CONTAINER_NODE = "/dev/vfio/vfio"
+#: NVIDIA_VISIBLE_DEVICES of a hold whose cards are on vfio-pci (the NVIDIA runtime adds nothing)
+VFIO_VISIBLE = "void"
+#: the largest IOMMU group number a hold names (the kernel's are small integers)
+IOMMU_GROUP_MAX = 65535
 
 ANN_ALLOCATION = "bcd.dev/allocation-id"
 ANN_RESERVATION = "bcd.dev/reservation-id"
@@ -146,6 +154,7 @@ _HOLD_FILE_RE = re.compile(r"^bcd-(?P<allocation>.+)\.json\Z")
 _ATOM_RE = re.compile(ATOM_PATTERN)
 _ENV_LINE_RE = re.compile(ENV_LINE_PATTERN)
 _VISIBLE_ID_RE = re.compile(r"^[!-+\--~]+\Z")  # printable ASCII without ',' (0x2c)
+_SHARE_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 _GENERATION_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\Z")
 #: CDI device names: letters, digits, `_ . - :`, alphanumeric at both ends.
 _DEVICE_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")
@@ -184,22 +193,41 @@ class HoldDevice:
     """One atom of a hold, with what its two files need to know about it."""
 
     atom_id: str
-    kind: Literal["gpu", "mig", "slot"]
+    kind: Literal["gpu", "mig", "slot", "vfio"]
     gpu_uuid: str
     gpu_index: int
-    #: what NVIDIA_VISIBLE_DEVICES takes: the GPU uuid (gpu, slot) or the MIG uuid.
+    #: what NVIDIA_VISIBLE_DEVICES takes: the GPU uuid (gpu, slot) or the MIG uuid; "void" for a
+    #: card passed through (vfio): the NVIDIA runtime must not add the card's nvidia nodes.
     visible_id: str
     #: names to look up in the vendor spec, in preference order.
     vendor_names: tuple[str, ...] = ()
+    #: vfio: the card's IOMMU group (`/dev/vfio/<group>` is its device node); None otherwise.
+    iommu_group: int | None = None
+    #: a share of a card a DRA claim holds beside other claims (consumable capacity): the
+    #: allocation's shareID, which makes its CDI device name its own (two specs naming one device
+    #: is a conflict every CDI registry refuses); "" otherwise.
+    share_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("gpu", "mig", "slot"):
+        if self.kind not in ("gpu", "mig", "slot", "vfio"):
             raise ValueError(f"{self.atom_id}: unknown device kind {self.kind!r}")
+        if (self.kind == "vfio") != (self.iommu_group is not None):
+            raise ValueError(f"{self.atom_id}: an IOMMU group is for a card passed through (vfio) only, and it needs one")
+        if self.iommu_group is not None and not 0 <= self.iommu_group <= IOMMU_GROUP_MAX:
+            raise ValueError(f"{self.atom_id}: IOMMU group {self.iommu_group} is not 0..{IOMMU_GROUP_MAX}")
+        if self.share_id and (self.kind != "gpu" or not _SHARE_ID_RE.match(self.share_id)):
+            raise ValueError(f"{self.atom_id}: a share id is a whole card's, a lowercase RFC 4122 uuid ({self.share_id!r})")
         if not _ATOM_RE.search(self.atom_id):
             raise ValueError(f"{self.atom_id!r} is not an atom id")
         # it lands in an env line and a comma-separated list.
         if not _VISIBLE_ID_RE.match(self.visible_id):
             raise ValueError(f"{self.atom_id}: visible id {self.visible_id!r} is empty or has a comma or space")
+
+    @property
+    def name(self) -> str:
+        """Its CDI device name (`bcd.dev/gpu=<name>`): the atom's, and for a share its share id."""
+        base = device_name(self.atom_id)
+        return f"{base}_{self.share_id}" if self.share_id else base
 
     @classmethod
     def for_gpu(cls, gpu_uuid: str, gpu_index: int) -> HoldDevice:
@@ -222,6 +250,12 @@ class HoldDevice:
     def for_slot(cls, gpu_uuid: str, gpu_index: int, slot: int) -> HoldDevice:
         return cls(f"{gpu_uuid}/slot{slot}", "slot", gpu_uuid, gpu_index, gpu_uuid, (gpu_uuid, str(gpu_index)))
 
+    @classmethod
+    def for_vfio(cls, gpu_uuid: str, gpu_index: int, iommu_group: int) -> HoldDevice:
+        """A whole card on vfio-pci: the atom is the card's, the device node its IOMMU group's, and
+        nothing of the vendor's spec (its nodes are the nvidia driver's, which no longer has the card)."""
+        return cls(gpu_uuid, "vfio", gpu_uuid, gpu_index, VFIO_VISIBLE, (), iommu_group)
+
 
 @dataclass(frozen=True)
 class HoldContent:
@@ -237,9 +271,12 @@ class HoldContent:
     cgroup_parent: str = ""
     #: the assignment's KEY=VALUE lines.
     env: tuple[str, ...] = ()
-    #: the MPS pipe directory; "" unless the hold has slots and MPS is running.
+    #: the MPS pipe directory; "" unless the hold has slots and MPS is running, or it is a DRA
+    #: claim's with an MPS daemon of its own (then `<mps root>/<mps_control>/pipe`).
     mps_pipe_dir: str = ""
     limits: Limits | None = None
+    #: a DRA claim's MPS daemon (its control id, shared.schemas MPS_CONTROL_PATTERN); "" for none.
+    mps_control: str = ""
 
     def __post_init__(self) -> None:
         # Each rule here is one parse_hold enforces on the way back, so a
@@ -264,8 +301,16 @@ class HoldContent:
             raise ValueError(f"{self.allocation_id}: cgroup parent must be {slice_name(self.allocation_id)}")
         if self.cgroup_parent and self.binding == BINDING_KUBERNETES:
             raise ValueError(f"{self.allocation_id}: a Kubernetes hold is never sliced")
-        if self.mps_pipe_dir and not any(d.kind == "slot" for d in self.devices):
+        if self.mps_control:
+            if self.binding != BINDING_CLAIM or not _MPS_CONTROL_RE.match(self.mps_control):
+                raise ValueError(f"{self.allocation_id}: an MPS daemon of its own is a DRA claim's, named <claim uid>-<6 hex>")
+            if PurePath(self.mps_pipe_dir).parts[-2:] != (self.mps_control, "pipe") or not PurePath(self.mps_pipe_dir).is_absolute():
+                raise ValueError(f"{self.allocation_id}: MPS pipe directory {self.mps_pipe_dir!r} is not <mps root>/{self.mps_control}/pipe")
+        elif self.mps_pipe_dir and not any(d.kind == "slot" for d in self.devices):
             raise ValueError(f"{self.allocation_id}: an MPS pipe directory without slots")
+        vfio = [d.kind == "vfio" for d in self.devices]
+        if any(vfio) and (self.binding != BINDING_CLAIM or not all(vfio) or self.mps_pipe_dir):
+            raise ValueError(f"{self.allocation_id}: cards passed through (vfio) are a DRA claim's, all of its devices, without MPS")
         if not _ENV_LINE_RE.search(f"CUDA_MPS_PIPE_DIRECTORY={self.mps_pipe_dir}"):
             raise ValueError(f"{self.allocation_id}: MPS pipe directory {self.mps_pipe_dir!r} cannot be an env value")
         for line in self.env:
@@ -280,6 +325,12 @@ class HoldContent:
             problem = problem or env_value_problem(line.split("=", 1)[1])
             if problem:
                 raise ValueError(f"{self.allocation_id}: env line {line!r} cannot be written to an env file: {problem}")
+
+    @property
+    def mps_log_dir(self) -> str:
+        """A DRA claim's MPS daemon's log directory (`<mps root>/<control>/log`, beside its pipe
+        directory); "" for a hold without a daemon of its own (a slot uses the host's MPS)."""
+        return str(PurePath(self.mps_pipe_dir).parent / "log") if self.mps_control else ""
 
     @property
     def visible_devices(self) -> str:
@@ -325,7 +376,9 @@ def _runtime_counts(edits: Mapping[str, Any]) -> bool:
 
 
 def _device_entry(device: HoldDevice, vendor: VendorCdi | None) -> dict[str, Any]:
-    name = device_name(device.atom_id)
+    name = device.name
+    if device.kind == "vfio":
+        return {"name": name, "annotations": {ANN_DEVICE_ID: device.atom_id}, "containerEdits": {"deviceNodes": [{"path": f"{VFIO_DEV_DIR}/{device.iommu_group}"}]}}
     edits = _copied(vendor.edits_for(*device.vendor_names) if vendor is not None else None)
     if not _runtime_counts(edits):
         edits = {"env": [f"{device_env_key(name)}={device.atom_id}"], **edits}
@@ -351,14 +404,14 @@ MPS_SHM_DIR = "/dev/shm"
 MPS_MOUNT_OPTIONS: tuple[str, ...] = ("rw", "nosuid", "nodev", "bind")
 
 
-def mps_mounts(mps_pipe_dir: str) -> list[dict[str, Any]]:
-    """The mounts an MPS client in a container needs: the pipe directory and the host's /dev/shm."""
+def mps_mounts(mps_pipe_dir: str, mps_log_dir: str = "") -> list[dict[str, Any]]:
+    """The mounts an MPS client in a container needs: the pipe directory, the daemon's log
+    directory where it has one of its own (a DRA claim's: what the daemon and its server log
+    is the claim's to read), and the host's /dev/shm."""
     if not mps_pipe_dir:
         return []
-    return [
-        {"hostPath": path, "containerPath": path, "options": list(MPS_MOUNT_OPTIONS)}
-        for path in dict.fromkeys((mps_pipe_dir, MPS_SHM_DIR))
-    ]
+    paths = (mps_pipe_dir, mps_log_dir, MPS_SHM_DIR) if mps_log_dir else (mps_pipe_dir, MPS_SHM_DIR)
+    return [{"hostPath": path, "containerPath": path, "options": list(MPS_MOUNT_OPTIONS)} for path in dict.fromkeys(paths)]
 
 
 def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any]:
@@ -374,8 +427,12 @@ def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any
     if hold.limits is not None:
         annotations[ANN_LIMITS] = msgspec.json.encode(hold.limits).decode()
     edits: dict[str, Any] = {"env": _cdi_env(hold)}
-    edits.update(_copied(vendor.container_edits if vendor is not None else None))
-    mounts = mps_mounts(hold.mps_pipe_dir)
+    if hold.devices[0].kind == "vfio":
+        # no vendor edits: they are the nvidia driver's nodes and hooks, and the card is on vfio-pci
+        edits["deviceNodes"] = [{"path": VFIO_CONTAINER_NODE}]
+    else:
+        edits.update(_copied(vendor.container_edits if vendor is not None else None))
+    mounts = mps_mounts(hold.mps_pipe_dir, hold.mps_log_dir)
     if mounts:
         # a runtime replaces a mount at the same container path with the later one: a
         # vendor mount there would only be dropped in the container, so it is left out here
@@ -416,6 +473,16 @@ def default_consumer_dir(run_dir: Path | str, *, fake_host: bool) -> Path:
     """Where consumer copies go when `--cdi-consumer-dir` is not given: /var/run/cdi on a real
     host; `<run_dir>/cdi` on a fake host, which must never write the real host's spec dirs."""
     return Path(run_dir) / "cdi" if fake_host else Path(DEFAULT_CONSUMER_DIR)
+
+
+#: where the inventory keeps DRA claims' MPS daemons on a real host (`<root>/<control>/{pipe,log}`)
+DEFAULT_MPS_ROOT = "/run/bcd/mps"
+
+
+def default_mps_root(run_dir: Path | str, *, fake_host: bool) -> str:
+    """The MPS root when `--mps-root` is not given: /run/bcd/mps; `<run_dir>/mps` on a fake host
+    (which must never make directories in the real host's /run)."""
+    return str(Path(os.path.realpath(run_dir)) / "mps") if fake_host else DEFAULT_MPS_ROOT
 
 
 def checked_consumer_dir(cdi_dir: Path | str, consumer_dir: Path | str) -> Path:
@@ -897,6 +964,7 @@ def hold_file_bytes(kind: str, hold: HoldContent, vendor: VendorCdi | None) -> b
 # ---------------------------------------------------------------------------- to and from the helper
 
 _GPU_UUID_RE = re.compile(GPU_UUID_PATTERN)
+_MPS_CONTROL_RE = re.compile(MPS_CONTROL_PATTERN)
 _MIG_UUID_RE = re.compile(MIG_UUID_PATTERN)
 
 
@@ -919,6 +987,14 @@ def device_from_wire(w: HelperDevice) -> HoldDevice:
         return HoldDevice(f"{gpu}/gi{w.gi}/ci{w.ci}", "mig", w.gpu_uuid, w.gpu_index, w.mig_uuid, (w.mig_uuid,))
     if w.gi is not None or w.ci is not None or w.mig_uuid:
         raise ValueError(f"{gpu}: gi, ci and mig_uuid are for MIG devices only")
+    if w.share_id and w.kind != "gpu":
+        raise ValueError(f"{gpu}: a share id is a whole card's")
+    if w.kind == "vfio":
+        if w.iommu_group is None or w.slot is not None:
+            raise ValueError(f"{gpu}: a card passed through needs its IOMMU group and no slot")
+        return HoldDevice.for_vfio(w.gpu_uuid, w.gpu_index, w.iommu_group)
+    if w.iommu_group is not None:
+        raise ValueError(f"{gpu}: an IOMMU group is for a card passed through (vfio) only")
     names = (w.gpu_uuid, str(w.gpu_index))
     if w.kind == "slot":
         if w.slot is None:
@@ -926,7 +1002,7 @@ def device_from_wire(w: HelperDevice) -> HoldDevice:
         return HoldDevice(f"{gpu}/slot{w.slot}", "slot", w.gpu_uuid, w.gpu_index, w.gpu_uuid, names)
     if w.slot is not None:
         raise ValueError(f"{gpu}: slot is for slots only")
-    return HoldDevice(gpu, "gpu", w.gpu_uuid, w.gpu_index, w.gpu_uuid, names)
+    return HoldDevice(gpu, "gpu", w.gpu_uuid, w.gpu_index, w.gpu_uuid, names, share_id=w.share_id)
 
 
 _MIG_SUFFIX_RE = re.compile(r"^/gi(0|[1-9][0-9]{0,3})/ci(0|[1-9][0-9]{0,3})\Z")
@@ -942,7 +1018,7 @@ def device_to_wire(d: HoldDevice) -> HelperDevice:
         gi, ci = int(m[1]), int(m[2])
     elif d.kind == "slot" and suffix is not None and (m := _SLOT_SUFFIX_RE.match(suffix)):
         slot = int(m[1])
-    elif not (d.kind == "gpu" and suffix == ""):
+    elif not (d.kind in ("gpu", "vfio") and suffix == ""):
         raise ValueError(f"{d.atom_id}: atom id does not follow from GPU uuid {d.gpu_uuid!r} and kind {d.kind}")
     try:
         w = HelperDevice(
@@ -953,6 +1029,8 @@ def device_to_wire(d: HoldDevice) -> HelperDevice:
             ci=ci,
             slot=slot,
             mig_uuid=d.visible_id if d.kind == "mig" else "",
+            iommu_group=d.iommu_group,
+            share_id=d.share_id,
         )
         again = device_from_wire(w)
     except ValueError as exc:
@@ -1005,8 +1083,20 @@ def limits_to_wire(limits: Limits) -> HelperLimits:
     )
 
 
-def hold_from_wire(w: HelperHold, mps_pipe_dir: str) -> HoldContent:
-    """The HoldContent a helper request describes; `mps_pipe_dir` is the helper's own.
+def claim_mps_pipe_dir(mps_root: str | PurePath, control: str) -> str:
+    """`<mps root>/<control>/pipe`, the pipe directory of a DRA claim's MPS daemon (the inventory
+    makes it; the hold spec mounts it): built only from a control id that is one."""
+    if not _MPS_CONTROL_RE.match(control):
+        raise ValueError(f"MPS control id {control!r} is not <claim uid>-<6 hex>")
+    root = PurePath(mps_root)
+    if not root.is_absolute():
+        raise ValueError(f"MPS root {str(mps_root)!r} is not an absolute path")
+    return str(root / control / "pipe")
+
+
+def hold_from_wire(w: HelperHold, mps_pipe_dir: str, *, mps_root: str = "") -> HoldContent:
+    """The HoldContent a helper request describes; `mps_pipe_dir` is the helper's own (slots), and
+    a claim's MPS pipe directory is `<mps_root>/<control>/pipe` (the helper's root, never the wire's).
 
     ValueError (the text says what) for anything HoldContent refuses: a bad id,
     a reserved or malformed env line, an atom twice, a sliced Kubernetes hold.
@@ -1022,8 +1112,9 @@ def hold_from_wire(w: HelperHold, mps_pipe_dir: str) -> HoldContent:
         devices=tuple(device_from_wire(d) for d in w.devices),
         cgroup_parent=slice_name(w.allocation_id) if w.sliced else "",
         env=tuple(w.env),
-        mps_pipe_dir=mps_pipe_dir if w.mps else "",
+        mps_pipe_dir=claim_mps_pipe_dir(mps_root, w.mps_control) if w.mps_control else (mps_pipe_dir if w.mps else ""),
         limits=limits_from_wire(w.limits) if w.limits is not None else None,
+        mps_control=w.mps_control,
     )
 
 
@@ -1037,10 +1128,13 @@ def hold_to_wire(c: HoldContent) -> HelperHold:
         devices=[device_to_wire(d) for d in c.devices],
         sliced=bool(c.cgroup_parent),
         env=list(c.env),
-        mps=bool(c.mps_pipe_dir),
+        mps=bool(c.mps_pipe_dir) and not c.mps_control,
         limits=limits_to_wire(c.limits) if c.limits is not None else None,
+        mps_control=c.mps_control,
     )
-    if hold_from_wire(w, c.mps_pipe_dir) != c:
+    # a claim's pipe directory is <root>/<control>/pipe: the root it was built from
+    root = str(PurePath(c.mps_pipe_dir).parent.parent) if c.mps_control else ""
+    if hold_from_wire(w, c.mps_pipe_dir, mps_root=root) != c:
         raise ValueError(f"{c.allocation_id}: the hold cannot be written through the root helper unchanged")
     return w
 
@@ -1077,6 +1171,10 @@ __all__ = [
     "DEFAULT_CONSUMER_DIR",
     "checked_consumer_dir",
     "default_consumer_dir",
+    "default_mps_root",
+    "DEFAULT_MPS_ROOT",
+    "claim_mps_pipe_dir",
+    "VFIO_CONTAINER_NODE",
     "consumer_spec",
     "consumer_file_bytes",
     "qualified_names",

@@ -288,6 +288,11 @@ class NodeSubjects:
         return self.subject("inventory", "mig_instance")
 
     @property
+    def inventory_sharing(self) -> str:
+        """One GPU sharing step, MPS daemon or time slice (SharingStepRequest -> SharingStepReply); the converger asks."""
+        return self.subject("inventory", "sharing")
+
+    @property
     def converger_gpu_op(self) -> str:
         """An operator's maintenance operation on a card (GpuOpRequest -> GpuOpReply): reset, diag."""
         return self.subject("converger", "gpu_op")
@@ -432,6 +437,8 @@ class NodeSubjects:
                     self.inventory_mig_layout,
                     # DRA: MIG instances made on prepare, destroyed on unprepare
                     self.inventory_mig_instance,
+                    # DRA: MPS daemons and time slices of shared cards
+                    self.inventory_sharing,
                 ),
                 (
                     self.service_wildcard("converger"),

@@ -106,6 +106,7 @@ from shared.schemas import (
     SwitchRequest,
     encode,
 )
+from shared.schemas.bus import MpsDaemonSpec, SharingStepReply, SharingStepRequest
 from shared.signing import key_id, sign_node_spec, sign_report
 from shared.slices import slice_name
 
@@ -324,6 +325,12 @@ SAMPLES: dict[str, object] = {
         left_out=["0000:db:00.0 gpu-7: a GPU instance no claim owns"],
         claims=[DraClaimStatus(uid=CLAIM_UID, namespace="ml", name="train-gpu", state="PrepareCompleted", since=T0)],
     ),
+    "SHARING_STEP_REQUEST_CODEC": SharingStepRequest(
+        step="mps-start",
+        owner=CLAIM_UID,
+        mps=MpsDaemonSpec(control=f"{CLAIM_UID}-0a1b2c", uuids=[UUID], active_thread_percentage=50, pinned_memory={UUID: 1 << 30}),
+    ),
+    "SHARING_STEP_REPLY_CODEC": SharingStepReply(step="mps-list", outcome="done", controls=[f"{CLAIM_UID}-0a1b2c"]),
     "HELPER_INFO_CODEC": HelperInfo(cdi_dir="/etc/cdi", run_dir="/run/bcd", slices="fake", mps_pipe_dir="/tmp/nvidia-mps", euid=0, version="0.1.0"),
 }
 

@@ -33,8 +33,10 @@ SCRIPT="$ROOT/deploy/vm/build-image.sh"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 SUITE="${BCD_VM_SUITE:-bookworm}"
 CACHE="${BCD_VM_CACHE:-$ROOT/.scratch/vm-cache}"
-# the guest's python3 must be the CPython minor the wheels are built for (3.11 on bookworm)
-PACKAGES="systemd,systemd-sysv,udev,dbus,kmod,linux-image-amd64,initramfs-tools,zstd,python3,python3-venv,iproute2,procps,pciutils,acl"
+# the guest's python3 must be the CPython minor the wheels are built for (3.11 on bookworm);
+# polkitd (with libpam-systemd: it provides the logind polkitd depends on, which debootstrap
+# does not resolve) decides what bcd-inventory may ask systemd (the DRA sharing units)
+PACKAGES="systemd,systemd-sysv,udev,dbus,kmod,linux-image-amd64,initramfs-tools,zstd,python3,python3-venv,iproute2,procps,pciutils,acl,libpam-systemd,polkitd"
 # the ext4 image: what the rootfs holds plus this much room for the tests' writes (sparse)
 FREE_MB="${BCD_VM_FREE_MB:-2048}"
 

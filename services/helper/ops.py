@@ -102,7 +102,15 @@ class HelperFailure(Exception):
 
 class HelperOps:
     def __init__(
-        self, cdi_dir: Path, run_dir: Path, slices: Slices, *, slices_backend: str, mps_pipe_dir: str, consumer_dir: Path | None = None
+        self,
+        cdi_dir: Path,
+        run_dir: Path,
+        slices: Slices,
+        *,
+        slices_backend: str,
+        mps_pipe_dir: str,
+        consumer_dir: Path | None = None,
+        mps_root: str = "",
     ) -> None:
         self.cdi = SafeDir(cdi_dir)
         #: where the hold specs' consumer copies go (None: this helper makes none)
@@ -112,6 +120,8 @@ class HelperOps:
         self.slices = slices
         self.slices_backend = slices_backend
         self.mps_pipe_dir = mps_pipe_dir
+        #: where the inventory keeps DRA claims' MPS daemons (`<root>/<control>/pipe` is mounted)
+        self.mps_root = mps_root
         self.vendor = VendorCache(self.cdi.path)
         self._lock = threading.Lock()
 
@@ -121,6 +131,7 @@ class HelperOps:
             run_dir=str(self.run_dir),
             slices=self.slices_backend,
             mps_pipe_dir=self.mps_pipe_dir,
+            mps_root=self.mps_root,
             euid=os.geteuid(),
             version=VERSION,
             cdi_consumer_dir=str(self.consumer.path) if self.consumer is not None else "",
@@ -164,7 +175,7 @@ class HelperOps:
             raise HelperRefusal(f"the consumer copy of {req.hold.allocation_id} is made from its hold spec on disk: ask file.copy")
         directory, name = self._where(req.kind, req.hold.allocation_id)
         try:
-            hold = hold_from_wire(req.hold, self.mps_pipe_dir)
+            hold = hold_from_wire(req.hold, self.mps_pipe_dir, mps_root=self.mps_root)
         except ValueError as exc:
             raise HelperRefusal(f"{req.kind} of {req.hold.allocation_id}: {exc}") from None
         with self._lock:

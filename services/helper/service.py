@@ -34,7 +34,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from shared.fsutil import read_regular
-from shared.holdfiles import checked_consumer_dir, default_consumer_dir
+from shared.holdfiles import checked_consumer_dir, default_consumer_dir, default_mps_root
 from shared.host import HOST_FILE_MAX_BYTES
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, main_for
 from shared.schemas import EMPTY_CODEC, HELPER_INFO_CODEC, HELPER_REPLY_CODEC, Empty, HelperInfo, HelperReply
@@ -75,6 +75,12 @@ class HelperApp(ServiceApp):
             Option("--fake-host", "fake host description file (fake slices, its MPS pipe directory)", type=Path),
             Option("--slices", "slice backend: fake (JSON records) or systemd (D-Bus)", default="auto", choices=("auto", "fake", "systemd")),
             Option("--mps-pipe-dir", "MPS pipe directory of slot holds (default: the fake host's, else /tmp/nvidia-mps)", default=""),
+            Option(
+                "--mps-root",
+                "where the inventory keeps DRA claims' MPS daemons (the inventory's --mps-root; default /run/bcd/mps, "
+                "on a fake host <run-dir>/mps)",
+                default="",
+            ),
         ]
 
     async def setup(self, ctx: ServiceContext) -> None:
@@ -90,7 +96,10 @@ class HelperApp(ServiceApp):
             )
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        self.ops = HelperOps(o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps, consumer_dir=consumer)
+        mps_root = o.mps_root or default_mps_root(o.run_dir, fake_host=fake)
+        if not os.path.isabs(mps_root):
+            raise StartupError(f"--mps-root {mps_root!r}: an absolute path")
+        self.ops = HelperOps(o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps, consumer_dir=consumer, mps_root=mps_root)
         self.m_ops = Counter("bcd_helper_operations", "Helper operations by operation and outcome", ["operation", "outcome"], registry=ctx.registry)
         for op in OPERATIONS:
             for outcome in ("done", "refused", "failed"):

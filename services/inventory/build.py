@@ -242,6 +242,7 @@ def _build_gpu(
         gpu_instances=gpu_instances,
         slots=slots,
         mps_running=bool(slots) and mps_running,
+        iommu_group=facts.iommu_group,
         status=status,
     )
 

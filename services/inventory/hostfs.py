@@ -96,6 +96,15 @@ def read_numa_node(sysfs_root: Path | str, pci: str) -> int | None:
     return value if value is not None and value >= 0 else None
 
 
+def read_iommu_group(sysfs_root: Path | str, pci: str) -> int | None:
+    """The device's IOMMU group (the number its `iommu_group` link names); None without an IOMMU."""
+    try:
+        name = os.path.basename(os.readlink(pci_device_dir(sysfs_root, pci) / "iommu_group"))
+    except OSError:
+        return None
+    return int(name) if name.isdigit() and len(name) <= 5 and int(name) <= 65535 else None
+
+
 def read_bound_driver(sysfs_root: Path | str, pci: str) -> str:
     """Name of the kernel driver bound to the device now; "" when none is."""
     try:

@@ -21,6 +21,12 @@ job it polls) or one step on one MIG instance (`mig_instance`, for DRA: create
 a GPU instance at a placement, its compute instance, destroy them), never two
 at once on one card (a lock per card); the card is scanned and published again
 before the answer goes out, so the next `get` lists what the step made.
+GPU sharing for DRA is the converger's to ask too (`sharing`): an MPS control
+daemon started, stopped or listed under `--mps-root` (its directories are
+`<mps-root>/<control>/pipe` and `.../log`, built only from a control id), or a
+whole card's time slice set (under the card's lock); no rescan follows, nothing
+the inventory lists changes. Every Inventory names the MPS root (`mps_root`, ""
+with an adapter that keeps no daemons): a claim's CDI spec mounts the pipe directory.
 Every change of a card's phase, managementState or a condition's status or
 reason goes upstream as a `gpu` event through the node-bus outbox
 (`Nats-Msg-Id` = a deterministic event id); events the outbox did not take
@@ -57,6 +63,8 @@ from shared.schemas import (
     MIG_INSTANCE_REQUEST_CODEC,
     MIG_LAYOUT_REPLY_CODEC,
     MIG_LAYOUT_REQUEST_CODEC,
+    SHARING_STEP_REPLY_CODEC,
+    SHARING_STEP_REQUEST_CODEC,
     GPU_REPLY_CODEC,
     GPU_REQUEST_CODEC,
     INVENTORY_CODEC,
@@ -76,14 +84,16 @@ from shared.schemas import (
     GpuRequest,
     Inventory,
     SchemaViolation,
+    SharingStepReply,
+    SharingStepRequest,
     SwitchReply,
 )
-from shared.schemas.bus import DIAG_RUN_S
+from shared.schemas.bus import DIAG_RUN_S, MPS_LIST_MAX
 from shared.schemas.common import PCI_RE, clip
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
-from .adapters.base import Diagnosable, MigInstancer, MigPartitioner, MigStepError
+from .adapters.base import Diagnosable, GpuSharer, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
     GpuState,
@@ -98,6 +108,8 @@ from .gpustate import (
 
 #: finished jobs (diagnostics, MIG layout changes) kept for the converger's polls.
 JOBS_KEPT = 64
+#: the longest --mps-root the inventory can name (Inventory.mps_root)
+MPS_ROOT_MAX = 1024
 
 
 @dataclasses.dataclass
@@ -123,6 +135,8 @@ class InventoryApp(ServiceApp):
         self.jobs: dict[str, Job] = {}
         #: PCI address -> the lock every MIG change of that card runs under (a layout, an instance step)
         self.mig_locks: dict[str, asyncio.Lock] = {}
+        #: every MPS daemon step runs under this one (a list sees no start half done)
+        self.mps_lock = asyncio.Lock()
         self.content_key: bytes = b""
         self.lock = asyncio.Lock()
         #: set after every evaluation: the run loop re-reads whether a timer runs.
@@ -153,6 +167,12 @@ class InventoryApp(ServiceApp):
             Option("--rescan-interval", "seconds between periodic rescans", default=30.0, type=float),
             Option("--slots-per-gpu", "slots configured on each GPU not in MIG mode (nvidia adapter)", default=0, type=int),
             Option("--mps-pipe-dir", "MPS pipe directory (nvidia adapter)", default="/tmp/nvidia-mps"),
+            Option(
+                "--mps-root",
+                "directory of the MPS control daemons bcd starts for DRA claims: <mps-root>/<control>/pipe and .../log",
+                default=Path("/run/bcd/mps"),
+                type=Path,
+            ),
             Option("--data-dir", "state directory of this node; the inventory keeps <data-dir>/inventory/gpus.json", default=Path("/var/lib/bcd"), type=Path),
             Option("--gpu-tick", "seconds between evaluations while a GPU timer runs (orphan grace, reclaim, disruption)", default=5.0, type=float),
             Option("--claims-timeout", "seconds to wait for the converger's claims (no answer reads Indeterminate)", default=1.0, type=float),
@@ -173,6 +193,8 @@ class InventoryApp(ServiceApp):
         o = ctx.opts
         if o.adapter == "fakehw" and o.fake_host is None:
             raise StartupError("--adapter fakehw needs --fake-host FILE (or BCD_FAKE_HOST)")
+        if not Path(o.mps_root).is_absolute() or len(str(o.mps_root)) > MPS_ROOT_MAX:
+            raise StartupError(f"--mps-root must be an absolute path of at most {MPS_ROOT_MAX} characters, not {str(o.mps_root)!r}")
         for flag, value in (("--gpu-tick", o.gpu_tick), ("--claims-timeout", o.claims_timeout), ("--orphan-grace", o.orphan_grace), ("--reclaim-timeout", o.reclaim_timeout)):
             if not value > 0:
                 raise StartupError(f"{flag} must be a positive number of seconds, not {value}")
@@ -259,6 +281,9 @@ class InventoryApp(ServiceApp):
         )
         await ctx.endpoint(
             "mig_instance", ctx.subjects.inventory_mig_instance, lambda req: self.mig_instance(ctx, req), MIG_INSTANCE_REQUEST_CODEC, reply=MIG_INSTANCE_REPLY_CODEC
+        )
+        await ctx.endpoint(
+            "sharing", ctx.subjects.inventory_sharing, lambda req: self.sharing(ctx, req), SHARING_STEP_REQUEST_CODEC, reply=SHARING_STEP_REPLY_CODEC
         )
 
         @guarded(ctx.log, "claims notice")
@@ -409,8 +434,13 @@ class InventoryApp(ServiceApp):
         finally:
             self.m_scan_seconds.observe(time.perf_counter() - started)
             self.last_scan = time.monotonic()
-        self.last_base = msgspec.structs.replace(inv, adapter=ctx.opts.adapter)
+        self.last_base = msgspec.structs.replace(inv, adapter=ctx.opts.adapter, mps_root=self._mps_root(ctx))
         return self.last_base
+
+    def _mps_root(self, ctx: ServiceContext) -> str:
+        """The MPS root the inventory names (the converger's claim specs mount `<root>/<control>/pipe`);
+        "" with an adapter that keeps no MPS daemons."""
+        return str(ctx.opts.mps_root) if isinstance(self.adapter, GpuSharer) else ""
 
     async def _evaluate_and_publish(
         self,
@@ -721,6 +751,73 @@ class InventoryApp(ServiceApp):
             ctx.log.exception("MIG instance step raised", step=req.step, pci=pci)
             return answer("failed", f"{req.step} on {pci} failed: {exc or type(exc).__name__}")
 
+    async def sharing(self, ctx: ServiceContext, req: SharingStepRequest) -> SharingStepReply:
+        """One sharing step (DRA; the converger journaled it before asking): an MPS daemon or a time slice.
+
+        Every refusal is an answer (outcome refused / not-supported), never an error. MPS steps run
+        one at a time; a time slice under its card's lock (the one MIG changes take).
+        """
+
+        def answer(outcome: str, message: str, controls: list[str] | None = None) -> SharingStepReply:
+            (ctx.log.info if outcome == "done" else ctx.log.warning)(
+                "sharing step answered", step=req.step, owner=req.owner, control=_control_of(req), pci=req.pci, outcome=outcome, detail=message
+            )
+            return SharingStepReply(step=req.step, outcome=outcome, message=clip(message), controls=controls or [])
+
+        if not isinstance(self.adapter, GpuSharer):
+            return answer("not-supported", f"the {ctx.opts.adapter} adapter shares no GPUs")
+        refusal = _sharing_missing(req) or self._sharing_refusal(req)
+        if refusal:
+            return answer("refused", refusal)
+        ctx.log.info(
+            "sharing step started", step=req.step, owner=req.owner, control=_control_of(req), pci=req.pci,
+            uuids=list(req.mps.uuids) if req.mps is not None else [], interval=req.interval if req.step == "timeslice-set" else None,
+        )
+        lock = self._mig_lock(req.pci) if req.step == "timeslice-set" and req.pci is not None else self.mps_lock
+        async with lock:
+            return await self._sharing_step(ctx, req, answer)
+
+    def _sharing_refusal(self, req: SharingStepRequest) -> str:
+        """Why the step is wrong for the cards the inventory lists ("" when it is not)."""
+        cards = {g.pci_address: g for g in self.current.gpus} if self.current is not None else {}
+        if req.step == "timeslice-set":
+            card = cards.get(req.pci or "")
+            if card is None:
+                return f"the inventory lists no GPU at {req.pci}"
+            if card.mig_mode:
+                return f"{req.pci} is in MIG mode: time slices are for whole cards"
+            if card.status.driver_binding.mode != "Compute" or not card.uuid:
+                return f"{req.pci} is not on its compute driver ({card.driver or 'no driver'})"
+            return ""
+        if req.step == "mps-start" and req.mps is not None:
+            return _mps_devices_refusal(req.mps.uuids, req.mps.pinned_memory, cards.values())
+        return ""
+
+    async def _sharing_step(self, ctx: ServiceContext, req: SharingStepRequest, answer: Any) -> SharingStepReply:
+        adapter, root = self.adapter, Path(ctx.opts.mps_root)
+        try:
+            if req.step == "mps-list":
+                controls = await _in_daemon_thread(adapter.mps_list, root)
+                return answer("done", _listed_message(controls, root), controls[:MPS_LIST_MAX])
+            if req.step == "timeslice-set":
+                card = next(g for g in self.current.gpus if g.pci_address == req.pci)
+                await _in_daemon_thread(adapter.set_timeslice, req.pci, card.uuid, req.interval)
+                return answer("done", f"time slice of {req.pci} set to {req.interval}")
+            control = _control_of(req)
+            pipe_dir, log_dir = mps_dirs(root, control)
+            if req.step == "mps-start":
+                await _in_daemon_thread(adapter.mps_start, req.mps, pipe_dir, log_dir)
+                return answer("done", f"MPS daemon {control} runs for {', '.join(req.mps.uuids)} (pipe directory {pipe_dir})")
+            await _in_daemon_thread(adapter.mps_stop, control, pipe_dir, log_dir)
+            return answer("done", f"MPS daemon {control} stopped, {root / control} removed")
+        except SharingStepError as exc:
+            return answer(exc.outcome, str(exc))
+        except ValueError as exc:  # a control id mps_dirs would not build a path of
+            return answer("refused", str(exc))
+        except Exception as exc:  # noqa: BLE001 - an adapter bug answers failed; the service stays up
+            ctx.log.exception("sharing step raised", step=req.step)
+            return answer("failed", f"{req.step} failed: {exc or type(exc).__name__}")
+
     async def _run_diag(self, ctx: ServiceContext, job: Job) -> DiagReply:
         level = job.args
         ctx.log.info("diagnostic started", pci=job.pci, level=level)
@@ -868,6 +965,48 @@ def _mig_step_missing(req: MigInstanceRequest) -> str:
     """What a MIG instance step needs and the request lacks ("" when nothing)."""
     needs = {"create-gi": ("profile", "start"), "create-ci": ("gi",), "destroy-ci": ("gi", "ci"), "destroy-gi": ("gi",)}[req.step]
     return " and ".join(name for name in needs if getattr(req, name) in (None, ""))
+
+
+def _control_of(req: SharingStepRequest) -> str:
+    """The MPS control id a step is about ("" for none)."""
+    return req.mps.control if req.step == "mps-start" and req.mps is not None else req.control
+
+
+def _sharing_missing(req: SharingStepRequest) -> str:
+    """A sharing step that lacks what it needs, named ("" when nothing)."""
+    needs = {"mps-start": ("mps", req.mps is not None), "mps-stop": ("control", bool(req.control)), "timeslice-set": ("pci", req.pci is not None)}
+    field, given = needs.get(req.step, ("", True))
+    return "" if given else f"{req.step} needs {field}"
+
+
+def _mps_devices_refusal(uuids: list[str], pinned: dict[str, int], cards: Any) -> str:
+    """Why an MPS daemon may not serve these devices ("" when it may): each must be a listed card's
+    uuid (a card not in MIG mode) or one of its MIG devices', on its compute driver, named once."""
+    devices: dict[str, Gpu] = {}
+    whole: dict[str, Gpu] = {}
+    for card in cards:
+        whole[card.uuid] = card
+        devices.update({m.uuid: card for m in card.mig_instances if m.uuid})
+    for uuid in uuids:
+        card = devices.get(uuid) or whole.get(uuid)
+        if not uuid or card is None:
+            return f"the inventory lists no GPU or MIG device {uuid}"
+        if uuid in whole and card.mig_mode:
+            return f"{uuid} ({card.pci_address}) is in MIG mode: an MPS daemon serves its MIG devices, not the card"
+        if card.status.driver_binding.mode != "Compute":
+            return f"{card.pci_address} is not on its compute driver ({card.driver or 'no driver'})"
+    if len(set(uuids)) != len(uuids):
+        return "an MPS daemon serves each device once: a uuid is named twice"
+    strays = sorted(set(pinned) - set(uuids))
+    if strays:
+        return f"a pinned memory limit is for a device the daemon does not serve: {', '.join(strays)}"
+    return ""
+
+
+def _listed_message(controls: list[str], root: Path) -> str:
+    if len(controls) > MPS_LIST_MAX:
+        return f"{len(controls)} MPS daemon(s) under {root}; the first {MPS_LIST_MAX} are listed"
+    return f"{len(controls)} MPS daemon(s) under {root}"
 
 
 def _with_revision(inv: Inventory, revision: int) -> Inventory:

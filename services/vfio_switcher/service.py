@@ -51,6 +51,7 @@ from shared.schemas import (
     SwitchReply,
     SwitchRequest,
 )
+from shared.schemas.bus import PASSTHROUGH_CLAIM
 
 from .driver import DEFAULT_SYSFS_ROOT, DriverPort, SysfsDriver, is_canonical_pci
 from .fakehost import FakeHostDriver, FakeHostError
@@ -264,15 +265,16 @@ def holder_of(held: bool, kind: str, holder: str, target: str) -> str | None:
 
     Allocations (live holds, bind intents) and pending Kubernetes releases hold
     it for any target; a running domain holds it against a return to the
-    native driver; an instance claim does not hold (the converger asks for
-    those switches itself). A held answer of an unknown kind holds (fail closed).
+    native driver; an instance claim, and a DRA claim that passes the card
+    through, do not hold (the converger asks for those switches itself). A
+    held answer of an unknown kind holds (fail closed).
     """
     if not held:
         return None
     if target == RESET:
         # a reset under anything that uses the card (a VM's too) is never safe
         return f"{kind or 'unknown'} {holder}".strip()
-    if kind == "instance" or (kind == "domain" and target != "native"):
+    if kind in ("instance", PASSTHROUGH_CLAIM) or (kind == "domain" and target != "native"):
         return None
     return f"{kind or 'unknown'} {holder}".strip()
 

@@ -18,6 +18,10 @@ from .bus import (
     ClaimUnprepareRequest,
     MigInstanceReply,
     MigInstanceRequest,
+    ClaimSharing,
+    MpsDaemonSpec,
+    SharingStepReply,
+    SharingStepRequest,
     PreparedDevice,
     DraClaimStatus,
     DraPluginStatus,
@@ -134,6 +138,8 @@ CLAIM_PREPARE_REQUEST_CODEC: Codec[ClaimPrepareRequest] = Codec(ClaimPrepareRequ
 CLAIM_PREPARE_REPLY_CODEC: Codec[ClaimPrepareReply] = Codec(ClaimPrepareReply, max_bytes=256 * 1024)
 CLAIM_UNPREPARE_REQUEST_CODEC: Codec[ClaimUnprepareRequest] = Codec(ClaimUnprepareRequest, max_bytes=4096)
 CLAIM_UNPREPARE_REPLY_CODEC: Codec[ClaimUnprepareReply] = Codec(ClaimUnprepareReply, max_bytes=64 * 1024)
+SHARING_STEP_REQUEST_CODEC: Codec[SharingStepRequest] = Codec(SharingStepRequest, max_bytes=16 * 1024)
+SHARING_STEP_REPLY_CODEC: Codec[SharingStepReply] = Codec(SharingStepReply, max_bytes=256 * 1024)
 
 #: the upstream contract's types, whose JSON Schema is checked in (docs/schema/).
 UPSTREAM_TYPES: dict[str, object] = {

@@ -168,9 +168,13 @@ class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
     gpu: Annotated[str, msgspec.Meta(max_length=128)]
 
 
+#: HolderReply.kind of a card a DRA claim passes through (VfioDeviceConfig): the converger switches it
+PASSTHROUGH_CLAIM = "passthrough-claim"
+
+
 class HolderReply(msgspec.Struct, frozen=True, kw_only=True):
     held: bool
-    #: "allocation", "instance", "domain", "release" or "" when free.
+    #: "allocation", "claim", "passthrough-claim", "instance", "domain", "release" or "" when free.
     kind: str = ""
     holder: str = ""
     gpu: str = ""
@@ -536,6 +540,47 @@ K8sName = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 CLAIM_DEVICES_MAX = 32
 
 
+#: how a claim's device is shared (its opaque config, services/dra_plugin/configs.py): not at all,
+#: time-sliced with the card's others, through an MPS control daemon of the claim's own, or passed
+#: through to a VM (vfio-pci)
+SharingStrategy = Literal["Exclusive", "TimeSlicing", "MPS", "Vfio"]
+#: the time slice of a time-sliced card (nvidia-smi compute-policy --set-timeslice 0..3)
+TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
+#: an MPS pinned device memory limit, in bytes (MPS takes whole MiB)
+MPS_PINNED_MEMORY_MAX = 2**50
+#: a consumed capacity of memory (bytes) a shared card's claim may carry
+CLAIM_MEMORY_MAX = 2**50
+
+
+#: a shared card's allocation (consumable capacity) is named by its shareID ("" for none)
+OptionalShareId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})?$",
+        description="empty, or the share id of a shared card's allocation: a lowercase RFC 4122 uuid",
+    ),
+]
+
+
+class ClaimSharing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a claim's opaque config asks of one device (decoded, defaulted and checked by the plugin).
+
+    MPS: `active_thread_percentage` (set_default_active_thread_percentage), `pinned_memory_bytes`
+    (every device's default pinned memory limit) and `pinned_memory` (per device: the key is a
+    device uuid or an index into the devices of the claim that share this config, as NVIDIA's
+    defaultPerDevicePinnedMemoryLimit; the converger resolves it once the uuids are known).
+    """
+
+    strategy: SharingStrategy = "Exclusive"
+    interval: TimeSliceInterval = "Default"
+    active_thread_percentage: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
+    pinned_memory_bytes: Annotated[int, msgspec.Meta(ge=1048576, le=MPS_PINNED_MEMORY_MAX)] | None = None
+    pinned_memory: Annotated[
+        dict[Annotated[str, msgspec.Meta(min_length=1, max_length=160)], Annotated[int, msgspec.Meta(ge=1048576, le=MPS_PINNED_MEMORY_MAX)]],
+        msgspec.Meta(max_length=32),
+    ] = {}
+
+
 class ClaimDevice(msgspec.Struct, frozen=True, kw_only=True):
     """One device of a claim's allocation for this driver, resolved by the plugin to a card."""
 
@@ -548,6 +593,13 @@ class ClaimDevice(msgspec.Struct, frozen=True, kw_only=True):
     #: mig: the GPU instance profile and its placement start (memory slice)
     profile: Name = ""
     start: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    #: what the claim's opaque config asks of the device (Exclusive: no config)
+    sharing: ClaimSharing = ClaimSharing()
+    #: consumable capacity (a card published with allowMultipleAllocations): the allocation's
+    #: shareID ("" for an exclusive allocation) and what it consumed of the card
+    share_id: OptionalShareId = ""
+    share_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=CLAIM_MEMORY_MAX)] | None = None
 
 
 class ClaimPrepareRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -602,6 +654,15 @@ class ClaimSummary(msgspec.Struct, frozen=True, kw_only=True):
     message: Text = ""
     since: datetime
     boot_id: Name = ""
+    #: how it shares or passes its cards, in words ("" for exclusive): "MPS daemon <control>
+    #: (50% threads, 40 GiB pinned)", "time slice Long on <pci>", "passed through (vfio-pci,
+    #: /dev/vfio/42)", "a 50% share of gpu-0"
+    sharing: Text = ""
+    #: the MPS daemon it runs ("" for none), its time-sliced cards, and its shares (pci -> percent)
+    mps_control: Name = ""
+    timeslices: Annotated[dict[PciAddress, Name], msgspec.Meta(max_length=64)] = {}
+    shares: Annotated[dict[PciAddress, NonNegInt], msgspec.Meta(max_length=64)] = {}
+    vfio: Annotated[list[PciAddress], msgspec.Meta(max_length=64)] = []
 
 
 class DraClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -636,6 +697,8 @@ class DraPluginStatus(msgspec.Struct, frozen=True, kw_only=True):
     left_out: Annotated[list[Text], msgspec.Meta(max_length=1024)] = []
     published_at: datetime | None = None
     claims: Annotated[list[DraClaimStatus], msgspec.Meta(max_length=4096)] = []
+    #: whole cards are published as shareable (consumable capacity); False: exclusive only
+    shared_cards: bool = False
 
 
 # --------------------------------------------------------------------------- root helper
@@ -650,7 +713,10 @@ class DraPluginStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 #: the three files of a hold: its CDI spec, the spec's consumer copy (shared.holdfiles.consumer_spec), its env file.
 HelperFileKind = Literal["cdi", "cdi-consumer", "allocation-env"]
-HelperDeviceKind = Literal["gpu", "mig", "slot"]
+HelperDeviceKind = Literal["gpu", "mig", "slot", "vfio"]
+
+#: an MPS control daemon's id (shared with the sharing steps below): `<claim uid>-<6 hex>`
+_MPS_CONTROL = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}-[0-9a-f]{6}"
 
 #: NVML's GPU uuid, with or without its "GPU-" prefix.
 GPU_UUID_PATTERN = r"^(GPU-)?[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}" + END
@@ -682,6 +748,10 @@ class HelperDevice(HelperStruct, frozen=True, kw_only=True):
     slot: _AtomPart | None = None
     #: MIG: the MIG device's uuid (what NVIDIA_VISIBLE_DEVICES takes); "" otherwise.
     mig_uuid: Annotated[str, msgspec.Meta(max_length=160)] = ""
+    #: vfio (a card passed through, a DRA claim's): its IOMMU group, /dev/vfio/<group>; None otherwise.
+    iommu_group: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    #: a DRA claim's share of a card (consumable capacity): its shareID names its CDI device; "" otherwise.
+    share_id: OptionalShareId = ""
 
 
 class HelperHugePages(HelperStruct, frozen=True, kw_only=True):
@@ -714,6 +784,10 @@ class HelperHold(HelperStruct, frozen=True, kw_only=True):
     #: slots with MPS running: the helper adds its own MPS pipe directory.
     mps: bool = False
     limits: HelperLimits | None = None
+    #: a DRA claim's MPS daemon: the helper mounts `<its mps root>/<control>/pipe` (no path on the wire)
+    mps_control: Annotated[
+        str, msgspec.Meta(pattern="^(" + _MPS_CONTROL + ")?" + END, description="empty, or an MPS control id: <claim uid>-<6 hex digits>")
+    ] = ""
 
 
 class HelperFileWrite(HelperStruct, frozen=True, kw_only=True):
@@ -782,8 +856,22 @@ class HelperInfo(msgspec.Struct, frozen=True, kw_only=True):
     version: Name = ""
     #: where it writes the hold specs' consumer copies ("" from a helper older than them).
     cdi_consumer_dir: Text = ""
+    #: the MPS root whose `<control>/pipe` a DRA claim's hold spec mounts ("" from an older helper).
+    mps_root: Text = ""
 
 __all__ = [
+    "SharingStrategy",
+    "TimeSliceInterval",
+    "ClaimSharing",
+    "MPS_PINNED_MEMORY_MAX",
+    "CLAIM_MEMORY_MAX",
+    "SharingStep",
+    "MPS_CONTROL_PATTERN",
+    "MpsControlId",
+    "DeviceUuid",
+    "MpsDaemonSpec",
+    "SharingStepRequest",
+    "SharingStepReply",
     "SwitchRequest",
     "SwitchReply",
     "ClaimKind",
@@ -848,3 +936,78 @@ __all__ = [
     "HelperReply",
     "HelperInfo",
 ]
+
+
+# --------------------------------------------------------------------------- GPU sharing (converger -> inventory, DRA)
+#
+# The converger journals each step before it asks (services/converger/claims.py), as for MIG
+# instance steps; the inventory's vendor adapter takes it (nvidia: nvidia-cuda-mps-control and
+# nvidia-smi; fakehw: recorded in the host file). An MPS daemon's directories are the inventory's
+# `<mps root>/<control>/pipe` and `.../log`: no path crosses the bus, only the control id.
+
+SharingStep = Literal["mps-start", "mps-stop", "mps-list", "timeslice-set"]
+#: an MPS control daemon's id: the claim's uid and 6 hex digits of the devices and config it serves
+MPS_CONTROL_PATTERN = "^" + _MPS_CONTROL + END
+MpsControlId = Annotated[str, msgspec.Meta(pattern=MPS_CONTROL_PATTERN, description="<claim uid>-<6 hex digits>")]
+#: a device an MPS daemon serves: a whole card's GPU uuid or a MIG device's uuid
+DeviceUuid = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^(GPU-[0-9a-fA-F-]{36}|MIG-[A-Za-z0-9][A-Za-z0-9/-]{0,127})" + END,
+        description="a whole card's GPU-<uuid> or a MIG device's MIG-<uuid>",
+    ),
+]
+MPS_DEVICES_MAX = 32
+MPS_LIST_MAX = 1024
+#: what an MPS daemon serves and is held to (MpsDaemonSpec; the fake host keeps the same)
+MpsDeviceUuids = Annotated[list[DeviceUuid], msgspec.Meta(min_length=1, max_length=MPS_DEVICES_MAX)]
+ThreadPercentage = Annotated[int, msgspec.Meta(ge=1, le=100)]
+MpsPinnedMemory = Annotated[
+    dict[DeviceUuid, Annotated[int, msgspec.Meta(ge=1048576, le=MPS_PINNED_MEMORY_MAX)]], msgspec.Meta(max_length=MPS_DEVICES_MAX)
+]
+
+
+class MpsDaemonSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One MPS control daemon: the devices it serves (CUDA_VISIBLE_DEVICES) and its limits."""
+
+    control: MpsControlId
+    uuids: MpsDeviceUuids
+    #: set_default_active_thread_percentage (None: MPS's own default, 100)
+    active_thread_percentage: ThreadPercentage | None = None
+    #: set_default_device_pinned_mem_limit <uuid> <MiB>M, per device uuid (each one of `uuids`)
+    pinned_memory: MpsPinnedMemory = {}
+
+
+class SharingStepRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One sharing step (inventory.sharing; only the converger asks).
+
+    mps-start (`mps`): start the daemon, set its limits, answer once it answers its control pipe
+    (a daemon already running for the control id with the same spec: done). mps-stop (`control`):
+    quit the daemon and remove its directories (none running: not-found). mps-list: the control ids
+    of the daemons running under the MPS root. timeslice-set (`pci`, `interval`): the card's
+    compute policy (Default: as a card is without bcd).
+    """
+
+    step: SharingStep
+    #: who the step is for (a claim uid), for the inventory's log
+    owner: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    mps: MpsDaemonSpec | None = None
+    control: Annotated[
+        str, msgspec.Meta(pattern="^(" + _MPS_CONTROL + ")?" + END, description="empty, or an MPS control id: <claim uid>-<6 hex digits>")
+    ] = ""
+    pci: PciAddress | None = None
+    interval: TimeSliceInterval = "Default"
+
+
+class SharingStepReply(msgspec.Struct, frozen=True, kw_only=True):
+    step: Name
+    #: done | failed | not-found (mps-stop: no such daemon) | not-supported (the adapter cannot) |
+    #: refused (the request is wrong for this host)
+    outcome: Name
+    message: Text = ""
+    #: mps-list: the daemons running under the MPS root
+    controls: Annotated[list[MpsControlId], msgspec.Meta(max_length=MPS_LIST_MAX)] = []
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "done"

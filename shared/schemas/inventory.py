@@ -122,6 +122,9 @@ class Gpu(Struct, kw_only=True):
     slots: list[Slot] = []
     #: the MPS control daemon's pipe was found (slots only).
     mps_running: bool = False
+    #: the card's IOMMU group (/sys/bus/pci/devices/<pci>/iommu_group), None when not known: a card
+    #: passed through to a DRA claim is /dev/vfio/<group> in its CDI spec
+    iommu_group: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     status: PhysicalGPUStatus = PhysicalGPUStatus()
 
 
@@ -181,6 +184,8 @@ class Inventory(Struct, kw_only=True):
     host: HostResources = HostResources()
     mps_pipe_dir: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     processes: list[RunningProcess] = []
+    #: where the inventory keeps DRA claims' MPS daemons (`<root>/<control>/pipe`); "" when it keeps none
+    mps_root: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 __all__ = [

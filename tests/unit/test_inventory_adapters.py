@@ -234,6 +234,11 @@ def materialize(host: FakeHost, root: Path) -> Roots:
         _w(d / "class", "0x030200\n")
         _w(d / "numa_node", f"{-1 if g.numa_node is None else g.numa_node}\n")
         _w(d / "driver_override", "(null)\n")
+        if g.iommu_group is not None:
+            # /sys/kernel/iommu_groups/<n>, linked from the device as the kernel does
+            group = sysfs / "kernel" / "iommu_groups" / str(g.iommu_group)
+            group.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.path.relpath(group, d), d / "iommu_group")
         if g.driver:
             target = sysfs / "bus" / "pci" / "drivers" / g.driver
             target.mkdir(parents=True, exist_ok=True)
@@ -1149,3 +1154,10 @@ def test_fakehw_real_sysfs_card_reads_its_driver_from_sysfs(tmp_path: Path, monk
     assert adapter.driver_binding(pci) == ("vfio-pci", "bochs-drm")
     # the other cards still read the file
     assert adapter.driver_binding(data["gpus"][1]["pci_address"]) == ("nvidia", "nvidia")
+
+
+def test_iommu_groups_are_read_from_the_device_link(rig: Callable[..., Rig]) -> None:
+    """A card passed through to a DRA claim is /dev/vfio/<group>: both adapters read the group
+    (nvidia from the sysfs `iommu_group` link, fakehw from the host file); none without an IOMMU."""
+    assert [g.iommu_group for g in build(rig().adapter).gpus] == list(range(20, 28))
+    assert [g.iommu_group for g in build(rig(set_gpu(2, iommu_group=None)).adapter).gpus][2] is None

@@ -77,6 +77,8 @@ USERS = {
 
 #: what a unit may write besides its StateDirectory=, by unit (nothing when absent).
 READ_WRITE_PATHS = {
+    # the MPS control daemons' directories (DRA claims shared through MPS)
+    "bcd-inventory.service": {"/run/bcd/mps"},
     "bcd-vfio-switcher.service": {"/sys/bus/pci/drivers", "/sys/bus/pci/drivers_probe", "/sys/devices"},
     "bcd-helper.service": {"/etc/cdi", "/run/cdi", "/run/bcd"},
     # its sockets beside the kubelet's ("-": a host without a kubelet starts it all the same)
@@ -216,7 +218,9 @@ def parse_unit(path: Path) -> Unit:
     return unit
 
 
-UNITS = {p.name: parse_unit(p) for p in sorted(UNIT_DIR.glob("*.service"))}
+UNITS = {p.name: parse_unit(p) for p in sorted(UNIT_DIR.glob("*.service")) if "@" not in p.name}
+#: root template units the inventory starts instances of (DRA sharing); not services, not in bcd.target
+TEMPLATES = {p.name: parse_unit(p) for p in sorted(UNIT_DIR.glob("*@.service"))}
 
 
 def unit(name: str) -> Unit:
@@ -325,6 +329,9 @@ def test_tmpfiles_directories_belong_to_root():
     """No service owns a directory another service's directory sits in."""
     entries = _tmpfiles()
     assert entries["/var/lib/bcd"] == ("d", "0755", "root", "root")
+    # one exception: the MPS root is root's, and writable by the inventory's group (0770), which
+    # makes each MPS daemon's directories in it
+    assert entries.pop("/run/bcd/mps") == ("d", "0770", "root", "bcd-inventory")
     assert all(user == group == "root" for _, _, user, group in entries.values())
     # the bus config and the NATS passwords: root only (each unit gets its own via LoadCredential=)
     assert entries["/etc/bcd/bus"] == ("d", "0700", "root", "root")
@@ -488,8 +495,9 @@ def _verifiable_copies(tmp_path: Path, mutate: dict[str, tuple[str, str]] | None
         lines = src.read_text().splitlines(keepends=True)
         execs = [i for i, line in enumerate(lines) if line.startswith("ExecStart=")]
         assert len(execs) == (1 if src.suffix == ".service" else 0), src.name
-        for i in execs:
-            lines[i] = lines[i].replace(f"ExecStart={VENV_BIN}", f"ExecStart={venv}/")
+        for i in [*execs, *(i for i, line in enumerate(lines) if line.startswith("ExecStop="))]:
+            key = lines[i].split("=", 1)[0]
+            lines[i] = lines[i].replace(f"{key}={VENV_BIN}", f"{key}={venv}/")
         text = "".join(lines)
         if mutate and src.name in mutate:
             old, new = mutate[src.name]
@@ -542,3 +550,87 @@ def test_security_exposure_within_the_stated_level(name):
     limit = ROOT_MAX_EXPOSURE if name in ROOT_UNITS else UNPRIVILEGED_MAX_EXPOSURE
     assert exposure <= limit, f"{name}: exposure {exposure} {level}, the limit is {limit}"
     assert level in ("PERFECT", "SAFE", "OK"), f"{name}: {level}"
+
+
+# --------------------------------------------------------------------------- DRA sharing: root template units
+
+#: template unit -> the highest overall exposure `systemd-analyze security` may give it. bcd-mps@ keeps
+#: root's capabilities (NVIDIA's daemon starts each client's server as the client's uid, and what else
+#: it needs was not tried on a GPU here): 5.2 with systemd 252; bcd-timeslice@ (CAP_SYS_ADMIN only) 1.7.
+TEMPLATE_MAX_EXPOSURE = {"bcd-mps@.service": 5.5, "bcd-timeslice@.service": 2.0}
+POLKIT_RULE = UNIT_DIR / "polkit" / "50-bcd-sharing.rules"
+CONTROL = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab-0a1b2c"
+GPU_UUID = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+
+
+def test_the_sharing_templates_run_the_sharing_unit_as_root_outside_the_target():
+    from services.inventory.adapters.nvidia_sharing import MPS_UNIT, TIMESLICE_UNIT
+
+    assert set(TEMPLATES) == {MPS_UNIT.split("@")[0] + "@.service", TIMESLICE_UNIT.split("@")[0] + "@.service"}
+    mps, timeslice = TEMPLATES["bcd-mps@.service"], TEMPLATES["bcd-timeslice@.service"]
+    module = f"{VENV_BIN}python -m services.inventory.sharing_unit"
+    assert (mps.get("ExecStart"), mps.get("ExecStop")) == (f"{module} mps-start %i", f"{module} mps-stop %i")
+    assert (timeslice.get("ExecStart"), timeslice.get("ExecStop")) == (f"{module} timeslice %i", None)
+    assert (mps.get("Type"), timeslice.get("Type")) == ("forking", "oneshot")
+    target = parse_unit(UNIT_DIR / TARGET)
+    for u in TEMPLATES.values():
+        assert u.get("User") is None and u.get("DynamicUser") is None, u.name  # root
+        assert u.items("WantedBy", "Install") == [] and u.name not in target.items("Wants", "Unit"), u.name
+        assert (u.get("NoNewPrivileges"), u.get("ProtectSystem"), u.get("DevicePolicy")) == ("yes", "strict", "closed"), u.name
+        assert u.values("DeviceAllow") == ["char-nvidia* rw"], u.name
+        assert u.values("SystemCallFilter") == ["@system-service"], u.name
+    # the daemon writes its directories, under the root the inventory's unit names, and nothing else
+    assert set(mps.items("ReadWritePaths")) == {"/run/bcd/mps"} and set(timeslice.items("ReadWritePaths")) == set()
+    assert mps.environment()["BCD_MPS_ROOT"] == unit("bcd-inventory.service").environment()["BCD_MPS_ROOT"] == "/run/bcd/mps"
+    assert timeslice.values("CapabilityBoundingSet") == ["CAP_SYS_ADMIN"]
+
+
+@needs_analyze
+@pytest.mark.parametrize("name", sorted(TEMPLATE_MAX_EXPOSURE))
+def test_sharing_template_exposure_within_the_stated_level(name):
+    if _systemd_version() < 250:
+        pytest.skip("systemd-analyze security --offline needs systemd 250 or newer")
+    result = _analyze("security", "--offline=true", "--no-pager", str(UNIT_DIR / name))
+    assert result.returncode == 0, result.stderr
+    # a template is rated as an instance of itself ("bcd-mps@i.service")
+    m = re.search(rf"Overall exposure level for {re.escape(name.replace('@', '@i'))}: (\d+\.\d+) (\w+)", result.stdout)
+    assert m, result.stdout[-2000:]
+    assert float(m.group(1)) <= TEMPLATE_MAX_EXPOSURE[name], f"{name}: exposure {m.group(1)} {m.group(2)}"
+
+
+def _polkit_rules() -> list[tuple[re.Pattern[str], set[str]]]:
+    """(unit name pattern, verbs) of each grant in the polkit rule, read from its JavaScript."""
+    text = POLKIT_RULE.read_text()
+    grants = re.findall(r"if \(/(\^[^/]+\$)/\.test\(unit\)\s*&& \(([^)]*)\)\)", text)
+    assert len(grants) == 2, text
+    return [(re.compile(pattern), set(re.findall(r'verb === "(\w+)"', verbs))) for pattern, verbs in grants]
+
+
+def test_the_polkit_rule_grants_the_inventory_exactly_the_units_it_starts():
+    """The names the adapter asks systemd for are the ones the rule lets bcd-inventory start, and
+    no other unit (a service of bcd's, a drop-in, a path) matches."""
+    from services.inventory.adapters.nvidia_sharing import MPS_UNIT, TIMESLICE_CODES, TIMESLICE_UNIT
+
+    text = POLKIT_RULE.read_text()
+    assert 'action.id !== "org.freedesktop.systemd1.manage-units"' in text
+    assert 'subject.user !== "bcd-inventory"' in text and USERS["bcd-inventory.service"] == "bcd-inventory"
+    (mps, mps_verbs), (timeslice, timeslice_verbs) = _polkit_rules()
+    assert (mps_verbs, timeslice_verbs) == ({"start", "stop"}, {"start"})
+    assert mps.match(MPS_UNIT.format(control=CONTROL))
+    for interval in TIMESLICE_CODES:
+        assert timeslice.match(TIMESLICE_UNIT.format(uuid=GPU_UUID, interval=interval))
+    others = [
+        "bcd-inventory.service",
+        "bcd-helper.service",
+        "bcd-mps@.service",
+        MPS_UNIT.format(control=CONTROL[:-1]),
+        MPS_UNIT.format(control=CONTROL + "0"),
+        MPS_UNIT.format(control=CONTROL.upper()),
+        MPS_UNIT.format(control=CONTROL) + ".d",
+        "bcd-mps@x.service",
+        TIMESLICE_UNIT.format(uuid=GPU_UUID, interval="Forever"),
+        TIMESLICE_UNIT.format(uuid="MIG-" + GPU_UUID[4:], interval="Long"),
+        "ssh.service",
+    ]
+    for name in others:
+        assert not mps.match(name) and not timeslice.match(name), name

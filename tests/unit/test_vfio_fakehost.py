@@ -564,6 +564,10 @@ async def test_a_hang_survives_until_the_boot_id_changes_not_a_timeout(tmp_path)
         (True, "domain", "vfio-pci", False),
         (True, "instance", "vfio-pci", False),
         (True, "instance", "native", False),
+        # a DRA claim: holds; one that passes the card through asks its own switches
+        (True, "claim", "vfio-pci", True),
+        (True, "passthrough-claim", "vfio-pci", False),
+        (True, "passthrough-claim", "native", False),
         (True, "", "native", True),  # held, kind unknown: fail closed
         (True, "something-new", "vfio-pci", True),
     ],
@@ -632,7 +636,7 @@ async def test_reset_asks_the_holder_and_fails_closed_without_an_answer(host):
 
 @pytest.mark.parametrize(
     ("kind", "target", "holds"),
-    [("allocation", "reset", True), ("release", "reset", True), ("instance", "reset", True), ("domain", "reset", True)],
+    [("allocation", "reset", True), ("release", "reset", True), ("instance", "reset", True), ("domain", "reset", True), ("passthrough-claim", "reset", True)],
 )
 def test_every_claim_holds_a_card_against_a_reset(kind, target, holds):
     from services.vfio_switcher.service import holder_of

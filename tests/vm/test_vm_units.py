@@ -511,6 +511,93 @@ def test_a_failed_switch_rolls_back_to_the_native_driver(node: Node) -> None:
     wait_for(f"{pci} on {DISPLAY_DRIVER}", lambda: card_driver(vm, pci) == DISPLAY_DRIVER, 120, lambda: journal(vm, "bcd-vfio-switcher.service"))
 
 
+# ----------------------------------------------------------------------------- DRA sharing: root template units
+
+MPS_CONTROL = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab-0a1b2c"
+SHARED_GPU = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+#: nvidia-cuda-mps-control as the units see it: -d leaves a daemon process behind (what systemd's
+#: Type=forking watches), the control commands are kept beside it, quit ends it
+FAKE_MPS_CONTROL = r"""#!/bin/sh
+d="$CUDA_MPS_PIPE_DIRECTORY"
+if [ "$1" = "-d" ]; then
+  printf 'serves %s uid %s log %s\n' "$CUDA_VISIBLE_DEVICES" "$(id -u)" "$CUDA_MPS_LOG_DIRECTORY" > "$d/fake-daemon"
+  setsid sleep 100000 </dev/null >/dev/null 2>&1 &
+  echo $! > "$d/fake-daemon.pid"
+  exit 0
+fi
+while IFS= read -r line; do
+  [ -e "$d/fake-daemon" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
+  case "$line" in
+    quit) kill "$(cat "$d/fake-daemon.pid")"; rm -f "$d/fake-daemon" ;;
+    get_server_list) ;;
+    *) echo "$line" >> "$d/fake-daemon" ;;
+  esac
+done
+"""
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# (/dev/shm: the one place a unit under ProtectSystem=strict and PrivateTmp= can write)
+echo "$(id -u) $*" >> /dev/shm/bcd-vm-nvidia-smi.log
+"""
+
+
+def _as_inventory(vm: Guest, script: str, check: bool = True) -> Any:
+    """`script` as bcd-inventory (its uid, gid and groups), the way its unit runs."""
+    argv = ["setpriv", "--reuid=bcd-inventory", "--regid=bcd-inventory", "--init-groups", "sh", "-c", script]
+    return vm.run(argv, timeout=90, check=check)
+
+
+def test_the_inventory_starts_exactly_its_sharing_units_through_polkit(node: Node) -> None:
+    """The polkit rule and the two root template units under a real systemd and polkit: the
+    inventory's user starts bcd-mps@<control> (the unit runs the daemon from the spec the
+    inventory wrote, as root, in its own unit) and a time slice, stops the daemon, and may
+    do nothing else of systemd's: not start another of bcd's units, not restart its own."""
+    vm = node.vm
+    vm.put_file("/usr/local/bin/nvidia-cuda-mps-control", FAKE_MPS_CONTROL, 0o755)
+    vm.put_file("/usr/local/bin/nvidia-smi", FAKE_NVIDIA_SMI, 0o755)
+    vm.sh(f"install -D -m 0644 {guestkit.SRC}/deploy/systemd/polkit/50-bcd-sharing.rules /etc/polkit-1/rules.d/50-bcd-sharing.rules")
+    unit = f"bcd-mps@{MPS_CONTROL}.service"
+    control_dir = f"/run/bcd/mps/{MPS_CONTROL}"
+    spec = '{"control":"%s","uuids":["%s"],"active_thread_percentage":40}' % (MPS_CONTROL, SHARED_GPU)
+    try:
+        assert vm.sh("stat -c '%U %G %a' /run/bcd/mps").split() == ["root", "bcd-inventory", "770"]
+        _as_inventory(vm, f"mkdir -p {control_dir}/pipe {control_dir}/log && printf '%s' '{spec}' > {control_dir}/spec.json")
+        # polkitd reads the new rule file by itself; bounded, as the guest is slow
+        started = wait_for(
+            f"bcd-inventory may start {unit}",
+            lambda: _as_inventory(vm, f"systemctl --no-ask-password start {unit}", check=False).rc == 0 or None,
+            60,
+            lambda: journal(vm, unit),
+        )
+        assert started
+        assert vm.sh(f"systemctl is-active {unit}").strip() == "active"
+        # the daemon is root's, in its own unit's cgroup, with the claim's environment and limits
+        daemon = vm.sh(f"cat {control_dir}/pipe/fake-daemon").splitlines()
+        assert daemon == [f"serves {SHARED_GPU} uid 0 log {control_dir}/log", "set_default_active_thread_percentage 40"], daemon
+        pid = vm.sh(f"cat {control_dir}/pipe/fake-daemon.pid").strip()
+        assert unit in vm.sh(f"cat /proc/{pid}/cgroup"), "the daemon is not in its unit"
+        # the grant is exactly these names and verbs
+        for denied in (f"restart {unit}", "start bcd-helper.service", "stop bcd-converger.service", "start bcd-mps@x.service"):
+            r = _as_inventory(vm, f"systemctl --no-ask-password {denied}", check=False)
+            assert r.rc != 0 and ("authentication required" in r.stderr or "Access denied" in r.stderr), (denied, r.rc, r.stderr)
+        slice_unit = f"bcd-timeslice@{SHARED_GPU}:Long.service"
+        r = _as_inventory(vm, f"systemctl --no-ask-password start {slice_unit}", check=False)
+        assert r.rc == 0, f"{r.stderr}\n{journal(vm, slice_unit)}"
+        assert vm.sh("cat /dev/shm/bcd-vm-nvidia-smi.log").splitlines() == [
+            f"0 -i {SHARED_GPU} -c DEFAULT",
+            f"0 compute-policy -i {SHARED_GPU} --set-timeslice 3",
+        ]
+        r = _as_inventory(vm, f"systemctl --no-ask-password stop {unit}", check=False)
+        assert r.rc == 0, f"{r.stderr}\n{journal(vm, unit)}"
+        assert vm.run(["test", "-e", f"{control_dir}/pipe/fake-daemon"]).rc != 0, "the daemon was not quit"
+        assert vm.run(["kill", "-0", pid]).rc != 0, "the daemon process is still there"
+    finally:
+        vm.sh(
+            f"systemctl stop {unit}; rm -rf {control_dir} /etc/polkit-1/rules.d/50-bcd-sharing.rules"
+            " /usr/local/bin/nvidia-cuda-mps-control /usr/local/bin/nvidia-smi /dev/shm/bcd-vm-nvidia-smi.log",
+            check=False,
+        )
+
+
 # ----------------------------------------------------------------------------- point 5: holds kept
 
 KEPT = ["keep-01", "keep-02"]

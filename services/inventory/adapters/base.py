@@ -9,6 +9,10 @@ time-slicing), so `build_inventory` asks `isinstance(adapter, MigCapable)`
 instead of knowing vendors. `MigInstancer` makes and destroys one MIG instance
 at a time at a placement (DRA's prepare and unprepare), one NVML step per call,
 so the converger can journal each step before it asks for the next.
+`GpuSharer` does the same for sharing (DRA's MPS and time-slicing configs): one
+MPS control daemon started, stopped or listed, or one card's time slice set, per
+call. An MPS daemon's directories are `<mps root>/<control>/pipe` and `.../log`,
+built here (`mps_dirs`) only from a control id that matches MPS_CONTROL_PATTERN.
 
 The facts an adapter returns are frozen dataclasses with no atom ids in them:
 naming atoms is the vendor-neutral core's job (build.py), so two adapters that
@@ -17,13 +21,18 @@ see the same hardware yield the same inventory.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 from shared import vendorcdi as _vendorcdi
-from shared.schemas import HostResources, MigProfile, RunningProcess
+from shared.schemas import HostResources, MigProfile, MpsDaemonSpec, RunningProcess
+from shared.schemas.bus import MPS_CONTROL_PATTERN
 
 # The vendor-spec reader lives in shared (the converger reads the same file);
 # its names stay importable from here.
@@ -69,6 +78,24 @@ class MigStepError(AdapterError):
     def __init__(self, outcome: MigStepOutcome, message: str) -> None:
         super().__init__(message)
         self.outcome: MigStepOutcome = outcome
+
+
+#: what a sharing step that did not succeed answers (SharingStepReply.outcome without "done").
+SharingStepOutcome = Literal["failed", "refused", "not-supported", "not-found"]
+
+
+class SharingStepError(AdapterError):
+    """A sharing step (an MPS daemon, a time slice) did not happen; `outcome` says how, the text says why.
+
+    refused: the request is wrong for this host (a device it does not have, a daemon
+    running for the control id with another spec); not-found: mps-stop found no daemon
+    and nothing left of one; not-supported: the vendor's tool is not on this host;
+    failed: the vendor's tool failed (its first line of error is in the text).
+    """
+
+    def __init__(self, outcome: SharingStepOutcome, message: str) -> None:
+        super().__init__(message)
+        self.outcome: SharingStepOutcome = outcome
 
 
 # --------------------------------------------------------------------------- facts
@@ -124,6 +151,8 @@ class GpuFacts:
     #: PCI bus: on vfio-pci or no driver (expected), or on the native driver but
     #: lost to the library (e.g. NVML's GPU_IS_LOST), which must not look Ready.
     readable: bool = True
+    #: the card's IOMMU group (/sys/bus/pci/devices/<pci>/iommu_group); None without an IOMMU
+    iommu_group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -273,6 +302,36 @@ class SharingCapable(Protocol):
     def mps_pipe_dir(self) -> str: ...
 
 
+@runtime_checkable
+class GpuSharer(Protocol):
+    """MPS control daemons and time slices, one step per call (Kubernetes DRA's sharing configs).
+
+    Every step is blocking and raises SharingStepError when it did not happen. The paths come
+    from the inventory (`mps_dirs`), never from the bus.
+    """
+
+    def mps_start(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> None:
+        """Start the control daemon serving spec.uuids with its pipe and log directories (made 0755
+        when missing), set its limits, return once it answers. A daemon already running for
+        spec.control with the same spec: done (the converger retries after a crash); with another
+        spec: refused."""
+        ...
+
+    def mps_stop(self, control: str, pipe_dir: Path, log_dir: Path) -> None:
+        """Quit the daemon and remove `<mps root>/<control>` (the parent of both directories).
+        not-found when none runs and nothing is left; what a dead daemon left is removed: done."""
+        ...
+
+    def mps_list(self, root: Path) -> list[str]:
+        """The control ids of the daemons running (or directories left) under `root`; only names
+        that match MPS_CONTROL_PATTERN count, nothing else there is touched or followed."""
+        ...
+
+    def set_timeslice(self, pci_address: str, gpu_uuid: str, interval: str) -> None:
+        """The card's compute policy: its time slice (Default, Short, Medium, Long)."""
+        ...
+
+
 @dataclass(frozen=True)
 class MigLayoutResult:
     """What making a card's MIG layout did."""
@@ -308,6 +367,87 @@ class DomainLister(Protocol):
     def domains(self) -> Sequence[RunningDomain]: ...
 
 
+# --------------------------------------------------------------------------- MPS directories
+
+_MPS_CONTROL_RE = re.compile(MPS_CONTROL_PATTERN)
+#: the mode of the directories made for a daemon (a container bind-mounts the pipe directory)
+MPS_DIR_MODE = 0o755
+
+
+def is_mps_control(name: str) -> bool:
+    """`name` is an MPS control id (`<claim uid>-<6 hex digits>`): safe as one path component."""
+    return _MPS_CONTROL_RE.match(name) is not None
+
+
+def mps_dirs(root: Path, control: str) -> tuple[Path, Path]:
+    """(pipe, log) directories of the daemon `control` under the MPS root; ValueError for a name
+    that is not a control id (checked again here: no other name becomes a path)."""
+    if not is_mps_control(control):
+        raise ValueError(f"{control!r} is not an MPS control id (<claim uid>-<6 hex digits>)")
+    return root / control / "pipe", root / control / "log"
+
+
+def mps_control_dir(control: str, pipe_dir: Path, log_dir: Path) -> Path:
+    """`<mps root>/<control>`, the parent of a daemon's pipe and log directories; refused when
+    the two do not sit side by side under a directory named for the control id."""
+    parent = pipe_dir.parent
+    if not is_mps_control(control) or parent.name != control or log_dir.parent != parent:
+        raise SharingStepError("refused", f"{pipe_dir} and {log_dir} are not the directories of MPS daemon {control!r}")
+    return parent
+
+
+def make_mps_dirs(*dirs: Path) -> None:
+    """Each directory, and every missing one above it, made 0755 (umask does not apply)."""
+    for directory in dirs:
+        missing = [d for d in (directory, *directory.parents) if not os.path.lexists(d)]
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=MPS_DIR_MODE)
+            except FileExistsError:
+                pass  # made meanwhile
+            else:
+                os.chmod(d, MPS_DIR_MODE)
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            raise SharingStepError("failed", f"{directory} is in the way (not a directory)")
+
+
+def mps_dirs_under(root: Path) -> list[str]:
+    """The control ids that name a directory under `root` (lstat: a symlink is not one); every
+    other name there is ignored. None at all when `root` does not exist."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise SharingStepError("failed", f"the MPS root {root} cannot be listed: {exc.strerror or exc}") from None
+    found = []
+    for name in names:
+        if not is_mps_control(name):
+            continue
+        try:
+            if stat.S_ISDIR(os.lstat(root / name).st_mode):
+                found.append(name)
+        except OSError:
+            continue  # gone meanwhile
+    return sorted(found)
+
+
+def remove_mps_dir(control_dir: Path) -> bool:
+    """Remove a daemon's `<mps root>/<control>` and all in it (never following a symlink);
+    False when there was none."""
+    try:
+        mode = os.lstat(control_dir).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(mode):
+        raise SharingStepError("failed", f"{control_dir} is not a directory; it is left as it is")
+    try:
+        shutil.rmtree(control_dir)
+    except OSError as exc:
+        raise SharingStepError("failed", f"{control_dir} could not be removed: {exc.strerror or exc}") from None
+    return True
+
+
 __all__ = [
     "VENDOR_CDI_FILE",
     "AdapterError",
@@ -315,6 +455,16 @@ __all__ = [
     "VendorSpecError",
     "MigStepOutcome",
     "MigStepError",
+    "SharingStepOutcome",
+    "SharingStepError",
+    "GpuSharer",
+    "MPS_DIR_MODE",
+    "is_mps_control",
+    "mps_dirs",
+    "mps_control_dir",
+    "make_mps_dirs",
+    "mps_dirs_under",
+    "remove_mps_dir",
     "MigInstanceFacts",
     "GpuInstanceFacts",
     "GpuFacts",

@@ -16,6 +16,12 @@ vfio_switcher's writes, atomically; faults declared in the file play back once.
 MIG in the file: a card's GPU instances are those its `mig_instances` (MIG
 devices) name plus its `gpu_instances` (where one with no compute instance
 lives); a placement is a start in memory slices, its size the profile's.
+
+Sharing in the file (`GpuSharer`): the MPS control daemons running are the
+top-level `mps_daemons` (each with its spec and directories), and a card's time
+slice is its `timeslice`. Starting a daemon makes its pipe and log directories
+for real, with a FIFO `<pipe>/control` standing in for the daemon's control
+pipe, so a container runtime can bind-mount the pipe directory as on a real host.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from shared.fsutil import atomic_write as shared_atomic_write
 from shared.fsutil import exclusive
 from shared.fsutil import read_regular
 from shared.host import HOST_FILE_MAX_BYTES
-from shared.schemas import HostResources, HugePagePool, MigPlacement, MigProfile, NumaNode, RunningProcess
+from shared.schemas import HostResources, HugePagePool, MigPlacement, MigProfile, MpsDaemonSpec, NumaNode, RunningProcess
+from shared.schemas.bus import MPS_LIST_MAX, MpsControlId, MpsDeviceUuids, MpsPinnedMemory, ThreadPercentage, TimeSliceInterval
 from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import END, CpuList, Name, NonNegInt, PciAddress, PositiveInt
 
@@ -51,8 +58,13 @@ from .base import (
     MigInstanceFacts,
     MigStepError,
     RunningDomain,
+    SharingStepError,
     VendorCdi,
+    make_mps_dirs,
+    mps_control_dir,
+    mps_dirs_under,
     read_vendor_cdi,
+    remove_mps_dir,
     vendor_cdi_from_json,
 )
 
@@ -159,6 +171,10 @@ class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
     #: a MIG instance step (DRA): "gi-fail" (the next create-gi fails, nothing made), "ci-fail" (the next
     #: create-ci fails and its GPU instance is left behind), "destroy-in-use" (the next destroy answers in-use)
     mig_instance: Literal["", "ci-fail", "destroy-in-use", "gi-fail"] = ""
+    #: a sharing step (DRA): "mps-start-fail" (the next MPS daemon serving this card first fails to
+    #: start, nothing made), "mps-stop-fail" (the next stop of such a daemon fails, it keeps running),
+    #: "timeslice-fail" (the next time slice change of this card fails, the slice stays)
+    sharing: Literal["", "mps-start-fail", "mps-stop-fail", "timeslice-fail"] = ""
 
 
 class HostPciDevice(_HostStruct, frozen=True, kw_only=True):
@@ -192,6 +208,8 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     gpu_instances: Annotated[list[HostGpuInstance], msgspec.Meta(max_length=64)] = []
     #: configured sharing slots (MPS / time-slicing); none on a card in MIG mode.
     slots: NonNegInt = 0
+    #: the card's time slice (nvidia-smi compute-policy --set-timeslice; Default: as without bcd)
+    timeslice: TimeSliceInterval = "Default"
     #: what the fake kernel keeps in sysfs `driver_override` ("" for none); the
     #: vfio_switcher's fake backend writes it together with `driver`.
     driver_override: DriverName = ""
@@ -200,6 +218,8 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     present: bool = True
     #: failures the vfio_switcher's fake backend injects on this card.
     faults: HostGpuFaults = HostGpuFaults()
+    #: the card's IOMMU group (null: no IOMMU; a DRA claim cannot pass the card through)
+    iommu_group: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     #: function resets the vfio_switcher's fake backend did on this card.
     resets: NonNegInt = 0
     #: what DCGM's diagnostic says of this card (`bcd gpu diag`), and after how long.
@@ -220,6 +240,23 @@ class HostProcess(_HostStruct, frozen=True, kw_only=True):
 class HostDomain(_HostStruct, frozen=True, kw_only=True):
     name: Name
     gpus: list[PciAddress] = []
+
+
+class HostMpsDaemon(_HostStruct, frozen=True, kw_only=True):
+    """An MPS control daemon running on the host: its spec (MpsDaemonSpec) and its directories."""
+
+    control: MpsControlId
+    #: the devices it serves (CUDA_VISIBLE_DEVICES): GPU uuids or MIG device uuids of this file
+    uuids: MpsDeviceUuids
+    active_thread_percentage: ThreadPercentage | None = None
+    pinned_memory: MpsPinnedMemory = {}
+    pipe_dir: AbsPath
+    log_dir: AbsPath
+
+    def spec(self) -> MpsDaemonSpec:
+        return MpsDaemonSpec(
+            control=self.control, uuids=list(self.uuids), active_thread_percentage=self.active_thread_percentage, pinned_memory=dict(self.pinned_memory)
+        )
 
 
 class FakeHost(_HostStruct, frozen=True, kw_only=True):
@@ -243,6 +280,8 @@ class FakeHost(_HostStruct, frozen=True, kw_only=True):
     domains: list[HostDomain] = []
     #: other PCI devices (not GPUs), for the vfio_switcher's fake backend.
     pci_devices: list[HostPciDevice] = []
+    #: the MPS control daemons running (GpuSharer's mps_start records one, mps_stop removes it)
+    mps_daemons: Annotated[list[HostMpsDaemon], msgspec.Meta(max_length=MPS_LIST_MAX)] = []
 
 
 _HOST_DECODER = BoundedDecoder(FakeHost, max_bytes=HOST_FILE_MAX_BYTES, what="host file")
@@ -374,6 +413,9 @@ def _check(host: FakeHost) -> str | None:
         for j, pci in enumerate(domain.gpus):
             if pci not in gpu_pcis:
                 return f"{pci!r} is not a GPU of this host - at `$.domains[{i}].gpus[{j}]`"
+    problem = _check_mps_daemons(host)
+    if problem:
+        return problem
     if host.vendor_cdi_spec is not None:
         try:
             vendor_cdi_from_json(msgspec.json.encode(host.vendor_cdi_spec), "vendor_cdi_spec")
@@ -386,12 +428,57 @@ def _check(host: FakeHost) -> str | None:
     return None
 
 
+def _device_cards(host: FakeHost) -> dict[str, HostGpu]:
+    """Every device uuid of the host (cards' and MIG devices'), with the card it is on."""
+    out: dict[str, HostGpu] = {}
+    for g in host.gpus:
+        out[g.uuid] = g
+        out.update({m.uuid: g for m in g.mig_instances})
+    return out
+
+
+def _card_index_of(host: FakeHost, uuid: str) -> int | None:
+    """The index (in gpus) of the card a device uuid is (or is on); None for none."""
+    card = _device_cards(host).get(uuid)
+    return None if card is None else next(i for i, g in enumerate(host.gpus) if g.uuid == card.uuid)
+
+
+def _check_mps_daemons(host: FakeHost) -> str | None:
+    """Daemons' controls are unique, and each serves devices of this host (its limits too)."""
+    problem = _dup([d.control for d in host.mps_daemons], "$.mps_daemons[{i}].control")
+    if problem:
+        return problem
+    devices = _device_cards(host)
+    for i, daemon in enumerate(host.mps_daemons):
+        at = f"$.mps_daemons[{i}]"
+        problem = _dup(daemon.uuids, at + ".uuids[{i}]")
+        if problem:
+            return problem
+        for j, uuid in enumerate(daemon.uuids):
+            if uuid not in devices:
+                return f"{uuid!r} is not a GPU or MIG device of this host - at `{at}.uuids[{j}]`"
+        for uuid in daemon.pinned_memory:
+            if uuid not in daemon.uuids:
+                return f"{uuid!r} is not one of the daemon's uuids - at `{at}.pinned_memory`"
+    return None
+
+
 def _refuse_in_use(host: FakeHost, card: HostGpu, gi: int, ci: int | None) -> None:
     """in-use while a process of the host file runs on that GPU instance (or compute instance)."""
+    what = f"GPU instance {gi}" if ci is None else f"compute instance {ci} of GPU instance {gi}"
     for p in host.processes:
         if p.gpu_uuid == card.uuid and p.gi == gi and (ci is None or p.ci is None or p.ci == ci):
-            what = f"GPU instance {gi}" if ci is None else f"compute instance {ci} of GPU instance {gi}"
             raise MigStepError("in-use", f"process {p.pid} runs on {what} on {card.pci_address}")
+    devices = {m.uuid for m in card.mig_instances if m.gi == gi and (ci is None or m.ci == ci)}
+    for daemon in host.mps_daemons:
+        if devices & set(daemon.uuids):
+            raise MigStepError("in-use", f"MPS daemon {daemon.control} serves {what} on {card.pci_address}")
+
+
+def _mps_daemon_on(host: FakeHost, card: HostGpu) -> str:
+    """The control id of an MPS daemon that serves one of the card's MIG devices ("" for none)."""
+    devices = {m.uuid for m in card.mig_instances}
+    return next((d.control for d in host.mps_daemons if devices & set(d.uuids)), "")
 
 
 def _mig_uuid(gpu_uuid: str, gi: int, profile: str) -> str:
@@ -415,6 +502,28 @@ def _place(profiles: Sequence[HostMigProfile]) -> list[int | None] | None:
         starts[k] = max(free)
         taken.append((starts[k], starts[k] + p.size))
     return starts
+
+
+def _daemon_record(spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> dict[str, Any]:
+    """A daemon as `mps_daemons` holds it."""
+    record: dict[str, Any] = {"control": spec.control, "uuids": list(spec.uuids), "pipe_dir": str(pipe_dir), "log_dir": str(log_dir)}
+    if spec.active_thread_percentage is not None:
+        record["active_thread_percentage"] = spec.active_thread_percentage
+    if spec.pinned_memory:
+        record["pinned_memory"] = dict(spec.pinned_memory)
+    return record
+
+
+#: the stand-in for the MPS daemon's control pipe in its pipe directory
+MPS_CONTROL_FIFO = "control"
+
+
+def _make_daemon_dirs(pipe_dir: Path, log_dir: Path) -> None:
+    """The daemon's directories (0755) and the FIFO `<pipe>/control` its clients would open."""
+    make_mps_dirs(pipe_dir, log_dir)
+    fifo = pipe_dir / MPS_CONTROL_FIFO
+    if not os.path.lexists(fifo):
+        os.mkfifo(fifo, 0o600)
 
 
 def load_host_file(path: Path | str) -> FakeHost:
@@ -454,8 +563,8 @@ def _sysfs_driver(pci_address: str) -> str:
 
 
 class FakeHwAdapter:
-    """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + DomainLister
-    + Diagnosable over a host file."""
+    """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + GpuSharer
+    + DomainLister + Diagnosable over a host file."""
 
     def __init__(self, host_file: Path | str, *, cdi_dir: Path | str) -> None:
         self.host_file = Path(host_file)
@@ -497,6 +606,10 @@ class FakeHwAdapter:
         card, entry = host.gpus[index], doc["gpus"][index]
         if not card.mig_profiles:
             return MigLayoutResult("NotSupported", f"{pci} supports no MIG profiles", "as before")
+        serving = _mps_daemon_on(host, card)
+        if serving:
+            # its MIG devices would go with the layout; the daemon's record would name what is gone
+            return MigLayoutResult("Failed", f"MPS daemon {serving} serves a MIG device of {pci}; stop it first", "as before")
         known = {p.name: p for p in card.mig_profiles}
         unknown = [p for p in profiles if p not in known]
         if unknown:
@@ -684,7 +797,7 @@ class FakeHwAdapter:
         self._save(doc)
         return True
 
-    def _save_checked(self, doc: dict[str, Any]) -> None:
+    def _save_checked(self, doc: dict[str, Any], error: Callable[[Any, str], AdapterError] = MigStepError) -> None:
         """Save a change only when the file stays valid: a step never leaves a host file the inventory cannot read."""
         data = json.dumps(doc).encode()
         try:
@@ -692,8 +805,124 @@ class FakeHwAdapter:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             problem = str(exc)
         if problem:
-            raise MigStepError("failed", f"the change would break the fake host file ({problem}); nothing changed")
+            raise error("failed", f"the change would break the fake host file ({problem}); nothing changed")
         self._save(doc)
+
+    # ----------------------------------------------------------------- sharing (GpuSharer)
+
+    def mps_start(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> None:
+        """Record the daemon in `mps_daemons` and make its directories and control FIFO."""
+        control_dir = mps_control_dir(spec.control, pipe_dir, log_dir)
+
+        def step(host: FakeHost, doc: dict[str, Any]) -> None:
+            running = next((d for d in host.mps_daemons if d.control == spec.control), None)
+            if running is not None:
+                self._same_daemon(running, spec, pipe_dir, log_dir)
+                _make_daemon_dirs(pipe_dir, log_dir)  # what a crash or a cleaner took is made again
+                return
+            index = self._mps_card_index(host, spec)
+            if self._fire_sharing(host, doc, index, "mps-start-fail"):
+                raise SharingStepError("failed", f"starting MPS daemon {spec.control} failed (fake host fault mps-start-fail)")
+            made = not os.path.lexists(control_dir)
+            _make_daemon_dirs(pipe_dir, log_dir)
+            doc.setdefault("mps_daemons", []).append(_daemon_record(spec, pipe_dir, log_dir))
+            try:
+                self._save_checked(doc, SharingStepError)
+            except SharingStepError:
+                if made:
+                    remove_mps_dir(control_dir)
+                raise
+
+        self._sharing_step(step)
+
+    def mps_stop(self, control: str, pipe_dir: Path, log_dir: Path) -> None:
+        """Remove the daemon's record and its `<mps root>/<control>` directory."""
+        control_dir = mps_control_dir(control, pipe_dir, log_dir)
+
+        def step(host: FakeHost, doc: dict[str, Any]) -> None:
+            running = next((d for d in host.mps_daemons if d.control == control), None)
+            if running is None:
+                if not remove_mps_dir(control_dir):
+                    raise SharingStepError("not-found", f"no MPS daemon {control} runs on the fake host, and nothing of one is left")
+                return  # what a dead daemon left is gone now
+            index = _card_index_of(host, running.uuids[0])
+            if index is not None and self._fire_sharing(host, doc, index, "mps-stop-fail"):
+                raise SharingStepError("failed", f"stopping MPS daemon {control} failed (fake host fault mps-stop-fail); it still runs")
+            doc["mps_daemons"] = [d for d in doc.get("mps_daemons", []) if d.get("control") != control]
+            self._save_checked(doc, SharingStepError)
+            remove_mps_dir(control_dir)
+
+        self._sharing_step(step)
+
+    def mps_list(self, root: Path) -> list[str]:
+        """The daemons the file records under `root`, and the directories left there."""
+        host = self._sharing_step(lambda host, doc: host)
+        recorded = {d.control for d in host.mps_daemons if Path(d.pipe_dir).parent.parent == root}
+        return sorted(recorded | set(mps_dirs_under(root)))
+
+    def set_timeslice(self, pci_address: str, gpu_uuid: str, interval: str) -> None:
+        """The card's `timeslice` in the file."""
+        if interval not in ("Default", "Short", "Medium", "Long"):
+            raise SharingStepError("refused", f"{interval!r} is not a time slice (Default, Short, Medium or Long)")
+
+        def step(host: FakeHost, doc: dict[str, Any]) -> None:
+            index = next((i for i, g in enumerate(host.gpus) if g.pci_address == pci_address and g.present), None)
+            if index is None:
+                raise SharingStepError("refused", f"no card at {pci_address} on the fake host")
+            card = host.gpus[index]
+            if card.uuid != gpu_uuid:
+                raise SharingStepError("refused", f"the card at {pci_address} is {card.uuid}, not {gpu_uuid}")
+            if card.mig_mode:
+                raise SharingStepError("refused", f"{pci_address} is in MIG mode: time slices are for whole cards")
+            if self._fire_sharing(host, doc, index, "timeslice-fail"):
+                raise SharingStepError("failed", f"setting the time slice of {pci_address} failed (fake host fault timeslice-fail)")
+            doc["gpus"][index]["timeslice"] = interval
+            self._save_checked(doc, SharingStepError)
+
+        self._sharing_step(step)
+
+    @staticmethod
+    def _same_daemon(running: HostMpsDaemon, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> None:
+        """A daemon that runs for the control id already: done when it has this spec, refused otherwise."""
+        if running.spec() != spec or (running.pipe_dir, running.log_dir) != (str(pipe_dir), str(log_dir)):
+            raise SharingStepError("refused", f"MPS daemon {spec.control} runs already with another spec (uuids {', '.join(running.uuids)})")
+
+    @staticmethod
+    def _mps_card_index(host: FakeHost, spec: MpsDaemonSpec) -> int:
+        """The index (in gpus) of the card a daemon's first device is on; refused for a device the host lacks."""
+        devices = _device_cards(host)
+        for uuid in spec.uuids:
+            card = devices.get(uuid)
+            if card is None or not card.present:
+                raise SharingStepError("refused", f"the fake host has no GPU or MIG device {uuid}")
+        index = _card_index_of(host, spec.uuids[0])
+        assert index is not None
+        return index
+
+    def _sharing_step(self, step: Callable[[FakeHost, dict[str, Any]], T]) -> T:
+        """One sharing step on the host file, under the file's lock (as the MIG steps); SharingStepError
+        when it did not happen."""
+        try:
+            with exclusive(self.host_file, 10.0):
+                host = load_host_file(self.host_file)
+                doc = json.loads(read_regular(self.host_file, max_bytes=HOST_FILE_MAX_BYTES))
+                return step(host, doc)
+        except SharingStepError:
+            raise
+        except (OSError, ValueError, AdapterError) as exc:
+            raise SharingStepError("failed", f"the fake host file could not be changed: {exc}") from None
+
+    def _fire_sharing(self, host: FakeHost, doc: dict[str, Any], index: int, fault: str) -> bool:
+        """True when the card's sharing fault is `fault`; it is consumed (written) as it fires."""
+        if host.gpus[index].faults.sharing != fault:
+            return False
+        entry = doc["gpus"][index]
+        faults = entry.get("faults")
+        if not isinstance(faults, dict):
+            faults = entry["faults"] = {}
+        faults["sharing"] = ""
+        self._save(doc)
+        return True
 
     # ----------------------------------------------------------------- diagnostics
 
@@ -748,6 +977,7 @@ class FakeHwAdapter:
                 numa_node=g.numa_node,
                 compute_capability=g.compute_capability,
                 mig_mode=g.mig_mode,
+                iommu_group=g.iommu_group,
             )
             for g in sorted(host.gpus, key=lambda g: g.index)
             # a card that dropped off the bus is not there to list (nor its processes)
@@ -872,6 +1102,8 @@ __all__ = [
     "HostPciDevice",
     "HostProcess",
     "HostDomain",
+    "HostMpsDaemon",
+    "MPS_CONTROL_FIFO",
     "load_host_file",
     "gpu_instances_of",
     "atomic_write",

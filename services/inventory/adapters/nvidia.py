@@ -26,6 +26,10 @@ nvmlDeviceCreateGpuInstanceWithPlacement), then one compute instance spanning
 it; destroyed in the reverse order. NVML's IN_USE and NOT_FOUND answers are
 kept apart from other failures, so the converger knows a busy instance from a
 gone one.
+
+Sharing (`GpuSharer`: MPS control daemons, time slices) is not NVML's: it is
+done with NVIDIA's command-line tools by `nvidia_sharing.NvidiaSharing`, which
+the adapter delegates to (the paths come from the inventory).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Protocol, TypeVar
 
 import pynvml
 
-from shared.schemas import MigPlacement, MigProfile, RunningProcess
+from shared.schemas import MigPlacement, MigProfile, MpsDaemonSpec, RunningProcess
 
 from .. import hostfs
 from .base import (
@@ -55,6 +59,7 @@ from .base import (
     VendorCdi,
     read_vendor_cdi,
 )
+from .nvidia_sharing import NvidiaSharing
 
 NATIVE_DRIVER = "nvidia"
 MIB = 1024 * 1024
@@ -389,8 +394,8 @@ def _step_error(what: str, exc: BaseException) -> MigStepError:
 
 
 class NvidiaAdapter:
-    """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + Diagnosable
-    on NVML, sysfs and DCGM."""
+    """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + GpuSharer
+    + Diagnosable on NVML, sysfs, DCGM and NVIDIA's tools."""
 
     def __init__(
         self,
@@ -402,6 +407,7 @@ class NvidiaAdapter:
         slots_per_gpu: int | Mapping[str, int] = 0,
         mps_pipe_dir: str = "/tmp/nvidia-mps",
         known_uuids: Mapping[str, str] | None = None,
+        sharing: NvidiaSharing | None = None,
     ) -> None:
         counts = [slots_per_gpu] if isinstance(slots_per_gpu, int) else list(slots_per_gpu.values())
         if any(c < 0 for c in counts):
@@ -414,6 +420,8 @@ class NvidiaAdapter:
         self._slots: int | dict[str, int] = slots_per_gpu if isinstance(slots_per_gpu, int) else dict(slots_per_gpu)
         self._mps_pipe_dir = mps_pipe_dir
         self._known_uuids = dict(known_uuids or {})
+        #: MPS daemons and time slices, with nvidia-cuda-mps-control and nvidia-smi
+        self.sharing = sharing if sharing is not None else NvidiaSharing()
         #: last facts per PCI address, for cards NVML stops seeing (passthrough).
         self._last: dict[str, GpuFacts] = {}
         #: uuid -> NVML index, of the cards NVML saw in the last scan.
@@ -574,7 +582,9 @@ class NvidiaAdapter:
 
         gpus: list[GpuFacts] = []
         for position, pci in enumerate(sorted(seen)):
-            facts = replace(seen[pci], index=position, numa_node=hostfs.read_numa_node(self.sysfs_root, pci))
+            facts = replace(
+                seen[pci], index=position, numa_node=hostfs.read_numa_node(self.sysfs_root, pci), iommu_group=hostfs.read_iommu_group(self.sysfs_root, pci)
+            )
             gpus.append(facts)
         # what NVML said is worth remembering; a sysfs-only sighting adds nothing.
         self._last.update({g.pci_address: g for g in gpus if g.readable})
@@ -831,6 +841,20 @@ class NvidiaAdapter:
 
     def mps_pipe_dir(self) -> str:
         return self._mps_pipe_dir
+
+    # ----------------------------------------------------------------- GpuSharer
+
+    def mps_start(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> None:
+        self.sharing.mps_start(spec, pipe_dir, log_dir)
+
+    def mps_stop(self, control: str, pipe_dir: Path, log_dir: Path) -> None:
+        self.sharing.mps_stop(control, pipe_dir, log_dir)
+
+    def mps_list(self, root: Path) -> list[str]:
+        return self.sharing.mps_list(root)
+
+    def set_timeslice(self, pci_address: str, gpu_uuid: str, interval: str) -> None:
+        self.sharing.set_timeslice(pci_address, gpu_uuid, interval)
 
 
 __all__ = [
