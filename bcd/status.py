@@ -250,6 +250,8 @@ def render_status(report: NodeReport) -> str:
         for c in conv.claims:
             devices = ", ".join(f"{d.device} -> {d.atom or '(not made)'}" for d in c.devices)
             lines.append(f"  DRA claim {c.namespace}/{c.name} ({c.uid}): {c.state}: {devices}" + (f": {c.message}" if c.message else ""))
+            if c.sharing:
+                lines.append(f"    {c.sharing}")
     plugin_line = device_plugin_line(report)
     if plugin_line:
         lines.append(plugin_line)
@@ -313,7 +315,8 @@ def dra_plugin_line(report: NodeReport) -> str:
     if dra.api_error:
         line += f"API: {dra.api_error}; "
     else:
-        line += f"pool {dra.node_name} generation {dra.pool_generation}, {dra.slices} slice(s), {dra.devices} device(s) on {len(dra.cards)} card(s); "
+        line += f"pool {dra.node_name} generation {dra.pool_generation}, {dra.slices} slice(s), {dra.devices} device(s) on {len(dra.cards)} card(s)"
+        line += " (whole cards shareable); " if dra.shared_cards else "; "
     return line + f"{prepared} claim(s) prepared"
 
 

@@ -48,9 +48,18 @@ KUBE_POINTS: tuple[str, ...] = ("kube.recorded", "kube.withdrawn", "kube.publish
 #: a driver switch: the card is in the VFIO record, the switch not yet asked for.
 VFIO_POINTS: tuple[str, ...] = ("vfio.recorded",)
 #: a DRA claim's prepare: the GPU instance made but its id not yet journaled (the journal says
-#: gi-asked), the compute instance made but not journaled, the CDI spec (then its consumer copy)
-#: written before "prepared".
-CLAIM_POINTS: tuple[str, ...] = ("claim.gi-created", "claim.ci-created", "claim.cdi-written", "claim.consumer-written")
+#: gi-asked), the compute instance made but not journaled, the card switched to vfio-pci, the MPS
+#: daemon started, the time slice set (each before the journal says so), the CDI spec (then its
+#: consumer copy) written before "prepared".
+CLAIM_POINTS: tuple[str, ...] = (
+    "claim.gi-created",
+    "claim.ci-created",
+    "claim.vfio-switched",
+    "claim.mps-started",
+    "claim.timeslice-set",
+    "claim.cdi-written",
+    "claim.consumer-written",
+)
 CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
 ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS + CLAIM_POINTS
 ENV = "BCD_CONVERGER_CRASH_AT"

@@ -19,6 +19,7 @@ import msgspec
 
 from shared.holdfiles import HoldContent, HoldOnDisk
 from shared.schemas import (
+    ClaimSharing,
     AllocationBound,
     AllocationFailed,
     AllocationReleased,
@@ -93,6 +94,37 @@ class ClaimMig(msgspec.Struct, kw_only=True):
     uuid: str = ""
 
 
+class ClaimVfio(msgspec.Struct, kw_only=True):
+    """A claim's card passed through (VfioDeviceConfig), step by step: "switch-asked" (the switch
+    to vfio-pci asked; whether it happened is the switcher's to say), "switched", "back-asked"
+    (the switch back to the native driver asked)."""
+
+    step: str = "switch-asked"
+    iommu_group: int | None = None
+
+
+class ClaimMps(msgspec.Struct, kw_only=True):
+    """A claim's MPS control daemon (one per claim), journaled before it is started or stopped:
+    "start-asked", "started", "stop-asked". What it serves and its limits are what was asked."""
+
+    control: str
+    uuids: list[str] = []
+    active_thread_percentage: int | None = None
+    pinned_memory: dict[str, int] = {}
+    step: str = "start-asked"
+
+
+class ClaimTimeslice(msgspec.Struct, kw_only=True):
+    """A card's time slice a claim set (TimeSlicing), journaled: "set-asked", "set", "reset-asked".
+    The card's compute policy is the card's, not the claim's: it goes back to Default only when
+    no other claim on the card still holds a time slice."""
+
+    pci: str
+    uuid: str
+    interval: str
+    step: str = "set-asked"
+
+
 class ClaimDeviceRecord(msgspec.Struct, kw_only=True):
     """One device of a claim: what the kubelet plugin asked for, and the atom it became."""
 
@@ -104,6 +136,22 @@ class ClaimDeviceRecord(msgspec.Struct, kw_only=True):
     #: the atom held (GPU-<uuid>, or GPU-<uuid>/gi<N>/ci<M> once its MIG instance exists)
     atom: str = ""
     mig: ClaimMig | None = None
+    #: what the claim's opaque config asked of the device (Exclusive: nothing)
+    sharing: ClaimSharing = ClaimSharing()
+    #: a share of a card beside other claims (consumable capacity): its shareID and what it consumed
+    share_id: str = ""
+    share_percent: int | None = None
+    memory_bytes: int | None = None
+    vfio: ClaimVfio | None = None
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.share_id)
+
+    @property
+    def percent(self) -> int:
+        """What the device takes of its card: its share, or all of it."""
+        return (self.share_percent or 100) if self.share_id else 100
 
 
 class ClaimRecord(msgspec.Struct, kw_only=True):
@@ -118,6 +166,10 @@ class ClaimRecord(msgspec.Struct, kw_only=True):
     boot_id: str = ""
     since: datetime
     message: str = ""
+    #: its MPS daemon (devices whose config asks MPS); None for none
+    mps: ClaimMps | None = None
+    #: the time slices it set, one per card
+    timeslices: list[ClaimTimeslice] = []
 
     @property
     def holder(self) -> str:

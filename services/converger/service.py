@@ -22,6 +22,7 @@ import dataclasses
 import os
 import time
 from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,10 @@ from shared.schemas import (
     CLAIMS_CODEC,
     CONVERGER_STATUS_CODEC,
     MIG_INSTANCE_REPLY_CODEC,
+    SHARING_STEP_REPLY_CODEC,
+    SharingStepReply,
+    SharingStepRequest,
+    SwitchReply,
     DIAG_REPLY_CODEC,
     EMPTY_CODEC,
     MIG_LAYOUT_REPLY_CODEC,
@@ -78,7 +83,7 @@ from shared.schemas import (
     SpecAck,
     SwitchRequest,
 )
-from shared.schemas.bus import PROBLEMS_MAX
+from shared.schemas.bus import PASSTHROUGH_CLAIM, PROBLEMS_MAX
 from shared.schemas.common import clip
 from shared.schemas.strict import unknown_fields_of_json
 from shared.slices import CGROUP_ROOT, FakeSlices, Slices, SystemdSlices
@@ -113,6 +118,10 @@ from .releases import PendingRelease, ReleasesStore
 from .state import StateStore
 from .switcher import BusSwitcher
 from .vfio import card_claims, planner_view
+
+
+#: an MPS daemon starts, sets its limits and answers its pipe within this (the inventory bounds each command)
+SHARING_STEP_TIMEOUT_S = 90.0
 
 
 class ConvergerApp(ServiceApp):
@@ -297,7 +306,7 @@ class ConvergerApp(ServiceApp):
             releases=self.releases,
             reaper=self.reaper,
             consumers=self.consumers,
-            switcher=BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_reply_timeout),
+            switcher=(switcher := BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_reply_timeout)),
             count_switch=lambda target, outcome: self.m_switches.labels(target=target, outcome=outcome).inc(),
         )
         self.loop = PassLoop(self.run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
@@ -314,6 +323,8 @@ class ConvergerApp(ServiceApp):
             vfio=lambda: dict(self.state.vfio),
             maintenance=lambda: gpuops.maintenance_claims(self.state.gpu_ops),
             crash=crash,
+            sharing=self._sharing_step_call,
+            switch=self._claim_switch(switcher),
         )
         self._metrics(ctx)
         self._count_interrupted(interrupted)
@@ -379,11 +390,32 @@ class ConvergerApp(ServiceApp):
 
         self.m_claims = Gauge("bcd_dra_claims", "DRA claims held as holds, by state", ["state"], registry=reg)
         self.m_claim_ops = Counter("bcd_dra_claim_operations", "DRA claim prepares and unprepares, by outcome", ["op", "outcome"], registry=reg)
+        self.m_claim_sharing = Gauge(
+            "bcd_dra_claim_devices", "Devices of prepared DRA claims, by how they are shared (Exclusive, TimeSlicing, MPS, Vfio) and whether a share", ["strategy", "share"], registry=reg
+        )
+        self._share_cards: set[str] = set()
+        self.m_mps_daemons = Gauge("bcd_dra_mps_daemons", "MPS control daemons of DRA claims, running or being started or stopped", registry=reg)
+        self.m_share_percent = Gauge("bcd_gpu_share_percent", "What DRA claims' shares take of a card, in percent (at most 100)", ["pci_address"], registry=reg)
         self._claims_gauge()
 
     def _claims_gauge(self) -> None:
+        claims = list(self.state.claims.values())
         for st in ("preparing", "prepared", "unpreparing"):
-            self.m_claims.labels(state=st).set(sum(1 for r in self.state.claims.values() if r.state == st))
+            self.m_claims.labels(state=st).set(sum(1 for r in claims if r.state == st))
+        prepared = [d for r in claims if r.state == "prepared" for d in r.devices]
+        for strategy in ("Exclusive", "TimeSlicing", "MPS", "Vfio"):
+            for share in ("true", "false"):
+                n = sum(1 for d in prepared if d.sharing.strategy == strategy and (share == "true") == d.shared)
+                self.m_claim_sharing.labels(strategy=strategy, share=share).set(n)
+        self.m_mps_daemons.set(sum(1 for r in claims if r.mps is not None))
+        shares: dict[str, int] = {}
+        for d in (d for r in claims for d in r.devices if d.shared):
+            shares[d.pci] = shares.get(d.pci, 0) + d.percent
+        for pci in set(self._share_cards) - set(shares):
+            self.m_share_percent.remove(pci)
+        for pci, percent in shares.items():
+            self.m_share_percent.labels(pci_address=pci).set(percent)
+        self._share_cards = set(shares)
 
     def _count_interrupted(self, ops: list[GpuOp]) -> None:
         for op in ops:
@@ -445,9 +477,9 @@ class ConvergerApp(ServiceApp):
         if inv is None:
             return
         self.claims_reconciled = True
-        if self.state.claims:
-            await self.keeper.reconcile(inv)
-            self._claims_gauge()
+        # always: with no claim on record an MPS daemon may still be left to stop
+        await self.keeper.reconcile(inv)
+        self._claims_gauge()
 
     async def _inventory_now(self) -> Inventory | None:
         """The inventory as the inventory service has it now (after a MIG step it rescanned)."""
@@ -456,6 +488,19 @@ class ConvergerApp(ServiceApp):
 
     async def _mig_step_call(self, req: MigInstanceRequest) -> MigInstanceReply:
         return await call(self.ctx.nc, self.ctx.subjects.inventory_mig_instance, req, MIG_INSTANCE_REPLY_CODEC, timeout=gpuops.MIG_STEP_TIMEOUT_S)
+
+    async def _sharing_step_call(self, req: SharingStepRequest) -> SharingStepReply:
+        return await call(self.ctx.nc, self.ctx.subjects.inventory_sharing, req, SHARING_STEP_REPLY_CODEC, timeout=SHARING_STEP_TIMEOUT_S)
+
+    def _claim_switch(self, switcher: BusSwitcher) -> Callable[[SwitchRequest], Awaitable[SwitchReply]]:
+        """A DRA claim's switch: counted like the pass's, and the inventory rescans on the switcher's notice."""
+
+        async def switch(req: SwitchRequest) -> SwitchReply:
+            reply = await switcher.switch(req)
+            self.m_switches.labels(target=req.target, outcome=reply.outcome).inc()
+            return reply
+
+        return switch
 
     async def _claim_holds_now(self) -> dict[str, HoldOnDisk]:
         holds = await asyncio.to_thread(self._holds)
@@ -554,7 +599,15 @@ class ConvergerApp(ServiceApp):
         first = next((c for c in claims if c.pci_address == gpu.pci_address), None)
         if first is None:
             return HolderReply(held=False, gpu=gpu.pci_address)
-        return HolderReply(held=True, kind=first.kind, holder=first.holder, gpu=gpu.pci_address)
+        kind = first.kind
+        if kind == "claim" and self._passes_through(first.holder, gpu.pci_address):
+            # a DRA claim that passes the card through (VfioDeviceConfig): the converger asks for
+            # its switches itself, as for an instance; the switcher lets those through, not a reset
+            kind = PASSTHROUGH_CLAIM
+        return HolderReply(held=True, kind=kind, holder=first.holder, gpu=gpu.pci_address)
+
+    def _passes_through(self, holder: str, pci: str) -> bool:
+        return any(rec.holder == holder and any(d.pci == pci and d.sharing.strategy == "Vfio" for d in rec.devices) for rec in self.state.claims.values())
 
     async def _claims_now(self, holds: dict[str, HoldOnDisk] | None = None) -> Claims | None:
         inv = self.inventory

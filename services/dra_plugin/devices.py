@@ -80,6 +80,12 @@ DNS_SUBDOMAIN_MAX = 253
 DRIVER_NAME_MAX = 63
 LABEL_VALUE_MAX = 63
 
+#: the capacities a share of a card asks (consumable capacity): percent of the card, bytes of its memory
+CAPACITY_SHARE_PERCENT = "sharePercent"
+CAPACITY_MEMORY = "memory"
+#: a share's memory is asked in whole MiB (MPS pinned limits are MiB)
+MEMORY_STEP = 1 << 20
+
 COUNTER_SLICES = "slices"
 COUNTER_MEMORY = "memory"
 #: counter name -> MigProfile field, in counter-set order after `slices` and the `slice-<k>`s
@@ -207,6 +213,9 @@ class PublishedDevice:
     counter_set: str | None = None
     consumes: tuple[tuple[str, int], ...] = ()
     binding_conditions: bool = False
+    #: a whole card several claims may share (consumable capacity, KEP 5075): published with
+    #: allowMultipleAllocations and the capacities a claim asks a part of (sharePercent, memory)
+    shared: bool = False
 
     def claim_device(self, pool: str) -> ClaimDevice:
         return ClaimDevice(
@@ -231,12 +240,33 @@ class PublishedDevice:
             attrs["placementSize"] = {"int": self.size}
         return {f"{ATTRIBUTE_DOMAIN}/{k}": v for k, v in attrs.items()}
 
-    def capacity(self) -> dict[str, dict[str, str]]:
-        cap: dict[str, dict[str, str]] = {}
+    def capacity(self) -> dict[str, Any]:
+        if self.shared:
+            return self._shared_capacity()
+        cap: dict[str, Any] = {}
         if self.memory_bytes:
             cap[f"{ATTRIBUTE_DOMAIN}/memory"] = {"value": quantity(self.memory_bytes)}
         if self.multiprocessors:
             cap[f"{ATTRIBUTE_DOMAIN}/multiprocessors"] = {"value": quantity(self.multiprocessors)}
+        return cap
+
+    def _shared_capacity(self) -> dict[str, Any]:
+        """What a claim asks a part of. Every capacity of a device that allows multiple
+        allocations is consumed, and one a claim does not ask for is consumed whole unless its
+        policy says otherwise: sharePercent defaults to 100 (a claim that asks nothing gets the
+        card to itself), memory to 0; multiprocessors is left out (no policy could make it
+        default to a part, and the whole of it would make every share exclusive)."""
+        cap: dict[str, Any] = {
+            f"{ATTRIBUTE_DOMAIN}/{CAPACITY_SHARE_PERCENT}": {
+                "value": quantity(100),
+                "requestPolicy": {"default": quantity(100), "validRange": {"min": quantity(1), "max": quantity(100), "step": quantity(1)}},
+            }
+        }
+        if self.memory_bytes:
+            cap[f"{ATTRIBUTE_DOMAIN}/{CAPACITY_MEMORY}"] = {
+                "value": quantity(self.memory_bytes),
+                "requestPolicy": {"default": quantity(0), "validRange": {"min": quantity(0), "max": quantity(self.memory_bytes), "step": quantity(MEMORY_STEP)}},
+            }
         return cap
 
     def to_api(self) -> dict[str, Any]:
@@ -245,6 +275,8 @@ class PublishedDevice:
         cap = self.capacity()
         if cap:
             out["capacity"] = cap
+        if self.shared:
+            out["allowMultipleAllocations"] = True
         if self.counter_set and self.consumes:
             out["consumesCounters"] = [
                 {"counterSet": self.counter_set, "counters": {k: {"value": quantity(v)} for k, v in self.consumes}}
@@ -375,7 +407,7 @@ def _exclusion(gpu: Gpu, claims: Claims) -> str:
 
 
 def _card_devices(
-    gpu: Gpu, claim_gis: Mapping[str, Iterable[int]], binding_conditions: bool, mig_devices: bool
+    gpu: Gpu, claim_gis: Mapping[str, Iterable[int]], binding_conditions: bool, mig_devices: bool, shared_cards: bool = False
 ) -> tuple[list[PublishedDevice], CounterSet | None, list[str], str]:
     """The devices and counter set of one eligible card, its problems, and a refusal ("" when none)."""
     def whole(**kw: Any) -> PublishedDevice:
@@ -391,7 +423,7 @@ def _card_devices(
         )
 
     if not gpu.mig_mode:
-        return [whole(memory_bytes=gpu.memory_bytes)], None, [], ""
+        return [whole(memory_bytes=gpu.memory_bytes, shared=shared_cards)], None, [], ""
     present = {gi.gi for gi in gpu.gpu_instances} | {m.gi for m in gpu.mig_instances}
     foreign = sorted(present - set(claim_gis.get(gpu.pci_address, ())))
     if foreign:
@@ -452,6 +484,7 @@ def plan_pool(
     claim_gis: Mapping[str, Iterable[int]] | None = None,
     binding_conditions: bool = False,
     mig_devices: bool = True,
+    shared_cards: bool = False,
 ) -> Pool:
     """The pool this node publishes.
 
@@ -463,6 +496,10 @@ def plan_pool(
     with GPU instances is left out. For a cluster without the DRAPartitionableDevices feature,
     where the API server drops sharedCounters and consumesCounters on write: published anyway,
     MIG placements would no longer exclude each other.
+    `shared_cards`: every whole card not in MIG mode allows multiple allocations, each asking a
+    sharePercent and memory of it (consumable capacity, the DRAConsumableCapacity feature; a
+    cluster without it drops the fields, and the plugin then publishes exclusive cards again).
+    A MIG card and its placements stay exclusive: the counters keep them apart.
     """
     if inventory is None:
         return Pool(notes=("inventory not known yet: nothing published",), known=False)
@@ -485,7 +522,7 @@ def plan_pool(
         if why:
             notes.append(_note(g, why))
             continue
-        card, cset, problems, refused = _card_devices(g, claim_gis, binding_conditions, mig_devices)
+        card, cset, problems, refused = _card_devices(g, claim_gis, binding_conditions, mig_devices, shared_cards)
         if refused:
             notes.append(_note(g, "; ".join([refused, *problems])))
             continue

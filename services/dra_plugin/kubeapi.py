@@ -31,6 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from shared.kubeclient import KubeCredentialsError, load_api_client
 
+from .configs import strict_object_pairs
+
 #: one API request's deadline, connection to last byte.
 REQUEST_TIMEOUT_S = 10.0
 
@@ -73,6 +75,8 @@ class AllocationResult:
     driver: str
     pool: str
     device: str
+    #: the entry as the API server sent it (shareID, consumedCapacity: configs.consumed reads them)
+    raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ class ClaimView:
     name: str
     allocated: bool
     results: tuple[AllocationResult, ...] = ()
+    #: the allocation's device configs (`status.allocation.devices.config`: class configs, then
+    #: the claim's), as the API server sent them; configs.device_sharing reads them
+    configs: tuple[Any, ...] = field(default=(), compare=False, hash=False, repr=False)
     reserved_for: tuple[ClaimConsumer, ...] = ()
     resource_version: str = ""
     #: the object as the API server sent it (allocation config, status.devices, ...).
@@ -110,8 +117,10 @@ class ClaimView:
         results: list[AllocationResult] = []
         if allocation:
             for r in (allocation.get("devices") or {}).get("results") or ():
+                if not isinstance(r, dict):
+                    continue
                 results.append(
-                    AllocationResult(str(r.get("request", "")), str(r.get("driver", "")), str(r.get("pool", "")), str(r.get("device", "")))
+                    AllocationResult(str(r.get("request", "")), str(r.get("driver", "")), str(r.get("pool", "")), str(r.get("device", "")), raw=r)
                 )
         consumers = tuple(
             ClaimConsumer(str(c.get("resource", "")), str(c.get("name", "")), str(c.get("uid", "")))
@@ -123,6 +132,7 @@ class ClaimView:
             name=str(meta.get("name", "")),
             allocated=bool(allocation),
             results=tuple(results),
+            configs=tuple(((allocation or {}).get("devices") or {}).get("config") or ()) if isinstance(allocation, dict) else (),
             reserved_for=consumers,
             resource_version=str(meta.get("resourceVersion", "")),
             raw=obj,
@@ -209,7 +219,9 @@ class ClusterApi:
         body: Any = None
         if raw:
             try:
-                body = json.loads(raw)
+                # duplicate keys stay visible (a claim's opaque parameters are decoded strictly,
+                # and a plain loads would keep the last of two equal keys without a word)
+                body = json.loads(raw, object_pairs_hook=strict_object_pairs)
             except ValueError:
                 body = raw.decode("utf-8", "replace")
         return status, body

@@ -63,6 +63,7 @@ from shared.schemas import (
 from shared.schemas.bus import CLAIM_DEVICES_MAX, CLAIM_UID_PATTERN
 from shared.schemas.common import clip
 
+from . import configs as cfg
 from . import devices as dev
 from .binding import plan_binding
 from .checkpoint import Checkpoint, CheckpointStore, ClaimEntry
@@ -183,6 +184,10 @@ class SlicePublisher:
     #: the API server gave back slices without the shared counters or counter consumptions sent
     #: (its DRAPartitionableDevices feature is off: it drops them): MIG placements are not exclusive
     counters_dropped: bool = False
+    #: the API server gave back shared cards without allowMultipleAllocations or their request
+    #: policies (its DRAConsumableCapacity feature is off): a "share" would be the whole card to
+    #: the scheduler, and a default-100% capacity no longer keeps two claims apart
+    capacity_dropped: bool = False
 
     async def publish(self, pool: Any) -> bool:
         """Make the API server's slices this pool's; True when anything was written."""
@@ -202,7 +207,7 @@ class SlicePublisher:
             self.generation += 1
         want = self._rendered(pool, self.generation)
         wrote = False
-        self.counters_dropped = False
+        self.counters_dropped = self.capacity_dropped = False
         for body in want:
             name = body["metadata"]["name"]
             have = existing.pop(name, None)
@@ -216,6 +221,7 @@ class SlicePublisher:
             else:
                 got = have
             self.counters_dropped = self.counters_dropped or _counters_dropped(body, got)
+            self.capacity_dropped = self.capacity_dropped or _capacity_dropped(body, got)
         for name in existing:
             await self.api.delete_slice(name)
             wrote = True
@@ -234,6 +240,21 @@ def _counters_dropped(sent: dict, got: dict) -> bool:
         return True
     consumed = sum(1 for d in spec.get("devices") or [] if d.get("consumesCounters"))
     return consumed > sum(1 for d in back.get("devices") or [] if d.get("consumesCounters"))
+
+
+def _capacity_dropped(sent: dict, got: dict) -> bool:
+    """A shared card came back without allowMultipleAllocations or a capacity's request policy."""
+    back = {d.get("name"): d for d in ((got or {}).get("spec") or {}).get("devices") or [] if isinstance(d, dict)}
+    for d in (sent.get("spec") or {}).get("devices") or []:
+        if not d.get("allowMultipleAllocations"):
+            continue
+        b = back.get(d.get("name")) or {}
+        if b.get("allowMultipleAllocations") is not True:
+            return True
+        policies = {k for k, c in (d.get("capacity") or {}).items() if "requestPolicy" in c}
+        if any("requestPolicy" not in ((b.get("capacity") or {}).get(k) or {}) for k in policies):
+            return True
+    return False
 
 
 def _same_slice(want: dict, have: dict) -> bool:
@@ -271,6 +292,9 @@ class DraPlugin:
     #: False: whole cards only (a cluster without the DRAPartitionableDevices feature drops the
     #: counters, and nothing would keep MIG placements exclusive)
     mig_devices: bool = True
+    #: whole cards published as shareable (consumable capacity); turned off for good when the API
+    #: server drops the fields (its DRAConsumableCapacity feature is off)
+    shared_cards: bool = True
     watch_interval: float = 1.0
     resync_interval: float = 30.0
 
@@ -287,6 +311,7 @@ class DraPlugin:
         self.in_flight = 0
         self.reconciled = False
         self.counters_note = ""
+        self.capacity_note = ""
         #: why a socket is not served ("" while both are)
         self.serve_error = ""
         #: the kubelet directory does not exist: no kubelet on this host (yet)
@@ -388,7 +413,9 @@ class DraPlugin:
             log.warning("inventory or claims unavailable; the pool is not planned now", error=str(exc) or type(exc).__name__)
             return
         self.inventory = inv
-        pool = dev.plan_pool(inv, claims, claim_gis=claim_gis(holds, inv), binding_conditions=self.binding_conditions, mig_devices=self.mig_devices)
+        pool = dev.plan_pool(
+            inv, claims, claim_gis=claim_gis(holds, inv), binding_conditions=self.binding_conditions, mig_devices=self.mig_devices, shared_cards=self.shared_cards
+        )
         self.pool = pool
         self._gauge_pool(pool)
         if self.publisher is None or not pool.known:
@@ -411,6 +438,16 @@ class DraPlugin:
             )
             self.mig_devices = False
             self.counters_note = "the API server dropped the MIG counters (DRAPartitionableDevices off): whole cards only"
+            self._wake.set()
+        if self.publisher.capacity_dropped and self.shared_cards:
+            # fail safe as for the counters: without allowMultipleAllocations a card is one
+            # claim's, and the slices say so again; shares need the feature on and a restart
+            log.error(
+                "the API server dropped consumable capacity (its DRAConsumableCapacity feature is off): "
+                "publishing exclusive cards; enable the feature, or start with --shared-cards false to say so",
+            )
+            self.shared_cards = False
+            self.capacity_note = "the API server dropped consumable capacity (DRAConsumableCapacity off): cards are exclusive, not shared"
             self._wake.set()
         if wrote:
             self._count(self.metrics.publishes, outcome="ok")
@@ -489,6 +526,7 @@ class DraPlugin:
         inv = self.inventory or await self.calls.inventory()
         wanted: dict[str, ClaimDevice] = {}
         requests: dict[str, list[str]] = {}
+        resolved: list[ClaimDevice] = []
         for r in ours:
             if r.pool != self.node_name:
                 return [], f"device {r.device} is in pool {r.pool}, this node's pool is {self.node_name}"
@@ -496,7 +534,19 @@ class DraPlugin:
             d = dev.resolve(inv, r.pool, r.device, node_name=self.node_name, published=self.pool)
             if d is None:
                 return [], f"device {r.device} of pool {r.pool} is not one this node publishes"
-            wanted.setdefault(r.device, d)
+            resolved.append(d)
+        try:
+            # the claim's opaque configs (class configs, then the claim's) and its shares: strict,
+            # a config this driver cannot read fails the prepare with its name (never ignored)
+            sharing = cfg.device_sharing(found.configs, driver=self.driver, results=[(r.request, d.kind) for r, d in zip(ours, resolved)])
+            shares = [cfg.consumed(r.raw) for r in ours]
+        except cfg.ConfigError as exc:
+            return [], f"ResourceClaim {c.namespace}/{c.name}: {exc}"
+        for r, d, how, (share_id, percent, memory) in zip(ours, resolved, sharing, shares):
+            d = msgspec.structs.replace(d, sharing=how, share_id=share_id, share_percent=percent, memory_bytes=memory)
+            have = wanted.setdefault(r.device, d)
+            if have != d:
+                return [], f"device {r.device} is allocated to two requests of the claim with other configs or shares: {', '.join(requests[r.device] + [r.request])}"
             requests.setdefault(r.device, []).append(r.request)
         if len(wanted) > CLAIM_DEVICES_MAX:
             return [], f"the claim has {len(wanted)} devices of {self.driver}; at most {CLAIM_DEVICES_MAX} are prepared per claim"
@@ -610,12 +660,13 @@ class DraPlugin:
             slices=self.publisher.slices if self.publisher else 0,
             devices=len(pool.devices) if pool is not None else 0,
             cards=sorted({d.pci for d in pool.devices})[:1024] if pool is not None else [],
-            left_out=([clip(self.counters_note)] if self.counters_note else []) + ([clip(n) for n in pool.notes][:1023] if pool is not None else []),
+            left_out=[clip(n) for n in (self.counters_note, self.capacity_note) if n] + ([clip(n) for n in pool.notes][:1022] if pool is not None else []),
             published_at=self.publisher.published_at if self.publisher else None,
             claims=[
                 DraClaimStatus(uid=e.uid, namespace=e.namespace, name=e.name, state=e.state, devices=list(e.devices), since=e.since)
                 for _, e in sorted(self.checkpoint.claims.items())
             ][:4096],
+            shared_cards=self.shared_cards,
         )
 
     def _gauge_prepared(self) -> None:

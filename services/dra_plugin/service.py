@@ -98,6 +98,14 @@ class DraPluginApp(ServiceApp):
                 default="true",
                 choices=("true", "false"),
             ),
+            Option(
+                "--shared-cards",
+                "publish whole cards as shareable (consumable capacity: allowMultipleAllocations with sharePercent and memory; "
+                "needs the DRAConsumableCapacity feature: without it the API server drops the fields and cards are published "
+                "exclusive again); false: exclusive cards only",
+                default="true",
+                choices=("true", "false"),
+            ),
             Option("--proc-root", "root of /proc (boot id)", default=Path("/proc"), type=Path),
             Option("--fake-host", "fake host description file (boot id)", type=Path),
             Option("--watch-interval", "seconds between looks at the sockets", default=1.0, type=float),
@@ -171,6 +179,7 @@ class DraPluginApp(ServiceApp):
             metrics=metrics,
             binding_conditions=o.binding_conditions == "true",
             mig_devices=o.mig_devices == "true",
+            shared_cards=o.shared_cards == "true",
             watch_interval=o.watch_interval,
             resync_interval=o.resync_interval,
         )

@@ -1237,8 +1237,17 @@ class KubeApiStandIn:
         uid: str | None = None,
         reserved_for: Sequence[tuple[str, str]] = (),
         node: str | None = None,
+        config: Sequence[dict] = (),
+        shares: Sequence[dict | None] = (),
     ) -> str:
         """A ResourceClaim; `results` are (request, driver, pool, device); `reserved_for` (pod name, pod uid).
+
+        `config`: the allocation's device configs as the scheduler copies them in (entries with
+        `source` FromClass/FromClaim, `requests` and `opaque`); `shares`: per result, a share of a
+        device that allows multiple allocations ({"shareID": ..., "consumedCapacity": {...}}, or
+        None). Without the DRAConsumableCapacity gate the API server drops shareID and
+        consumedCapacity from the allocation (pkg/registry/resource/resourceclaim/strategy.go,
+        dropDisabledDRAConsumableCapacityFields), as it drops the capacity requests.
 
         Adding a claim that exists replaces it (keeping its uid unless one is given), as the
         scheduler writing an allocation would.
@@ -1265,7 +1274,13 @@ class KubeApiStandIn:
                 "status": {},
             }
             if allocated:
-                allocation: dict = {"devices": {"results": [{"request": r, "driver": d, "pool": p, "device": dev} for r, d, p, dev in results]}}
+                entries = [{"request": r, "driver": d, "pool": p, "device": dev} for r, d, p, dev in results]
+                for entry, share in zip(entries, shares):
+                    if share and self.gates.get("DRAConsumableCapacity"):
+                        entry.update(copy.deepcopy(share))
+                allocation: dict = {"devices": {"results": entries}}
+                if config:
+                    allocation["devices"]["config"] = copy.deepcopy(list(config))
                 if node:
                     allocation["nodeSelector"] = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}
                 claim["status"]["allocation"] = allocation

@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
+from services.dra_plugin import configs
 from services.dra_plugin import devices as dev
 from shared.schemas import Claims
 from tests.converger_kit import host_inventory
@@ -51,3 +52,56 @@ def test_device_classes_select_attributes_the_plugin_publishes() -> None:
             assert domain == dev.ATTRIBUTE_DOMAIN
             assert name in attrs, (name, sorted(attrs))
             assert value in attrs[name], (name, value, sorted(attrs[name]))
+
+
+def _opaque_configs(doc: dict) -> list[dict]:
+    spec = doc["spec"] if doc["kind"] == "DeviceClass" else doc["spec"]["spec"]["devices"]
+    return [c for c in spec.get("config", []) if "opaque" in c]
+
+
+def test_every_opaque_config_decodes_strictly_and_names_this_driver() -> None:
+    """A config with a typo would fail every prepare of its class: each one decodes with the
+    plugin's own strict reader, the sharing each asks is the one its comment promises."""
+    docs = [d for d in yaml.safe_load_all(FILE.read_text()) if d]
+    found: dict[str, tuple[str, str]] = {}
+    for d in docs:
+        for c in _opaque_configs(d):
+            assert c["opaque"]["driver"] == dev.DEFAULT_DRIVER
+            kind, sharing = configs.decode_config(c["opaque"]["parameters"])
+            found[d["metadata"]["name"]] = (kind, sharing.strategy)
+    assert found == {
+        "mps.gpu.bcd.dev": ("GpuConfig", "MPS"),
+        "timeslice.gpu.bcd.dev": ("GpuConfig", "TimeSlicing"),
+        "vfio.gpu.bcd.dev": ("VfioDeviceConfig", "Vfio"),
+        "mps-half": ("GpuConfig", "MPS"),
+        "mig-1g-mps": ("MigDeviceConfig", "MPS"),
+    }
+
+
+def test_a_claim_config_overrides_its_class_config_as_the_comments_say() -> None:
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(FILE.read_text()) if d}
+    klass, claim = docs["mps.gpu.bcd.dev"], docs["mps-half"]
+    allocation = [{"source": "FromClass", **c} for c in _opaque_configs(klass)]
+    allocation += [{"source": "FromClaim", **c} for c in _opaque_configs(claim)]
+    (sharing,) = configs.device_sharing(allocation, driver=dev.DEFAULT_DRIVER, results=[("gpu", "gpu")])
+    assert sharing.strategy == "MPS"
+    assert sharing.pinned_memory_bytes == 40 << 30
+
+
+def test_capacity_requests_name_capacities_a_shared_card_publishes() -> None:
+    docs = [d for d in yaml.safe_load_all(FILE.read_text()) if d]
+    pool = dev.plan_pool(host_inventory(), Claims(at=datetime.now(timezone.utc)), shared_cards=True)
+    shared = [d.to_api() for d in pool.devices if d.to_api().get("allowMultipleAllocations")]
+    assert shared, "the example host publishes shared cards"
+    names = set(shared[0]["capacity"])
+    asked = [
+        (name, value)
+        for d in docs
+        if d["kind"] == "ResourceClaimTemplate"
+        for r in d["spec"]["spec"]["devices"]["requests"]
+        for name, value in r.get("exactly", {}).get("capacity", {}).get("requests", {}).items()
+    ]
+    assert asked
+    for name, value in asked:
+        assert name in names, (name, sorted(names))
+        configs.parse_quantity(value)
