@@ -556,7 +556,7 @@ def test_security_exposure_within_the_stated_level(name):
 
 #: template unit -> the highest overall exposure `systemd-analyze security` may give it. bcd-mps@ keeps
 #: root's capabilities (NVIDIA's daemon starts each client's server as the client's uid, and what else
-#: it needs was not tried on a GPU here): 5.2 with systemd 252; bcd-timeslice@ (CAP_SYS_ADMIN only) 1.7.
+#: it needs was not tried on a GPU here): 5.0 with systemd 252; bcd-timeslice@ (CAP_SYS_ADMIN only) 1.7.
 TEMPLATE_MAX_EXPOSURE = {"bcd-mps@.service": 5.5, "bcd-timeslice@.service": 2.0}
 POLKIT_RULE = UNIT_DIR / "polkit" / "50-bcd-sharing.rules"
 CONTROL = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab-0a1b2c"
