@@ -790,12 +790,16 @@ class FakeHwAdapter:
         """True when the card's mig_instance fault is `fault`; it is consumed (written) as it fires."""
         if card.faults.mig_instance != fault:
             return False
+        self._consume_fault(entry, doc, "mig_instance")
+        return True
+
+    def _consume_fault(self, entry: dict[str, Any], doc: dict[str, Any], name: str) -> None:
+        """A one-shot fault of a card's entry cleared and the host file written (it fired)."""
         faults = entry.get("faults")
         if not isinstance(faults, dict):
             faults = entry["faults"] = {}
-        faults["mig_instance"] = ""
+        faults[name] = ""
         self._save(doc)
-        return True
 
     def _save_checked(self, doc: dict[str, Any], error: Callable[[Any, str], AdapterError] = MigStepError) -> None:
         """Save a change only when the file stays valid: a step never leaves a host file the inventory cannot read."""
@@ -916,12 +920,7 @@ class FakeHwAdapter:
         """True when the card's sharing fault is `fault`; it is consumed (written) as it fires."""
         if host.gpus[index].faults.sharing != fault:
             return False
-        entry = doc["gpus"][index]
-        faults = entry.get("faults")
-        if not isinstance(faults, dict):
-            faults = entry["faults"] = {}
-        faults["sharing"] = ""
-        self._save(doc)
+        self._consume_fault(doc["gpus"][index], doc, "sharing")
         return True
 
     # ----------------------------------------------------------------- diagnostics
