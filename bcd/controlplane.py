@@ -90,6 +90,7 @@ from shared.schemas import (
     Condition,
     GpuChanged,
     Hello,
+    HoldCondition,
     Inventory,
     NodeCondition,
     NodeSpec,
@@ -170,6 +171,9 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     #: the event that last moved it ("" after a spec put).
     event_id: str = ""
     updated_at: datetime
+    #: the node's word on its hold's cards (HoldCondition: DevicesHealthy=False when a card under
+    #: it turned unhealthy); None when the node never said anything
+    condition: Condition | None = None
 
 
 class NodeRecord(msgspec.Struct, kw_only=True):
@@ -320,6 +324,13 @@ def apply_event(state: ControlPlaneState, node_id: str, event: object, event_id:
         )
         state.reservations[event.reservation_id] = rsv
         return rsv
+    if isinstance(event, HoldCondition):
+        cur = state.reservations.get(event.reservation_id)
+        if cur is not None and cur.node_id == node_id and cur.allocation_id == event.allocation_id:
+            moved = msgspec.structs.replace(cur, condition=event.condition, event_id=event_id, updated_at=at)
+            state.reservations[event.reservation_id] = moved
+            return moved
+        return None
     if isinstance(event, NodeCondition):
         state.node(node_id).conditions[event.condition.type] = event.condition
     elif isinstance(event, SectionStatus):
@@ -503,6 +514,10 @@ def describe(event: object) -> tuple[str, str, str, int | None, str]:
         c = event.condition
         detail = f"{c.type}={c.status}" + (f" {c.reason}" if c.reason else "") + (f": {c.message}" if c.message else "")
         return "", "", c.type, None, detail
+    if isinstance(event, HoldCondition):
+        c = event.condition
+        detail = f"{c.type}={c.status}" + (f" {c.reason}" if c.reason else "") + (f": {c.message}" if c.message else "")
+        return event.allocation_id, event.reservation_id, "", event.generation, detail
     if isinstance(event, GpuChanged):
         detail = f"{event.phase}/{event.management_state}" + (f" {short_atom('GPU-' + event.uuid.removeprefix('GPU-'))}" if event.uuid else "")
         if event.reason:
@@ -1143,7 +1158,7 @@ class ControlPlane:
         if tag != etype:
             return self._reject(msg, base, f"a {tag} event on a {etype} subject (bound and released travel signed)", header_id, event=event)
         event_id = header_id or f"{node_id}.{etype}.sha256-{hashlib.sha256(msg.data).hexdigest()[:32]}"
-        when = event.condition.since if isinstance(event, NodeCondition) else None
+        when = event.condition.since if isinstance(event, (NodeCondition, HoldCondition)) else None
         return self._accept(msg, base, event, event_id, verified=None, time=when)
 
     def _accept(

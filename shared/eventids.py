@@ -31,6 +31,14 @@ def failed_id(node_id: str, allocation_id: str, generation: int) -> str:
     return _id(node_id, allocation_id, "failed", f"g{generation}")
 
 
+def hold_condition_id(node_id: str, allocation_id: str, generation: int, condition: Condition) -> str:
+    """A hold's condition change (HoldCondition): like condition_id, under the allocation and its generation."""
+    stamp = condition.since.strftime("%Y%m%dt%H%M%S%f")
+    digest = hashlib.sha256(f"{condition.reason}\0{condition.message}".encode()).hexdigest()[:12]
+    # the type is always DevicesHealthy: left out, so the longest node and allocation ids still fit 200 characters
+    return _id(node_id, allocation_id, "hold", f"g{generation}", condition.status.lower(), stamp, digest)
+
+
 def section_id(node_id: str, section: str, generation: int, state: str, message: str) -> str:
     digest = hashlib.sha256(message.encode()).hexdigest()[:12]
     return _id(node_id, section, "section", f"g{generation}", state.lower(), digest)
@@ -65,4 +73,4 @@ def gpu_id(node_id: str, pci_address: str, at: datetime, change: str) -> str:
     return _id(node_id, "gpu", pci_address, stamp, digest)
 
 
-__all__ = ["bound_id", "released_id", "failed_id", "section_id", "condition_id", "gpu_id"]
+__all__ = ["bound_id", "released_id", "failed_id", "section_id", "condition_id", "hold_condition_id", "gpu_id"]

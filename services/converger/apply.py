@@ -31,8 +31,8 @@ from datetime import datetime, timezone
 import msgspec
 
 from shared import logs
-from shared.eventids import condition_id, section_id
-from shared.schemas import AllocationReleased, Condition, NodeCondition, SectionStatus, SwitchRequest, encode, summarise
+from shared.eventids import condition_id, hold_condition_id, section_id
+from shared.schemas import AllocationReleased, Condition, HoldCondition, NodeCondition, SectionStatus, SwitchRequest, encode, summarise
 
 from .hostwriter import HostWriteError, HostWriter
 from .model import (
@@ -41,6 +41,7 @@ from .model import (
     DropPendingRelease,
     ReportKubeRelease,
     SetCondition,
+    SetHoldCondition,
     WithdrawKubeHold,
     ConvergerState,
     EnsureSlice,
@@ -218,6 +219,8 @@ class Applier:
             log.info("pending Kubernetes release taken back: the spec wants the allocation again", allocation_id=step.allocation_id)
         elif isinstance(step, SetCondition):
             await self._set_condition(step.condition, state)
+        elif isinstance(step, SetHoldCondition):
+            await self._set_hold_condition(step, state)
         elif isinstance(step, RecordVfio):
             if step.holder is None:
                 state.vfio.pop(step.pci, None)
@@ -336,9 +339,23 @@ class Applier:
             log.warning("operator's freed marker not removed", allocation_id=step.allocation_id, error=str(exc))
         state.reported.pop(step.allocation_id, None)
         state.bound.pop(step.allocation_id, None)
+        state.hold_conditions.pop(step.allocation_id, None)
         state.intents.pop(step.allocation_id, None)
         self.save_state(state)
         log.info("Kubernetes hold released: no pod holds its devices", allocation_id=step.allocation_id, event_id=rel.event_id)
+
+    async def _set_hold_condition(self, step: SetHoldCondition, state: ConvergerState) -> None:
+        c = step.condition
+        event_id = hold_condition_id(self.node_id, step.allocation_id, step.generation, c)
+        event = HoldCondition(
+            allocation_id=step.allocation_id, reservation_id=step.reservation_id, generation=step.generation, devices=list(step.devices), condition=c
+        )
+        await self.outbox.publish("hold", event_id, encode(event))
+        state.hold_conditions[step.allocation_id] = c
+        self.save_state(state)
+        (log.warning if c.status == "False" else log.info)(
+            "hold condition", allocation_id=step.allocation_id, type=c.type, status=c.status, reason=c.reason, detail=c.message
+        )
 
     async def _set_condition(self, condition: Condition, state: ConvergerState) -> None:
         event_id = condition_id(self.node_id, condition)

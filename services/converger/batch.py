@@ -303,6 +303,7 @@ class GroupCommit:
                 continue  # stays journaled as a release: reported again next pass
             state.reported.pop(s.allocation_id, None)
             state.bound.pop(s.allocation_id, None)
+            state.hold_conditions.pop(s.allocation_id, None)
             state.intents.pop(s.allocation_id, None)
             result.done += 1
             if not s.report:

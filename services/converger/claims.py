@@ -54,6 +54,7 @@ from shared.schemas import (
     PreparedDevice,
 )
 from shared.schemas.common import clip
+from shared.schemas.inventory import health_text
 
 from .hostwriter import HostWriteError, HostWriter
 from .model import ClaimDeviceRecord, ClaimMig, ClaimMps, ClaimRecord, ClaimTimeslice, ClaimVfio, ConvergerState
@@ -129,6 +130,9 @@ def check_claim(
         what = f"{d.device} ({d.pci})"
         if gpu is None or not gpu.atom_id:
             return Refusal("device-missing", f"{what}: no GPU at {d.pci} on this node")
+        if (sick := gpu.status.unhealthy()) is not None:
+            # before who holds it: a sick card is given to nobody new, and this says why
+            return Refusal("device-unhealthy", f"{what}: the card is unhealthy: {health_text(sick)}")
         if d.sharing.strategy == "Vfio":
             refusal = _vfio_refusal(what, gpu, inventory)
             if refusal is not None:

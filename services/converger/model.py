@@ -216,6 +216,9 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     mig_layouts: dict[str, MigLayoutRecord] = {}
     #: claim uid -> the DRA claim held as a hold of its own (claims.py).
     claims: dict[str, ClaimRecord] = {}
+    #: allocation id -> the DevicesHealthy condition last said upstream of its live hold (HoldCondition);
+    #: absent while nothing was ever wrong under it
+    hold_conditions: dict[str, Condition] = {}
 
 
 # ---------------------------------------------------------------------------- observed
@@ -390,6 +393,17 @@ class SetCondition:
 
 
 @dataclass(frozen=True)
+class SetHoldCondition:
+    """Say upstream (through the outbox) that a live hold's cards turned unhealthy or are well again."""
+
+    allocation_id: str
+    reservation_id: str
+    generation: int
+    devices: tuple[str, ...]
+    condition: Condition
+
+
+@dataclass(frozen=True)
 class ClearUnreadableMarker:
     pass
 
@@ -431,6 +445,7 @@ Step = (
     | ReportKubeRelease
     | DropPendingRelease
     | SetCondition
+    | SetHoldCondition
     | ClearUnreadableMarker
     | SwitchGpu
     | RecordVfio
@@ -492,6 +507,7 @@ __all__ = [
     "ReportKubeRelease",
     "DropPendingRelease",
     "SetCondition",
+    "SetHoldCondition",
     "ClearUnreadableMarker",
     "SwitchGpu",
     "RecordVfio",

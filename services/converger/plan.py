@@ -43,6 +43,7 @@ from shared.schemas import (
     clip,
     summarise,
 )
+from shared.schemas.inventory import health_text
 from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.slices import slice_name
 
@@ -68,6 +69,7 @@ from .model import (
     ReportFailed,
     ReportKubeRelease,
     SetCondition,
+    SetHoldCondition,
     Step,
     StopSlice,
     WithdrawKubeHold,
@@ -310,6 +312,7 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     kept = plan_kept_holds(p, index, claims, ledger, mps)  # 4
     failures = plan_new_holds(p, index, claims, ledger, mps, kept)  # 5
     plan_failures(p, failures)  # 6
+    p.steps.extend(plan_hold_health(observed, index, kept))
     p.steps.extend(_conditions(observed, config, p.pending, unreadable, spec.generation))
     # the VFIO side's driver switches, after every release of this pass (a card
     # moves from a hold to an instance in one generation)
@@ -784,6 +787,57 @@ def _held_cards(claims: Claims, index: AtomIndex) -> dict[str, str]:
     return held
 
 
+#: the condition a live hold carries upstream about its cards' health (HoldCondition)
+DEVICES_HEALTHY = "DevicesHealthy"
+
+
+def plan_hold_health(observed: Observed, index: AtomIndex, kept: Mapping[str, HoldOnDisk]) -> list[Step]:
+    """A HoldCondition for each kept hold whose cards' health changed since it was last said.
+
+    A hold on a card that turned unhealthy is kept (the seed releases only what the spec no
+    longer wants) but says DevicesHealthy=False, naming each sick card and its Healthy condition,
+    so the control plane can move the work; True follows once every card is well again. A hold
+    that never had a sick card says nothing.
+
+    | row         | its cards                       | last said | step                      |
+    |-------------|---------------------------------|-----------|---------------------------|
+    | quiet       | all healthy                     | none/True | nothing                   |
+    | sick        | one unhealthy                   | none/True | False (the card's reason) |
+    | still sick  | unchanged                       | False     | nothing                   |
+    | worse       | another card, another message   | False     | False again (since kept)  |
+    | well again  | all healthy                     | False     | True                      |
+    """
+    steps: list[Step] = []
+    said = observed.state.hold_conditions
+    for alloc, hold in sorted(kept.items()):
+        sick: list[tuple[str, str, Condition]] = []
+        for atom in hold.devices:
+            try:
+                ref = parse_atom(atom)
+            except AtomError:
+                continue
+            gpu = index.gpus.get(ref.gpu)
+            bad = gpu.status.unhealthy() if gpu is not None else None
+            if gpu is not None and bad is not None:
+                sick.append((atom, gpu.pci_address, bad))
+        last = said.get(alloc)
+        if sick:
+            text = "; ".join(f"{atom} on {pci}: {health_text(c)}" for atom, pci, c in sick)
+            cond = Condition(type=DEVICES_HEALTHY, status="False", reason=sick[0][2].reason, message=clip(text), since=observed.now)
+            devices = tuple(dict.fromkeys(atom for atom, _, _ in sick))
+        elif last is not None and last.status == "False":
+            cond = Condition(type=DEVICES_HEALTHY, status="True", reason="Healthy", message="every card of the hold is healthy again", since=observed.now)
+            devices = tuple(hold.devices)
+        else:
+            continue
+        if last is not None and (last.status, last.reason, last.message) == (cond.status, cond.reason, cond.message):
+            continue
+        if last is not None and last.status == cond.status:
+            cond = msgspec.structs.replace(cond, since=last.since)
+        steps.append(SetHoldCondition(alloc, hold.reservation_id, hold.generation, devices, cond))
+    return steps
+
+
 STUCK = "KubernetesReleaseStuck"
 UNKNOWN_FIELDS = UNKNOWN_FIELDS_CONDITION
 UNREADABLE = "KubernetesReleasesUnreadable"
@@ -920,6 +974,11 @@ def check_new_hold(assignment: DeviceAssignment, index: AtomIndex, claims: Claim
             resolved.append(index.resolve(atom))
         except AtomError as exc:
             raise _Refused(exc.reason, exc.message) from None
+    for r in resolved:
+        # part of the atoms check: a card with a fatal XID, an uncorrectable ECC error or lost is
+        # given to nobody new (a hold already on it is kept: the seed releases only what is unwanted)
+        if (sick := r.gpu.status.unhealthy()) is not None:
+            raise _Refused("device-unhealthy", f"{r.ref.id}: the card {r.gpu.pci_address} is unhealthy: {health_text(sick)}")
     seen: set[str] = set()
     mine = Claims()
     for r in resolved:

@@ -550,10 +550,12 @@ class ConvergerApp(ServiceApp):
                     devices=list(h.devices),
                     cgroup_parent=h.cgroup_parent,
                     reported=h.allocation_id in self.state.reported,
+                    condition=self.state.hold_conditions.get(h.allocation_id),
                 )
                 for h in sorted(holds.values(), key=lambda h: h.allocation_id)
             ],
             failures=dict(self.failures),
+            vfio_notes=bounded_problems(sorted(self.vfio_noted)),
             last_pass_at=self.last_pass_at,
             next_retry_in_s=self.loop.next_retry_in(),
             privileged=self.privileged,

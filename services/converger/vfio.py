@@ -14,6 +14,7 @@ The switch rules, per card (first match decides):
 | 3 | an instance names it, DisruptionRequired in this boot       | note (no retry this boot)    |
 | 4 | an instance names it, the host is virtualized               | note                         |
 | 5 | an instance names it, it reads Excluded or ExcludedReleasePending | note                   |
+| 5b| an instance names it, Healthy=False (a fatal XID, ECC, lost) | note, naming the condition  |
 | 6 | an instance names it, Reconfiguring=True (disruption flow)  | note (the inventory's change retriggers) |
 | 7 | an instance names it, a hold / bind intent / release names it | note, wait (retried)       |
 | 8 | an instance names it                                        | switch to vfio-pci           |
@@ -43,7 +44,7 @@ from datetime import datetime, timezone
 import msgspec
 
 from shared.schemas import Condition, GpuClaim, Inventory, NodeSpec
-from shared.schemas.inventory import RECONFIGURING_REASONS, Gpu, PhysicalGPUStatus
+from shared.schemas.inventory import RECONFIGURING_REASONS, Gpu, PhysicalGPUStatus, health_text
 
 from .model import Observed, RecordVfio, Step, SwitchGpu
 
@@ -76,8 +77,9 @@ def excluded(gpu: Gpu) -> bool:
     return managed is not None and managed.reason in EXCLUDED_REASONS
 
 
-#: the card conditions a pass reads (besides Managed, read only for an exclusion).
-PASS_CONDITIONS = frozenset({"Reclaim", "Reconfiguring"})
+#: the card conditions a pass reads (besides Managed, read only for an exclusion); Healthy: a
+#: card that turns unhealthy takes no new hold and its holds say so (a pass must run for it)
+PASS_CONDITIONS = frozenset({"Reclaim", "Reconfiguring", "Healthy"})
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -87,7 +89,7 @@ def planner_view(inventory: Inventory) -> Inventory:
     The inventory derives managementState, the Managed condition and the phase
     from the converger's claims, and stamps every change with a revision and a
     time; a pass reads a card's managementState and Managed reason only as
-    "excluded or not" (`excluded`), its Reclaim and Reconfiguring conditions,
+    "excluded or not" (`excluded`), its Reclaim, Reconfiguring and Healthy conditions,
     and everything else of the inventory but the running processes. Two
     inventories whose views are equal plan alike.
     """
@@ -198,6 +200,10 @@ def plan_vfio(spec: NodeSpec, observed: Observed, held: Mapping[str, str]) -> Vf
             continue
         if excluded(g):
             notes.append(f"{who}: {pci} is excluded by the operator; not switched to {VFIO_DRIVER}")
+            continue
+        if (sick := g.status.unhealthy()) is not None:
+            # a VM must not get a card that threw a fatal XID; one it has already is kept (row 1)
+            notes.append(f"{who}: {pci} is unhealthy ({health_text(sick)}); not switched to {VFIO_DRIVER}")
             continue
         if (reconf := reconfiguring(g)) is not None:
             notes.append(f"{who}: {pci} waits: Reconfiguring={reconf.reason}")

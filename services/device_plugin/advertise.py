@@ -10,7 +10,8 @@ not yet seen). The device id the kubelet gets is the CDI device name bcd
 wrote for the atom (unique on the node, `GPU-<uuid>_gi1_ci0`), so `Allocate`
 maps it back to the CDI name `bcd.dev/gpu=<name>` without a table.
 
-Health is the PhysicalGPU phase: a card that is not Ready is Unhealthy, and
+Health is the PhysicalGPU phase: a card that is not Ready is Unhealthy (one whose Healthy
+condition is False says why: the XID, the ECC error, the card lost), and
 so is every atom on a card the inventory does not list; before any
 inventory is read everything is Unhealthy (nothing is promised that cannot
 be checked). A MIG atom the inventory does not know has no profile and so no
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from shared.holdfiles import BINDING_KUBERNETES, HoldOnDisk, device_name
 from shared.schemas import Gpu, Inventory
+from shared.schemas.inventory import health_text
 
 #: an extended resource name: `<domain>/<name>` (k8s.io apimachinery IsQualifiedName, and not in kubernetes.io).
 _NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -189,6 +191,9 @@ def plan_advertisement(
                 healthy, why = False, "inventory not read yet"
             elif card is None:
                 healthy, why = False, f"card {card_of(atom)} is not in the inventory"
+            elif (sick := card.status.unhealthy()) is not None:
+                # a fatal XID, an ECC error, the card lost: the kubelet hears it in the next ListAndWatch
+                healthy, why = False, f"card {card.pci_address} is unhealthy: {health_text(sick)}"
             elif card.status.phase != "Ready":
                 healthy, why = False, f"card {card.pci_address} is {card.status.phase}, not Ready"
             else:

@@ -45,7 +45,10 @@ from shared.fsutil import atomic_write, fsync_dir, read_regular
 from shared.schemas import Claims, Condition, DriverBinding, Gpu, GpuChanged, GpuClaim, Inventory, MigLayoutState, PhysicalGPUStatus, SwitchReply
 from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import PCI_RE
+from shared.schemas.inventory import HEALTHY_CONDITION
 
+from .adapters.base import HealthCheck, HealthEvent
+from .health import CardHealth, HealthPolicy, apply_check, apply_event, healthy_condition, lost_everywhere, note_watched
 from .physicalgpu import (
     ADAPTER_READY,
     DISRUPTION_REASONS,
@@ -122,10 +125,13 @@ class CardRecord(msgspec.Struct, kw_only=True):
     excluded: bool = False
     reclaim: ReclaimRequest | None = None
     disruption: Disruption | None = None
+    #: the card's health faults and last check (health.py); None before any was seen
+    health: CardHealth | None = None
 
     def keeps_state(self) -> bool:
-        """Something beyond the last status must survive while the card is not listed."""
-        return self.excluded or self.reclaim is not None or self.disruption is not None
+        """Something beyond the last status must survive while the card is not listed
+        (a card that fell off the bus and comes back is still the card that threw the XID)."""
+        return self.excluded or self.reclaim is not None or self.disruption is not None or (self.health is not None and self.health.sticky())
 
 
 class PendingEvent(msgspec.Struct, kw_only=True):
@@ -243,7 +249,7 @@ def status_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
 
 #: what a card's status says without the claims: a change here is news even while the claims are
 #: not known yet (the rest, managementState, Managed, Reclaim and the phase they make, is not)
-_CLAIM_BLIND = (ADAPTER_READY, RECONFIGURING)
+_CLAIM_BLIND = (ADAPTER_READY, RECONFIGURING, HEALTHY_CONDITION)
 
 
 def claim_blind_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
@@ -285,8 +291,14 @@ class GpuTracker:
         state: GpuState | None = None,
         max_outbox: int = 10_000,
         claims_grace: timedelta = timedelta(seconds=15),
+        health: HealthPolicy | None = None,
+        health_watched: bool = True,
     ) -> None:
         self.node_id = node_id
+        #: None: no Healthy condition at all (a tracker that is not told about health)
+        self.health = health
+        #: the adapter watches health (False: every card reads Healthy=Unknown/Unmonitored)
+        self.health_watched = health_watched
         self.clock = clock
         #: at start the converger may not answer yet: a status that exists only because the claims
         #: are not known (Unknown/Indeterminate) is not said upstream before this is over
@@ -383,6 +395,62 @@ class GpuTracker:
             pending=True,
             at=reply.at,
         )
+
+    # ------------------------------------------------------------------ health (health.py)
+
+    def _health(self, pci: str) -> CardHealth:
+        rec = self._record(pci)
+        if rec.health is None:
+            rec.health = CardHealth()
+        return rec.health
+
+    def note_health_event(self, event: HealthEvent, *, boot_id: str = "") -> tuple[str, bool]:
+        """One event of the watch; (fatal | ignored | noted | unmonitored, whether a card's health changed)."""
+        if self.health is None or not PCI_RE.match(event.pci_address):
+            return "ignored", False
+        if event.kind == "xid" and event.xid is not None and not self.health.xid_fatal(event.xid):
+            return "ignored", False  # an ignored XID changes nothing (not even a record)
+        return apply_event(self._health(event.pci_address), event, self.health, boot_id or self.state.boot_id)
+
+    def note_health_checks(
+        self, checks: Sequence[HealthCheck], *, recheck: str = "", boot_id: str = ""
+    ) -> tuple[bool, dict[str, list[str]]]:
+        """One periodic check of every card; (changed, the sticky reasons cleared, by card).
+        `recheck`: the card an operator asked to check again after a reset (its sticky faults may clear)."""
+        if self.health is None:
+            return False, {}
+        now = self.clock()
+        changed, cleared = False, {}
+        for check in checks:
+            if not PCI_RE.match(check.pci_address):
+                continue
+            c, gone = apply_check(
+                self._health(check.pci_address), check, self.health, boot_id=boot_id or self.state.boot_id, now=now, recheck=check.pci_address == recheck
+            )
+            changed |= c
+            if gone:
+                cleared[check.pci_address] = gone
+        return changed, cleared
+
+    def note_health_watched(self, pcis: Sequence[str]) -> bool:
+        """Events are registered for these cards again: their Unmonitored clears."""
+        changed = False
+        for pci in pcis:
+            rec = self.state.cards.get(pci)
+            if rec is not None and rec.health is not None:
+                changed |= note_watched(rec.health)
+        return changed
+
+    def note_library_gone(self, pcis: Sequence[str], message: str, *, boot_id: str = "") -> bool:
+        """The vendor library does not answer at all: each of these cards is lost (GpuLost, sticky)."""
+        if self.health is None:
+            return False
+        now = self.clock()
+        changed = False
+        for pci in pcis:
+            if PCI_RE.match(pci):
+                changed |= lost_everywhere(self._health(pci), message, now=now, boot_id=boot_id or self.state.boot_id)
+        return changed
 
     # ------------------------------------------------------------------ evaluation
 
@@ -571,7 +639,10 @@ class GpuTracker:
             if reconf is None or reconf.reason not in DISRUPTION_REASONS:
                 rec.disruption = None  # cleared: the card is back on its base driver after a new boot
 
-        conditions = [c for c in (ready, managed, reclaim, reconf) if c is not None]
+        healthy = (
+            healthy_condition(rec.health, self.health, now=now, watched=self.health_watched) if self.health is not None else None
+        )
+        conditions = [c for c in (ready, managed, reclaim, reconf, healthy) if c is not None]
         conditions = _keep_since(conditions, previous)
         return PhysicalGPUStatus(
             phase=derive_phase(mode, conditions),

@@ -33,7 +33,7 @@ from typing import Literal
 
 from shared.schemas import Condition
 from shared.schemas.common import PCI_RE
-from shared.schemas.inventory import DISRUPTION_REASONS, RECONFIGURING_REASONS, DriverMode, ManagementState, Phase
+from shared.schemas.inventory import DISRUPTION_REASONS, HEALTHY_CONDITION, RECONFIGURING_REASONS, DriverMode, ManagementState, Phase
 
 VFIO_DRIVER = "vfio-pci"
 
@@ -109,31 +109,38 @@ def _minutes(d: timedelta) -> str:
 @dataclass(frozen=True)
 class PhaseRow:
     name: str
-    when: Callable[[DriverMode, Condition | None, Condition | None], bool]
+    when: Callable[[DriverMode, Condition | None, Condition | None, Condition | None], bool]
     phase: Phase
     why: str
 
 
-#: (mode, AdapterReady, Reconfiguring) -> phase; first match wins.
+#: (mode, AdapterReady, Reconfiguring, Healthy) -> phase; first match wins.
 PHASE_ROWS: tuple[PhaseRow, ...] = (
     PhaseRow(
         "passthrough",
-        lambda mode, ready, reconf: mode == "Passthrough",
+        lambda mode, ready, reconf, healthy: mode == "Passthrough",
         "Passthrough",
         # a card on vfio-pci legitimately has no adapter readiness; read by the
         # conditions alone it would wrongly be Initializing.
         "driverBinding.mode is Passthrough, whatever the conditions say",
     ),
     PhaseRow(
+        "unhealthy",
+        lambda mode, ready, reconf, healthy: healthy is not None and healthy.status == "False",
+        "Failed",
+        # a fatal XID, an uncorrectable ECC error, the card lost (health.py): given to nobody new
+        "Healthy=False (GpuLost, XidCritical, EccUncorrectable, RowRemapFailed, RowRemapPending, EccCorrectable)",
+    ),
+    PhaseRow(
         "failed",
-        lambda mode, ready, reconf: ready is not None and ready.status == "False" and ready.reason in FAILED_REASONS,
+        lambda mode, ready, reconf, healthy: ready is not None and ready.status == "False" and ready.reason in FAILED_REASONS,
         "Failed",
         # e.g. a VFIO request on a virtualized node: it never reaches Passthrough.
         "AdapterReady=False with a reason in FAILED_REASONS (VFIORequiresBareMetal)",
     ),
     PhaseRow(
         "reconfiguring",
-        lambda mode, ready, reconf: reconf is not None
+        lambda mode, ready, reconf, healthy: reconf is not None
         and reconf.status == "True"
         and reconf.reason in RECONFIGURING_REASONS,
         "Reconfiguring",
@@ -141,7 +148,7 @@ PHASE_ROWS: tuple[PhaseRow, ...] = (
     ),
     PhaseRow(
         "reconfiguring-unknown-reason",
-        lambda mode, ready, reconf: reconf is not None and reconf.status == "True",
+        lambda mode, ready, reconf, healthy: reconf is not None and reconf.status == "True",
         "Initializing",
         # fail-closed: a reconfiguration we cannot place (e.g. a newer peer's
         # reason) must not let the card read Ready and be published.
@@ -149,13 +156,13 @@ PHASE_ROWS: tuple[PhaseRow, ...] = (
     ),
     PhaseRow(
         "ready",
-        lambda mode, ready, reconf: ready is not None and ready.status == "True",
+        lambda mode, ready, reconf, healthy: ready is not None and ready.status == "True",
         "Ready",
         "AdapterReady=True",
     ),
     PhaseRow(
         "initializing",
-        lambda mode, ready, reconf: True,
+        lambda mode, ready, reconf, healthy: True,
         "Initializing",
         "anything else: no driver, adapter not ready yet, AdapterReady missing or Unknown",
     ),
@@ -166,8 +173,9 @@ def phase_row(mode: DriverMode, conditions: Sequence[Condition]) -> PhaseRow:
     """The first row of PHASE_ROWS that matches."""
     ready = condition_of(conditions, ADAPTER_READY)
     reconf = condition_of(conditions, RECONFIGURING)
+    healthy = condition_of(conditions, HEALTHY_CONDITION)
     for row in PHASE_ROWS:
-        if row.when(mode, ready, reconf):
+        if row.when(mode, ready, reconf, healthy):
             return row
     raise AssertionError("PHASE_ROWS ends in a row that always matches")  # pragma: no cover
 
@@ -178,6 +186,7 @@ def derive_phase(mode: DriverMode, conditions: Sequence[Condition]) -> Phase:
     | row                          | when                                                   | phase         |
     |------------------------------|--------------------------------------------------------|---------------|
     | passthrough                  | driverBinding.mode is Passthrough (conditions ignored) | Passthrough   |
+    | unhealthy                    | Healthy=False (a fatal XID, ECC, the card lost, ...)   | Failed        |
     | failed                       | AdapterReady=False, reason VFIORequiresBareMetal       | Failed        |
     | reconfiguring                | Reconfiguring=True, reason in RECONFIGURING_REASONS    | Reconfiguring |
     | reconfiguring-unknown-reason | Reconfiguring=True, any other reason (fail-closed)     | Initializing  |

@@ -89,11 +89,12 @@ from shared.schemas import (
     SwitchReply,
 )
 from shared.schemas.bus import DIAG_RUN_S, MPS_LIST_MAX
+from shared.schemas.inventory import health_text
 from shared.schemas.common import PCI_RE, clip
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
-from .adapters.base import Diagnosable, GpuSharer, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
+from .adapters.base import Diagnosable, GpuSharer, HealthWatcher, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
     GpuState,
@@ -104,6 +105,9 @@ from .gpustate import (
     reclaim_condition,
     state_dir_from,
 )
+from .health import HealthPolicy
+from .healthintake import HealthIntake, policy_from, watched_cards
+from .healthwatch import HealthNews, HealthThread
 
 
 #: finished jobs (diagnostics, MIG layout changes) kept for the converger's polls.
@@ -156,6 +160,14 @@ class InventoryApp(ServiceApp):
         self.save_error = ""
         #: the revision the per-GPU gauges show (None: not set yet).
         self.observed_revision: int | None = None
+        #: GPU health (issue 30): the policy, the intake of the health thread's news, the thread
+        self.health_policy = HealthPolicy()
+        self.health: HealthIntake | None = None
+        self.health_thread: HealthThread | None = None
+        self.health_news: asyncio.Queue[HealthNews] = asyncio.Queue()
+        self.health_task: asyncio.Task[None] | None = None
+        #: the first check runs with the start scan, before its evaluation
+        self.health_first = True
 
     def options(self) -> list[Option]:
         return [
@@ -183,6 +195,12 @@ class InventoryApp(ServiceApp):
                 default=15.0,
                 type=float,
             ),
+            Option("--health-checks", "watch GPU health: XIDs, ECC errors, the card lost (on | off)", default="on", choices=("on", "off")),
+            Option("--health-interval", "seconds between health checks (the library answers the card, remapped rows, ECC counters)", default=10.0, type=float),
+            Option("--xid-ignore", "XIDs (comma list) that never make a card unhealthy, besides the application XIDs 13,31,43,45,68,109", default=""),
+            Option("--xid-fatal", "XIDs (comma list) that make a card unhealthy even when ignored (e.g. 43)", default=""),
+            Option("--ecc-uncorrectable-max", "uncorrectable ECC errors since the last reset a card may have and stay healthy", default=0, type=int),
+            Option("--ecc-correctable-max", "correctable ECC errors since the last reset a card may have and stay healthy (-1: no limit)", default=-1, type=int),
             Option("--orphan-grace", "seconds a passthrough binding with no claim must last to read Orphaned (tests only; the seed says 120)", default=120.0, type=float),
             Option("--reclaim-timeout", "seconds after which a reclaim still not on the compute driver is Failed (tests only; the seed says 120)", default=120.0, type=float),
         ]
@@ -198,6 +216,10 @@ class InventoryApp(ServiceApp):
         for flag, value in (("--gpu-tick", o.gpu_tick), ("--claims-timeout", o.claims_timeout), ("--orphan-grace", o.orphan_grace), ("--reclaim-timeout", o.reclaim_timeout)):
             if not value > 0:
                 raise StartupError(f"{flag} must be a positive number of seconds, not {value}")
+        try:
+            self.health_policy = policy_from(o)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         self.store = GpuStateStore(state_dir_from(o.data_dir), log=ctx.log)
         state = GpuState()
         try:
@@ -213,6 +235,7 @@ class InventoryApp(ServiceApp):
             reclaim_timeout=timedelta(seconds=o.reclaim_timeout),
             state=state,
             claims_grace=timedelta(seconds=o.claims_grace),
+            health=self.health_policy,
         )
         ctx.metadata["state_file"] = str(self.store.path)
         try:
@@ -234,6 +257,7 @@ class InventoryApp(ServiceApp):
             raise StartupError(f"{o.adapter} adapter: {exc}") from None
         if wrote:
             ctx.log.info("vendor CDI spec written", cdi_dir=str(o.cdi_dir))
+        self.tracker.health_watched = self._watching()
 
         reg = ctx.registry
         self.m_scans = Counter("bcd_inventory_scans", "Inventory scans by outcome", ["outcome"], registry=reg)
@@ -261,6 +285,7 @@ class InventoryApp(ServiceApp):
         self.m_state_errors = Counter("bcd_gpu_state_write_failures", "Failed writes of gpus.json", registry=reg)
         for outcome in ("changed", "unchanged", "error"):
             self.m_scans.labels(outcome=outcome)
+        self.health = HealthIntake(reg, ctx.log)
 
         js = ctx.nc.jetstream()
         bucket = ctx.subjects.inventory_bucket
@@ -314,12 +339,21 @@ class InventoryApp(ServiceApp):
                 boot_id=reply.boot_id,
             )
             await self._refresh_logged(ctx, "switch result", switch=reply)
+            if reply.target == "reset" and reply.ok and self._watching():
+                # a reset is what clears a fatal XID: check the card again, and let a clean check clear it
+                await self._recheck_logged(ctx, reply.pci, "reset")
 
         await ctx.nc.subscribe(ctx.subjects.converger_claims_changed, cb=on_claims)
         await ctx.nc.subscribe(ctx.subjects.vfio_result, cb=on_switch)
         await self._announce(ctx)
         async with self.lock:
             await self._flush_events(ctx)
+        if self._watching():
+            self.health_task = asyncio.create_task(self._health_loop(ctx), name="health news")
+            self.health_thread = HealthThread(
+                self.adapter, asyncio.get_running_loop(), self.health_news.put_nowait, interval=float(o.health_interval), log=ctx.log
+            )
+            self.health_thread.start()
 
     async def _announce(self, ctx: ServiceContext) -> None:
         """Say the inventory again now that `inventory.get` answers.
@@ -383,7 +417,82 @@ class InventoryApp(ServiceApp):
             if switch is not None:
                 assert self.tracker is not None
                 self.tracker.note_switch(switch)
+            if self.health_first:
+                self.health_first = False
+                await self._first_health_check(ctx, base)
             return await self._evaluate_and_publish(ctx, base, claims, reason, switch=switch, scanned=scanned, flush=flush)
+
+    # ------------------------------------------------------------------ health (issue 30)
+
+    def _watching(self) -> bool:
+        return self.health_policy.enabled and isinstance(self.adapter, HealthWatcher)
+
+    async def _first_health_check(self, ctx: ServiceContext, base: Inventory) -> None:
+        """The start scan's check, so the first inventory published already says each card's health."""
+        if not self._watching():
+            return
+        assert self.tracker is not None and self.health is not None
+        try:
+            checks = await asyncio.to_thread(self.adapter.check_health)
+        except AdapterError as exc:
+            news = HealthNews("gone", message=str(exc))
+        else:
+            news = HealthNews("checks", checks=checks)
+        self.health.note(self.tracker, news, listed=watched_cards(base), boot_id=base.boot_id)
+
+    async def _health_loop(self, ctx: ServiceContext) -> None:
+        """The health thread's news, one at a time, on the event loop."""
+        while True:
+            news = await self.health_news.get()
+            try:
+                await self._on_health(ctx, news)
+            except Exception:  # noqa: BLE001 - one bad piece of news never stops the watch
+                ctx.log.exception("health news not handled", kind=news.kind)
+
+    async def _on_health(self, ctx: ServiceContext, news: HealthNews) -> None:
+        assert self.tracker is not None and self.health is not None
+        async with self.lock:
+            base = self.last_base
+            if news.kind == "events":
+                # an XID can come with the card leaving NVML: read the host again (the last scan when that fails)
+                base = await self._scan(ctx, "health event") or base
+            if base is None:
+                return
+            if not self.health.note(self.tracker, news, listed=watched_cards(self.current or base), boot_id=base.boot_id):
+                return
+            self._save(ctx)  # the fault is on disk before anyone hears of it
+            claims = await self._fetch_claims(ctx)
+            await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events")
+
+    async def _recheck(self, ctx: ServiceContext, pci: str) -> tuple[bool, str, list[str]]:
+        """Check one card now, letting a clean check clear its sticky faults; (done, why not, cleared).
+        Runs under self.lock."""
+        assert self.tracker is not None
+        try:
+            checks = await asyncio.to_thread(self.adapter.check_health)
+        except AdapterError as exc:
+            return False, f"the vendor library does not answer: {exc}", []
+        check = next((c for c in checks if c.pci_address == pci), None)
+        if check is None:
+            return False, f"the vendor library does not see {pci} (not on its compute driver, or off the bus): nothing to check", []
+        boot_id = self.last_base.boot_id if self.last_base is not None else ""
+        _, cleared = self.tracker.note_health_checks([check], recheck=pci, boot_id=boot_id)
+        return True, "", cleared.get(pci, [])
+
+    async def _recheck_logged(self, ctx: ServiceContext, pci: str, why: str) -> None:
+        try:
+            async with self.lock:
+                done, problem, cleared = await self._recheck(ctx, pci)
+                if not done:
+                    ctx.log.warning("GPU not checked again", pci=pci, after=why, reason=problem)
+                    return
+                if cleared:
+                    ctx.log.info("GPU healthy again: a clean check cleared its faults", pci=pci, after=why, cleared=cleared)
+                base = self.last_base
+                if base is not None:
+                    await self._evaluate_and_publish(ctx, base, await self._fetch_claims(ctx), f"recheck after {why}", scanned=False)
+        except Exception:  # noqa: BLE001 - a notice never kills the service
+            ctx.log.exception("recheck failed", pci=pci)
 
     async def _refresh_logged(self, ctx: ServiceContext, reason: str, **kw: Any) -> None:
         try:
@@ -854,6 +963,8 @@ class InventoryApp(ServiceApp):
             if not listed and not (action == "include" and record is not None and record.excluded):
                 return refuse(f"no GPU at {pci} in this node's inventory")
             snapshot = tracker.snapshot()
+            if action == "recheck":
+                return await self._recheck_request(ctx, pci, base, claims, snapshot)
             if action == "exclude":
                 changed = tracker.exclude(pci)
                 note = "excluded" if changed else "already excluded"
@@ -885,6 +996,32 @@ class InventoryApp(ServiceApp):
             message = f"{note}; managementState is {state}"
         ctx.log.info("gpu request", action=action, pci=pci, accepted=accepted, message=message)
         return GpuReply(pci=pci, action=action, accepted=accepted, message=message, gpu=card)
+
+    async def _recheck_request(self, ctx: ServiceContext, pci: str, base: Inventory, claims: Claims | None, snapshot: bytes) -> GpuReply:
+        """`bcd gpu recheck <pci>` (under self.lock): accepted when the card reads healthy after the check."""
+        tracker = self.tracker
+        assert tracker is not None
+        if not self._watching():
+            why = "health checks are off (--health-checks off)" if not self.health_policy.enabled else f"the {ctx.opts.adapter} adapter cannot watch GPU health"
+            return GpuReply(pci=pci, action="recheck", accepted=False, message=f"not checked: {why}")
+        done, problem, cleared = await self._recheck(ctx, pci)
+        if not done:
+            return GpuReply(pci=pci, action="recheck", accepted=False, message=f"not checked: {problem}")
+        try:
+            self._save(ctx, strict=True)
+        except StateFileError as exc:
+            tracker.restore(snapshot)
+            return GpuReply(pci=pci, action="recheck", accepted=False, message=f"cannot record the check: {exc}")
+        inv = await self._evaluate_and_publish(ctx, base, claims, "gpu recheck")
+        card = next((g for g in inv.gpus if g.pci_address == pci), None)
+        health = card.status.health() if card is not None else None
+        said = health_text(health) if health is not None else "no Healthy condition"
+        accepted = health is not None and health.status != "False"
+        message = (f"cleared {', '.join(cleared)}; " if cleared else "nothing cleared; ") + said
+        if not accepted:
+            message += " (a reset that worked and a clean check clear a fatal fault; a pending row remap needs the reset)"
+        ctx.log.info("gpu request", action="recheck", pci=pci, accepted=accepted, message=message)
+        return GpuReply(pci=pci, action="recheck", accepted=accepted, message=message, gpu=card)
 
     async def get(self) -> Inventory:
         if self.current is None:
@@ -928,6 +1065,12 @@ class InventoryApp(ServiceApp):
         return bool(done)
 
     async def close(self, ctx: ServiceContext) -> None:
+        if self.health_thread is not None:
+            await asyncio.to_thread(self.health_thread.stop)
+        if self.health_task is not None:
+            self.health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.health_task
         # a diagnostic still running is not waited for (its thread is a daemon); the
         # converger's next poll finds no such job and ends the operation as an Error
         jobs = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]

@@ -83,7 +83,7 @@ from .inventory import *  # noqa: F403
 from .inventory import __all__ as _inventory_all
 from .nodespec import *  # noqa: F403
 from .nodespec import __all__ as _nodespec_all
-from .events import AllocationBound, AllocationFailed, AllocationReleased, AttestedReport, GpuChanged, Hello, NodeCondition, NodeEvent, ReportBody, SectionStatus
+from .events import AllocationBound, AllocationFailed, AllocationReleased, AttestedReport, GpuChanged, Hello, HoldCondition, NodeCondition, NodeEvent, ReportBody, SectionStatus
 from .inventory import Inventory
 from .nodespec import NodeSpec, SignedNodeSpec
 
@@ -155,6 +155,7 @@ UPSTREAM_TYPES: dict[str, object] = {
     "SectionStatus": SectionStatus,
     "NodeCondition": NodeCondition,
     "GpuChanged": GpuChanged,
+    "HoldCondition": HoldCondition,
     "NodeEvent": NodeEvent,
 }
 

@@ -100,6 +100,8 @@ class HoldSummary(msgspec.Struct, frozen=True, kw_only=True):
     devices: list[str]
     cgroup_parent: str = ""
     reported: bool = True
+    #: the DevicesHealthy condition said upstream for it (a card under it is unhealthy), or None
+    condition: Condition | None = None
 
 
 class PendingReleaseSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,6 +162,9 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     claims: Annotated[list["ClaimSummary"], msgspec.Meta(max_length=4096)] = []
     #: Kubernetes holds withdrawn and not yet released (their devices stay claimed), oldest first
     pending_releases: Annotated[list[PendingReleaseSummary], msgspec.Meta(max_length=4096)] = []
+    #: why the VFIO side leaves a card an instance names where it is (an unhealthy card, an
+    #: excluded one, a holder to wait for), one line each, from the last pass
+    vfio_notes: Annotated[list[Text], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
 
 
 class HolderQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -371,11 +376,13 @@ class Claims(msgspec.Struct, frozen=True, kw_only=True):
     mig_layouts: Annotated[list[MigLayoutState], msgspec.Meta(max_length=1024)] = []
 
 
-GpuAction = Literal["exclude", "include", "reclaim"]
+#: recheck: the operator reset the card (or thinks it well again): check it now, and let a clean
+#: check clear its sticky health faults (a fatal XID, an uncorrectable ECC error, the card lost)
+GpuAction = Literal["exclude", "include", "reclaim", "recheck"]
 
 
 class GpuRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """An operator's request on one card (`bcd gpu exclude|include|reclaim <pci>`), answered by the inventory."""
+    """An operator's request on one card (`bcd gpu exclude|include|reclaim|recheck <pci>`), answered by the inventory."""
 
     action: GpuAction
     #: bounded plain string: a non-canonical address is refused with a reason.
@@ -624,7 +631,7 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
 class ClaimPrepareReply(msgspec.Struct, frozen=True, kw_only=True):
     uid: Name
     ok: bool
-    #: refused: overlap | device-missing | unsupported-device | node-unprivileged | mig-failed | write-failed | busy
+    #: refused: overlap | device-missing | device-unhealthy | unsupported-device | node-unprivileged | mig-failed | write-failed | busy
     reason: Name = ""
     message: Text = ""
     devices: list[PreparedDevice] = []

@@ -35,6 +35,9 @@ FailureReason = Literal[
     "node-unprivileged",
     "unsupported-device",
     "device-missing",
+    #: the card is unhealthy (its Healthy condition is False: a fatal XID, an uncorrectable ECC
+    #: error, lost); the message names the condition (issue 30)
+    "device-unhealthy",
     "overlap",
     "resources-exhausted",
 ]
@@ -101,12 +104,29 @@ class GpuChanged(_Event, tag="gpu", kw_only=True):
     message: Text = ""
 
 
+class HoldCondition(_Event, tag="hold", kw_only=True):
+    """A live hold's condition changed (issue 30): a card under it turned unhealthy, or is well again.
+
+    The hold is kept (the seed releases only what the control plane no longer wants); this says
+    so the control plane can move the work. `condition.type` is DevicesHealthy: False with the
+    worst card's Healthy reason (XidCritical, GpuLost, ...) naming each sick card, True once
+    every card of the hold is healthy again.
+    """
+
+    allocation_id: Id
+    reservation_id: Id
+    generation: Generation
+    #: the hold's atoms on the cards the condition is about (every atom of the hold when True)
+    devices: _Devices
+    condition: Condition
+
+
 #: the events a node signs.
 AttestedEvent = AllocationBound | AllocationReleased
 #: every event a node reports.
-NodeEvent = AllocationBound | AllocationReleased | AllocationFailed | SectionStatus | NodeCondition | GpuChanged
+NodeEvent = AllocationBound | AllocationReleased | AllocationFailed | SectionStatus | NodeCondition | GpuChanged | HoldCondition
 
-EVENT_TYPES: tuple[str, ...] = ("bound", "released", "failed", "section", "condition", "gpu")
+EVENT_TYPES: tuple[str, ...] = ("bound", "released", "failed", "section", "condition", "gpu", "hold")
 
 REPORT_PURPOSE = "attested-report"
 NODE_SPEC_PURPOSE = "node-spec"
@@ -151,6 +171,7 @@ __all__ = [
     "SectionStatus",
     "NodeCondition",
     "GpuChanged",
+    "HoldCondition",
     "AttestedEvent",
     "NodeEvent",
     "EVENT_TYPES",

@@ -39,10 +39,30 @@ class DriverBinding(Struct, kw_only=True):
     management_state: ManagementState = "Unknown"
 
 
+#: the condition of a card's health (issue 30; services/inventory/health.py makes it): False
+#: (GpuLost, XidCritical, EccUncorrectable, RowRemapFailed, RowRemapPending, EccCorrectable) means
+#: the card is given to nobody new; Unknown/Unmonitored that it cannot be watched.
+HEALTHY_CONDITION = "Healthy"
+
+
 class PhysicalGPUStatus(Struct, kw_only=True):
     phase: Phase = "Initializing"
     driver_binding: DriverBinding = DriverBinding()
     conditions: list[Condition] = []
+
+    def health(self) -> Condition | None:
+        """The Healthy condition (None from an inventory that does not watch health)."""
+        return next((c for c in self.conditions if c.type == HEALTHY_CONDITION), None)
+
+    def unhealthy(self) -> Condition | None:
+        """The Healthy condition when it is False: nothing new may be given this card."""
+        c = self.health()
+        return c if c is not None and c.status == "False" else None
+
+
+def health_text(c: Condition) -> str:
+    """How a consumer names a card's health in a refusal: `Healthy=False XidCritical: <message>`."""
+    return f"{c.type}={c.status} {c.reason}" + (f": {c.message}" if c.message else "")
 
 
 class MigPlacement(Struct, kw_only=True):
@@ -197,6 +217,8 @@ __all__ = [
     "REBOOT_WAIT_REASONS",
     "RECONFIGURING_REASONS",
     "DriverBinding",
+    "HEALTHY_CONDITION",
+    "health_text",
     "PhysicalGPUStatus",
     "MigPlacement",
     "MigProfile",

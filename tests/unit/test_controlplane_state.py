@@ -324,3 +324,22 @@ def test_format_line_keeps_a_multi_line_section_message_on_one_line():
         _rec(type="section", verified=None, generation=4, detail="FAILED: a: overlap\nb: device-missing\n", event={"event": "section", "section": "devices"})
     )
     assert "\n" not in sec and sec.endswith("section   devices gen 4  FAILED: a: overlap; b: device-missing  plain")
+
+
+def test_a_hold_condition_marks_its_reservation_and_a_foreign_one_is_ignored():
+    from shared.schemas import HoldCondition
+
+    st = ControlPlaneState()
+    apply_spec(st, _spec(1, ("a", "rsv-a")), T0)
+    apply_event(st, "node-1", AllocationBound(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0]), "e1", T0)
+    sick = Condition(type="DevicesHealthy", status="False", reason="XidCritical", message="GPU0: XID 79", since=T0)
+    event = HoldCondition(allocation_id="a", reservation_id="rsv-a", generation=1, devices=[GPU0], condition=sick)
+    moved = apply_event(st, "node-1", event, "h1", T0)
+    assert moved is not None and moved.state == "active" and moved.condition == sick
+    assert st.reservations["rsv-a"].condition == sick
+    # another node's word on it, or one for another allocation, changes nothing
+    assert apply_event(st, "node-2", event, "h2", T0) is None
+    assert apply_event(st, "node-1", msgspec.structs.replace(event, allocation_id="b"), "h3", T0) is None
+    # a release clears it with the hold
+    apply_event(st, "node-1", AllocationReleased(allocation_id="a", reservation_id="rsv-a", generation=2, devices=[GPU0]), "r1", T0)
+    assert st.reservations["rsv-a"].condition is None

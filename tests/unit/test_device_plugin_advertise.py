@@ -189,3 +189,19 @@ def test_allocate_env_refusals():
         allocation_env([POOL["a1"]], {})
     with pytest.raises(AllocateRefused, match="set TEAM differently"):
         allocation_env([POOL["a1"], POOL["b1"]], {"a": ENV_A, "b": ENV_B.replace(b"TEAM=ml", b"TEAM=web")})
+
+
+def test_an_unhealthy_card_is_unhealthy_naming_its_condition():
+    """Issue 30: a card with a fatal XID is Unhealthy in the next ListAndWatch, and says why."""
+    from shared.schemas import Condition
+
+    xid = Condition(type="Healthy", status="False", reason="XidCritical", message="XID 79 (GPU has fallen off the bus)", since=datetime(2026, 12, 3, tzinfo=timezone.utc))
+    sick = card(U0, 0, phase="Failed")
+    sick = Gpu(**{**{f: getattr(sick, f) for f in sick.__struct_fields__}, "status": PhysicalGPUStatus(phase="Failed", conditions=[xid])})
+    advert = plan_advertisement({"k": hold("k", U0)}, inventory(sick), NAMES, ())
+    [d] = advert.devices_of("bcd.dev/gpu")
+    assert not d.healthy
+    assert d.why == "card 0000:00:00.0 is unhealthy: Healthy=False XidCritical: XID 79 (GPU has fallen off the bus)"
+    # the same card well again is Healthy
+    well = card(U0, 0)
+    assert [x.healthy for x in plan_advertisement({"k": hold("k", U0)}, inventory(well), NAMES, ()).devices_of("bcd.dev/gpu")] == [True]

@@ -33,6 +33,7 @@ from shared.schemas import (
     DriverBinding,
     Gpu,
     GpuChanged,
+    HoldCondition,
     Hello,
     HostResources,
     HugePagePool,
@@ -280,6 +281,13 @@ def _instances() -> Iterator[tuple[str, object]]:
     section = SectionStatus(section="devices", state="CONVERGED", observed_generation=7)
     condition = NodeCondition(condition=Condition(type="NodeSpecRejected", status="True", since=T0))
     gpu = GpuChanged(pci_address="0000:3b:00.0", phase="Ready", management_state="Managed", status=PhysicalGPUStatus())
+    hold = HoldCondition(
+        allocation_id="a",
+        reservation_id="r",
+        generation=1,
+        devices=["GPU-5f1c0000-0000-0000-0000-000000000001"],
+        condition=Condition(type="DevicesHealthy", status="False", reason="XidCritical", message="XID 79", since=T0),
+    )
     for name, event in [
         ("AllocationBound", _bound()),
         ("AllocationReleased", released),
@@ -287,6 +295,7 @@ def _instances() -> Iterator[tuple[str, object]]:
         ("SectionStatus", section),
         ("NodeCondition", condition),
         ("GpuChanged", gpu),
+        ("HoldCondition", hold),
     ]:
         yield name, event
         yield "NodeEvent", event

@@ -46,6 +46,7 @@ READY = cond("AdapterReady", "True", "AdapterReady")
 NOT_READY = cond("AdapterReady", "False", "NoDriver")
 BARE_METAL = cond("AdapterReady", "False", "VFIORequiresBareMetal")
 READY_UNKNOWN = cond("AdapterReady", "Unknown")
+SICK = cond("Healthy", "False", "XidCritical")
 
 
 def reconf(reason: str, status: str = "True") -> Condition:
@@ -59,6 +60,12 @@ PHASE_CASES = [
     pytest.param(
         "passthrough", "Passthrough", [BARE_METAL, reconf("DisruptionRequired")], "Passthrough", id="passthrough-wins"
     ),
+    pytest.param("unhealthy", "Compute", [READY, SICK], "Failed", id="unhealthy-xid"),
+    pytest.param("unhealthy", "None", [NOT_READY, cond("Healthy", "False", "GpuLost")], "Failed", id="unhealthy-lost"),
+    pytest.param("unhealthy", "Compute", [READY, SICK, reconf("DisruptionRequired")], "Failed", id="unhealthy-before-reconf"),
+    pytest.param("passthrough", "Passthrough", [SICK], "Passthrough", id="passthrough-before-unhealthy"),
+    pytest.param("ready", "Compute", [READY, cond("Healthy", "Unknown", "Unmonitored")], "Ready", id="ready-unmonitored"),
+    pytest.param("ready", "Compute", [READY, cond("Healthy", "True", "Checked")], "Ready", id="ready-healthy"),
     pytest.param("failed", "Compute", [BARE_METAL], "Failed", id="failed-bare-metal"),
     pytest.param("failed", "None", [BARE_METAL, reconf("RebootRequested")], "Failed", id="failed-before-reconf"),
     *[

@@ -46,6 +46,7 @@ from shared.schemas import (
     Empty,
     Gpu,
     GpuChanged,
+    HoldCondition,
     Hello,
     HostResources,
     HugePages,
@@ -96,6 +97,13 @@ CONDITION = NodeCondition(
 GPU_CHANGED = GpuChanged(
     pci_address="0000:3b:00.0", uuid=UUID, phase="Passthrough", management_state="Managed", status=PhysicalGPUStatus()
 )
+HOLD_CONDITION = HoldCondition(
+    allocation_id="a1",
+    reservation_id="r1",
+    generation=4,
+    devices=[UUID],
+    condition=Condition(type="DevicesHealthy", status="False", reason="XidCritical", message="m", since=T0),
+)
 EVENTS: dict[str, object] = {
     "bound": BOUND,
     "released": RELEASED,
@@ -103,6 +111,7 @@ EVENTS: dict[str, object] = {
     "section": SECTION,
     "condition": CONDITION,
     "gpu": GPU_CHANGED,
+    "hold": HOLD_CONDITION,
 }
 
 SPEC = NodeSpec(
@@ -169,6 +178,7 @@ SAMPLES: list[tuple[str, object, object]] = [
     ("SectionStatus", SectionStatus, SECTION),
     ("NodeCondition", NodeCondition, CONDITION),
     ("GpuChanged", GpuChanged, GPU_CHANGED),
+    ("HoldCondition", HoldCondition, HOLD_CONDITION),
     *[("NodeEvent", UPSTREAM_TYPES["NodeEvent"], e) for e in EVENTS.values()],
     ("SignRequest", SignRequest, SignRequest(purpose="attested-report", event_id="ev:1", event=BOUND)),
     (

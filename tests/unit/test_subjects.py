@@ -387,7 +387,7 @@ def test_upstream_event_subject(event_type: str) -> None:
 
 
 def test_event_types_are_the_design_list() -> None:
-    assert set(EVENT_TYPES) == {"bound", "released", "failed", "section", "condition", "gpu"}
+    assert set(EVENT_TYPES) == {"bound", "released", "failed", "section", "condition", "gpu", "hold"}
 
 
 @pytest.mark.parametrize("event_type", ["", "bogus", "bound.x", "*", ">", "Bound"])

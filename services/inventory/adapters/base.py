@@ -27,6 +27,7 @@ import shutil
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
@@ -173,6 +174,47 @@ class RunningDomain:
 
     name: str
     gpus: tuple[str, ...] = ()
+
+
+#: what a health event says of a card (HealthEvent.kind): an XID (its number in `xid`), a
+#: single- or double-bit ECC error, the card lost to the vendor library ("gone"), or the
+#: card no longer watched ("unmonitored": events cannot be registered or the wait failed)
+HealthEventKind = Literal["xid", "ecc-correctable", "ecc-uncorrectable", "gone", "unmonitored"]
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One thing the vendor library told of a card between scans (NVML's event set)."""
+
+    pci_address: str
+    kind: HealthEventKind
+    #: when it happened (the adapter's clock when the library gives no time)
+    at: datetime
+    #: the XID's number (kind "xid")
+    xid: int | None = None
+    #: the MIG GPU and compute instance it came from (None: the whole card)
+    gi: int | None = None
+    ci: int | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """One periodic check of one card: what events cannot say."""
+
+    pci_address: str
+    #: the vendor library still answers the card (False: lost, e.g. NVML's GPU_IS_LOST)
+    answers: bool = True
+    #: remapped rows wait for a reset (NVML's nvmlDeviceGetRemappedRows isPending)
+    row_remap_pending: bool = False
+    #: a row could not be remapped (failureOccurred): the card needs service
+    row_remap_failed: bool = False
+    #: volatile (since the last reset) ECC error counts; None: not supported or ECC off
+    ecc_uncorrectable: int | None = None
+    ecc_correctable: int | None = None
+    #: why the card cannot be watched ("" when it is): a check that works but events that do not
+    unmonitored: str = ""
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -361,6 +403,32 @@ class Diagnosable(Protocol):
 
 
 @runtime_checkable
+class HealthWatcher(Protocol):
+    """A card's health between scans (issue 30): events the vendor library pushes, and a periodic
+    check of what it cannot push. The inventory calls these from one thread of its own, never
+    from its event loop: `wait_health_events` blocks."""
+
+    def open_health_watch(self) -> list[HealthEvent]:
+        """Register for events on every card the library sees (the same set the next waits use);
+        returns an `unmonitored` event for each card that cannot be registered. Raises AdapterError
+        when the library does not answer at all."""
+        ...
+
+    def wait_health_events(self, timeout: float) -> list[HealthEvent]:
+        """Events since the last call, waiting at most `timeout` seconds for the first; [] when none.
+        Raises AdapterError when the library stops answering (the caller re-opens the watch)."""
+        ...
+
+    def check_health(self) -> list[HealthCheck]:
+        """One check of every card the library sees; AdapterError when the library does not answer."""
+        ...
+
+    def close_health_watch(self) -> None:
+        """Free the event set (idempotent)."""
+        ...
+
+
+@runtime_checkable
 class DomainLister(Protocol):
     """Running VMs and their GPUs, read-only (the converger's Domains port builds on it)."""
 
@@ -472,6 +540,10 @@ __all__ = [
     "RunningDomain",
     "DiagResult",
     "Diagnosable",
+    "HealthEventKind",
+    "HealthEvent",
+    "HealthCheck",
+    "HealthWatcher",
     "MigLayoutResult",
     "MigPartitioner",
     "VendorCdi",

@@ -31,6 +31,7 @@ import os
 import re
 import time
 import uuid as uuid_mod
+from datetime import datetime
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -53,6 +54,8 @@ from .base import (
     DiagResult,
     GpuFacts,
     GpuInstanceFacts,
+    HealthCheck,
+    HealthEvent,
     MigLayoutResult,
     HostScan,
     MigInstanceFacts,
@@ -78,6 +81,10 @@ SliceIndex = Annotated[int, msgspec.Meta(ge=0, le=64)]
 _CI_PROFILE = re.compile(r"^(\d+)c\.(.+)$")
 
 T = TypeVar("T")
+
+
+#: what a scan, a check and the watch answer on a host whose NVML does not answer (nvml_gone)
+NVML_GONE = "NVML does not answer: Driver Not Loaded (fake host: nvml_gone)"
 
 
 class HostFileError(AdapterError):
@@ -177,6 +184,35 @@ class HostGpuFaults(_HostStruct, frozen=True, kw_only=True):
     sharing: Literal["", "mps-start-fail", "mps-stop-fail", "timeslice-fail"] = ""
 
 
+class HostXid(_HostStruct, frozen=True, kw_only=True):
+    """An XID the fake driver reports (the health watch reports each one added while it runs)."""
+
+    xid: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    at: datetime
+    #: the MIG GPU and compute instance it came from (null: the whole card)
+    gi: NonNegInt | None = None
+    ci: NonNegInt | None = None
+    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+class HostGpuHealth(_HostStruct, frozen=True, kw_only=True):
+    """What NVML would tell of a card's health (fakehw_health.py plays it back).
+
+    xids: XIDs in the order they happened; the watch reports those added after it opened
+    (as NVML reports only events after registration). ecc_*: the volatile counters (since
+    the last reset); a rise of either is an ECC event too. gone: NVML answers GPU_IS_LOST
+    for the card. unmonitored: events cannot be registered for it.
+    """
+
+    xids: Annotated[list[HostXid], msgspec.Meta(max_length=1024)] = []
+    ecc_uncorrectable: NonNegInt = 0
+    ecc_correctable: NonNegInt = 0
+    gone: bool = False
+    row_remap_pending: bool = False
+    row_remap_failed: bool = False
+    unmonitored: bool = False
+
+
 class HostPciDevice(_HostStruct, frozen=True, kw_only=True):
     """A PCI device that is not a GPU (a NIC, an NVMe drive): the switcher must refuse it."""
 
@@ -226,6 +262,8 @@ class HostGpu(_HostStruct, frozen=True, kw_only=True):
     diag: Literal["pass", "fail"] = "pass"
     diag_message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     diag_seconds: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
+    #: what NVML's events and checks say of the card's health
+    health: HostGpuHealth = HostGpuHealth()
 
 
 class HostProcess(_HostStruct, frozen=True, kw_only=True):
@@ -282,6 +320,9 @@ class FakeHost(_HostStruct, frozen=True, kw_only=True):
     pci_devices: list[HostPciDevice] = []
     #: the MPS control daemons running (GpuSharer's mps_start records one, mps_stop removes it)
     mps_daemons: Annotated[list[HostMpsDaemon], msgspec.Meta(max_length=MPS_LIST_MAX)] = []
+    #: NVML does not answer at all (the driver unloaded or hung): scans, health checks and the
+    #: health watch fail with NVML's "Driver Not Loaded"
+    nvml_gone: bool = False
 
 
 _HOST_DECODER = BoundedDecoder(FakeHost, max_bytes=HOST_FILE_MAX_BYTES, what="host file")
@@ -564,13 +605,14 @@ def _sysfs_driver(pci_address: str) -> str:
 
 class FakeHwAdapter:
     """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + GpuSharer
-    + DomainLister + Diagnosable over a host file."""
+    + DomainLister + Diagnosable + HealthWatcher over a host file."""
 
     def __init__(self, host_file: Path | str, *, cdi_dir: Path | str) -> None:
         self.host_file = Path(host_file)
         self.cdi_dir = Path(cdi_dir)
         # fail at start, not at the first scan, when the file is wrong.
         self._host = load_host_file(self.host_file)
+        self._health_watch: Any = None
 
     @property
     def host(self) -> FakeHost:
@@ -946,6 +988,8 @@ class FakeHwAdapter:
 
     def read_capabilities(self) -> HostScan:
         host = self.reload()
+        if host.nvml_gone:
+            raise AdapterError(NVML_GONE)
         nodes = [
             NumaNode(
                 node=n.node,
@@ -977,6 +1021,8 @@ class FakeHwAdapter:
                 compute_capability=g.compute_capability,
                 mig_mode=g.mig_mode,
                 iommu_group=g.iommu_group,
+                # NVML's GPU_IS_LOST: seen on the bus, not read (it must not look Ready)
+                readable=not g.health.gone,
             )
             for g in sorted(host.gpus, key=lambda g: g.index)
             # a card that dropped off the bus is not there to list (nor its processes)
@@ -1020,7 +1066,29 @@ class FakeHwAdapter:
         return True
 
     def close(self) -> None:
-        return None
+        self.close_health_watch()
+
+    # ----------------------------------------------------------------- health (HealthWatcher)
+
+    def open_health_watch(self) -> list[HealthEvent]:
+        if self._health_watch is None:
+            from .fakehw_health import FakeHealthWatch
+
+            self._health_watch = FakeHealthWatch(self.host_file)
+        return self._health_watch.open()
+
+    def wait_health_events(self, timeout: float) -> list[HealthEvent]:
+        if self._health_watch is None:
+            raise AdapterError("the health watch is not open")
+        return self._health_watch.wait(timeout)
+
+    def check_health(self) -> list[HealthCheck]:
+        from .fakehw_health import check_host
+
+        return check_host(load_host_file(self.host_file))
+
+    def close_health_watch(self) -> None:
+        self._health_watch = None
 
     # ----------------------------------------------------------------- optional
 

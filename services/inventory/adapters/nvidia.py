@@ -30,13 +30,29 @@ gone one.
 Sharing (`GpuSharer`: MPS control daemons, time slices) is not NVML's: it is
 done with NVIDIA's command-line tools by `nvidia_sharing.NvidiaSharing`, which
 the adapter delegates to (the paths come from the inventory).
+
+Health (`HealthWatcher`, issue 30) is NVML's event set and three reads per
+card. The watch registers XID, double-bit and single-bit ECC events on every
+card NVML sees (a MIG card's on its parent: its events name the GPU and
+compute instance) in an event set of its own, which only the inventory's
+health thread waits on; `check_health` reads remapped rows and the volatile
+ECC counters. A card NVML cannot see (on vfio-pci) is in neither. What NVML
+answers is sorted three ways: the library as a whole gone (uninitialized,
+driver not loaded, library missing, library/driver mismatch) raises
+AdapterError, which makes every card GpuLost; one card lost (GPU_IS_LOST,
+RESET_REQUIRED) is that card's `gone` / `answers=False`; a feature the card
+lacks (NOT_SUPPORTED) is no fault: a check reads None, a registration that
+fails is that card's `unmonitored`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -51,6 +67,8 @@ from .base import (
     AdapterUnavailable,
     DiagResult,
     GpuInstanceFacts,
+    HealthCheck,
+    HealthEvent,
     MigLayoutResult,
     GpuFacts,
     HostScan,
@@ -131,6 +149,23 @@ class NvmlProcess:
     ci_id: int | None = None
 
 
+@dataclass(frozen=True)
+class NvmlEvent:
+    """One event out of an NVML event set (nvmlEventSetWait_v2's nvmlEventData_t)."""
+
+    #: the NVML index of the card it came from; None when the port does not know the handle
+    index: int | None
+    #: nvmlEventType* (one bit)
+    event_type: int
+    #: eventData: the XID's number for an XID event
+    data: int = 0
+    #: the MIG GPU / compute instance it came from; None: the whole card (NVML's 0xFFFFFFFF)
+    gi_id: int | None = None
+    ci_id: int | None = None
+    #: NVML's spelling of the card's PCI bus id, read only when `index` is None
+    pci_bus_id: str = ""
+
+
 class NvmlPort(Protocol):
     """The NVML calls the adapter makes, by NVML device index; failures raise NvmlError."""
 
@@ -167,6 +202,28 @@ class NvmlPort(Protocol):
     def create_gpu_instance_with_placement(self, index: int, profile_id: int, start: int, size: int) -> int:
         """A GPU instance of that profile at that placement (nvmlDeviceCreateGpuInstanceWithPlacement); its id."""
         ...
+    # health (issue 30): an event set, and the reads of a check
+    def event_set_create(self) -> object:
+        """A new, empty event set (nvmlEventSetCreate); opaque to the caller."""
+        ...
+    def event_set_free(self, event_set: object) -> None:
+        """nvmlEventSetFree."""
+        ...
+    def device_supported_event_types(self, index: int) -> int:
+        """The nvmlEventType* bits the card can report (nvmlDeviceGetSupportedEventTypes)."""
+        ...
+    def device_register_events(self, index: int, event_types: int, event_set: object) -> None:
+        """nvmlDeviceRegisterEvents of those types on the card, into the set."""
+        ...
+    def event_set_wait(self, event_set: object, timeout_ms: int) -> NvmlEvent | None:
+        """The next event, waiting at most timeout_ms (nvmlEventSetWait_v2); None when none came (TIMEOUT)."""
+        ...
+    def device_remapped_rows(self, index: int) -> tuple[int, int, bool, bool]:
+        """(correctable rows, uncorrectable rows, remap pending, remap failed) (nvmlDeviceGetRemappedRows)."""
+        ...
+    def device_total_ecc_errors(self, index: int, uncorrected: bool) -> int:
+        """The volatile (since the last reset) count of uncorrected or corrected ECC errors (nvmlDeviceGetTotalEccErrors)."""
+        ...
 
 
 def _text(value: object) -> str:
@@ -174,11 +231,22 @@ def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def _handle_key(handle: object) -> object:
+    """What identifies a device handle: the address a ctypes pointer holds (an event's `device` is a
+    new pointer object to the same device), or the object's identity for anything else (a stub's)."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return id(handle)
+
+
 class PynvmlNvml:
     """NvmlPort on the real library (nvidia-ml-py's `pynvml` module)."""
 
     def __init__(self) -> None:
         self._handles: dict[int, object] = {}
+        # scans and the health thread both get handles; NVML itself is thread-safe, this cache is not
+        self._handles_lock = threading.Lock()
 
     @staticmethod
     def _call(fn: Callable[..., T], *args: object) -> T:
@@ -188,16 +256,25 @@ class PynvmlNvml:
             raise NvmlError(f"{getattr(fn, '__name__', 'nvml')}: {exc}", getattr(exc, "value", None)) from None
 
     def _handle(self, index: int) -> object:
-        if index not in self._handles:
-            self._handles[index] = self._call(pynvml.nvmlDeviceGetHandleByIndex, index)
-        return self._handles[index]
+        with self._handles_lock:
+            if index not in self._handles:
+                self._handles[index] = self._call(pynvml.nvmlDeviceGetHandleByIndex, index)
+            return self._handles[index]
+
+    def _index_of(self, handle: object) -> int | None:
+        """The index a handle was got for (every card registered for events was got through _handle)."""
+        key = _handle_key(handle)
+        with self._handles_lock:
+            return next((i for i, h in self._handles.items() if _handle_key(h) == key), None)
 
     def init(self) -> None:
-        self._handles.clear()
+        with self._handles_lock:
+            self._handles.clear()
         self._call(pynvml.nvmlInit)
 
     def shutdown(self) -> None:
-        self._handles.clear()
+        with self._handles_lock:
+            self._handles.clear()
         self._call(pynvml.nvmlShutdown)
 
     def driver_version(self) -> str:
@@ -368,6 +445,53 @@ class PynvmlNvml:
             )
         return out
 
+    # health
+
+    def event_set_create(self) -> object:
+        return self._call(pynvml.nvmlEventSetCreate)
+
+    def event_set_free(self, event_set: object) -> None:
+        self._call(pynvml.nvmlEventSetFree, event_set)
+
+    def device_supported_event_types(self, index: int) -> int:
+        return int(self._call(pynvml.nvmlDeviceGetSupportedEventTypes, self._handle(index)))
+
+    def device_register_events(self, index: int, event_types: int, event_set: object) -> None:
+        self._call(pynvml.nvmlDeviceRegisterEvents, self._handle(index), event_types, event_set)
+
+    def event_set_wait(self, event_set: object, timeout_ms: int) -> NvmlEvent | None:
+        try:
+            data = self._call(pynvml.nvmlEventSetWait_v2, event_set, timeout_ms)
+        except NvmlError as exc:
+            if exc.code == pynvml.NVML_ERROR_TIMEOUT:
+                return None
+            raise
+        index = self._index_of(data.device)
+        bus_id = ""
+        if index is None:
+            # a handle this port never got: NVML still names its card
+            try:
+                bus_id = _text(self._call(pynvml.nvmlDeviceGetPciInfo, data.device).busId)
+            except NvmlError:
+                pass
+        gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
+        return NvmlEvent(
+            index=index,
+            event_type=int(data.eventType),
+            data=int(data.eventData),
+            gi_id=None if gi == _NO_INSTANCE else gi,
+            ci_id=None if ci == _NO_INSTANCE else ci,
+            pci_bus_id=bus_id,
+        )
+
+    def device_remapped_rows(self, index: int) -> tuple[int, int, bool, bool]:
+        corr, unc, pending, failed = self._call(pynvml.nvmlDeviceGetRemappedRows, self._handle(index))
+        return int(corr), int(unc), bool(pending), bool(failed)
+
+    def device_total_ecc_errors(self, index: int, uncorrected: bool) -> int:
+        kind = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED if uncorrected else pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        return int(self._call(pynvml.nvmlDeviceGetTotalEccErrors, self._handle(index), kind, pynvml.NVML_VOLATILE_ECC))
+
 
 # --------------------------------------------------------------------------- the adapter
 
@@ -393,9 +517,54 @@ def _step_error(what: str, exc: BaseException) -> MigStepError:
     return MigStepError("failed", f"{what}: NVML failed ({exc})")
 
 
+# --------------------------------------------------------------------------- health (issue 30)
+
+#: the events the watch registers, of those a card supports
+_HEALTH_EVENTS = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError | pynvml.nvmlEventTypeSingleBitEccError
+#: NVML answers that mean the library as a whole does not answer, not one card
+_LIBRARY_GONE = frozenset(
+    {pynvml.NVML_ERROR_UNINITIALIZED, pynvml.NVML_ERROR_DRIVER_NOT_LOADED, pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH}
+)
+#: NVML answers that mean one card is lost (fallen off the bus, or unusable until a reset)
+_CARD_LOST = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED})
+#: NVML answers that mean the card (or this driver) lacks the feature: no fault
+_NOT_SUPPORTED = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_VGPU_ECC_NOT_SUPPORTED})
+#: the most events one wait takes from the set: the rest are the next wait's, so a storm of XIDs cannot hold the thread
+_EVENTS_MAX = 256
+#: how long closing the watch waits for a wait in flight; past that, that wait frees the set when it returns
+_CLOSE_WAIT_SECONDS = 5.0
+
+_NvmlErrors = (NvmlError, pynvml.NVMLError)
+
+
+def _nvml_code(exc: BaseException) -> int | None:
+    return exc.code if isinstance(exc, NvmlError) else getattr(exc, "value", None)
+
+
+def _library_gone(exc: BaseException) -> AdapterError:
+    return AdapterError(f"NVML does not answer: {exc or type(exc).__name__}")
+
+
+class _CardLost(Exception):
+    """A read of one card answered GPU_IS_LOST (or RESET_REQUIRED); the text is NVML's answer."""
+
+
+@dataclass
+class _HealthWatch:
+    """An open watch: NVML's event set and what it holds. Only the health thread touches it
+    (under NvidiaAdapter._watch_lock)."""
+
+    #: None: NVML could make no event set (every card is unmonitored); waits then only wait
+    event_set: object | None
+    #: NVML index -> PCI address of the cards registered on the set
+    cards: dict[int, str]
+    #: NVML index -> PCI address of the cards reported `gone`: not registered, not reported again
+    gone: dict[int, str]
+
+
 class NvidiaAdapter:
     """VendorAdapter + MigCapable + MigPartitioner + MigInstancer + VfioCapable + SharingCapable + GpuSharer
-    + Diagnosable on NVML, sysfs, DCGM and NVIDIA's tools."""
+    + Diagnosable + HealthWatcher on NVML, sysfs, DCGM and NVIDIA's tools."""
 
     def __init__(
         self,
@@ -427,6 +596,19 @@ class NvidiaAdapter:
         #: uuid -> NVML index, of the cards NVML saw in the last scan.
         self._nvml_index: dict[str, int] = {}
         self._mig_mode: dict[str, bool] = {}
+        #: NVML index -> PCI address of the last scan: the health watch names a card by it when NVML
+        #: no longer reads its PCI info. Replaced whole by each scan, never changed in place, so the
+        #: health thread reads it without a lock.
+        self._nvml_pci: dict[int, str] = {}
+        #: the health watch (health thread only); _watch_lock serialises open, wait and close, so
+        #: the event set is never freed while NVML waits on it
+        self._watch: _HealthWatch | None = None
+        self._watch_lock = threading.Lock()
+        #: a close gave up waiting for a wait in flight: that wait frees the set
+        self._watch_abandoned = False
+        #: PCI address -> why the card is not watched, of the open watch; replaced whole (check_health
+        #: runs in other threads and reads it without a lock)
+        self._unmonitored: dict[str, str] = {}
         self._closed = False
         try:
             self.nvml.init()
@@ -552,6 +734,7 @@ class NvidiaAdapter:
 
         seen: dict[str, GpuFacts] = {}
         nvml_index: dict[str, int] = {}
+        nvml_pci: dict[int, str] = {}
         for i in range(count):
             try:
                 uuid = self.nvml.device_uuid(i)
@@ -570,6 +753,7 @@ class NvidiaAdapter:
                 mig_mode=self._try(lambda: self.nvml.device_mig_mode(i), False),
             )
             nvml_index[uuid] = i
+            nvml_pci[i] = pci
 
         for pci in hostfs.list_nvidia_gpus(self.sysfs_root):
             if pci in seen:
@@ -589,6 +773,7 @@ class NvidiaAdapter:
         # what NVML said is worth remembering; a sysfs-only sighting adds nothing.
         self._last.update({g.pci_address: g for g in gpus if g.readable})
         self._nvml_index = nvml_index
+        self._nvml_pci = nvml_pci
         self._mig_mode = {g.uuid: g.mig_mode for g in gpus if g.uuid in nvml_index}
 
         processes: dict[tuple[int, str], RunningProcess] = {}
@@ -617,10 +802,276 @@ class NvidiaAdapter:
         if self._closed:
             return
         self._closed = True
+        # the event set first: NVML frees it only while initialised
+        self.close_health_watch()
         try:
             self.nvml.shutdown()
         except (NvmlError, pynvml.NVMLError):
             pass
+
+    # ----------------------------------------------------------------- HealthWatcher
+
+    def open_health_watch(self) -> list[HealthEvent]:
+        with self._watch_lock:
+            self._free_watch()  # a watch left open (the thread re-opens after a failure) is replaced
+            self._watch_abandoned = False
+            self._refuse_closed()
+            now = datetime.now(timezone.utc)
+            cards = self._health_cards()
+            events: list[HealthEvent] = []
+            gone: dict[int, str] = {}
+            unmonitored: dict[str, str] = {}
+            readable: dict[int, str] = {}
+            for i, pci, err in cards:
+                if err is None:
+                    readable[i] = pci
+                elif _nvml_code(err) in _CARD_LOST:
+                    gone[i] = pci
+                    events.append(HealthEvent(pci, "gone", now, message=f"NVML: {err}"))
+                else:
+                    unmonitored[pci] = f"NVML cannot read the card ({err}): its health events cannot be registered"
+            try:
+                event_set: object | None = self.nvml.event_set_create()
+            except _NvmlErrors as exc:
+                if _nvml_code(exc) in _LIBRARY_GONE:
+                    raise _library_gone(exc) from None
+                # no event set at all: every card is unmonitored, its checks still run
+                event_set = None
+                unmonitored.update({pci: f"NVML cannot make an event set ({exc}): health events cannot be registered" for pci in readable.values()})
+                registered: dict[int, str] = {}
+            else:
+                try:
+                    registered = self._register(event_set, readable, gone, unmonitored, events, now)
+                except AdapterError:
+                    self._free_set(event_set)
+                    raise
+            self._watch = _HealthWatch(event_set, registered, gone)
+            self._unmonitored = dict(unmonitored)
+            events.extend(HealthEvent(pci, "unmonitored", now, message=why) for pci, why in unmonitored.items())
+            return sorted(events, key=lambda e: e.pci_address)
+
+    def _register(
+        self, event_set: object, cards: Mapping[int, str], gone: dict[int, str], unmonitored: dict[str, str], events: list[HealthEvent], now: datetime
+    ) -> dict[int, str]:
+        """Register the health events of each card on the set; the cards registered. A card lost meanwhile
+        goes to `gone` (with its event), one that cannot be registered to `unmonitored`."""
+        registered: dict[int, str] = {}
+        for i, pci in sorted(cards.items()):
+            try:
+                types = self.nvml.device_supported_event_types(i) & _HEALTH_EVENTS
+                if not types:
+                    unmonitored[pci] = "the card reports none of NVML's health events (XID, ECC): they cannot be registered"
+                    continue
+                self.nvml.device_register_events(i, types, event_set)
+            except _NvmlErrors as exc:
+                code = _nvml_code(exc)
+                if code in _LIBRARY_GONE:
+                    raise _library_gone(exc) from None
+                if code in _CARD_LOST:
+                    gone[i] = pci
+                    events.append(HealthEvent(pci, "gone", now, message=f"NVML: {exc}"))
+                elif code in _NOT_SUPPORTED:
+                    unmonitored[pci] = f"NVML does not support health events on this card ({exc})"
+                else:
+                    unmonitored[pci] = f"NVML could not register health events for this card ({exc})"
+                continue
+            registered[i] = pci
+        return registered
+
+    def wait_health_events(self, timeout: float) -> list[HealthEvent]:
+        timeout = max(0.0, timeout)
+        deadline = time.monotonic() + timeout
+        with self._watch_lock:
+            try:
+                return self._wait(timeout, deadline)
+            finally:
+                if self._watch_abandoned:
+                    self._watch_abandoned = False
+                    self._free_watch()
+
+    def _wait(self, timeout: float, deadline: float) -> list[HealthEvent]:
+        self._refuse_closed()
+        watch = self._watch
+        if watch is None:
+            raise AdapterError("the health watch is not open")
+        if watch.event_set is None or not watch.cards:
+            time.sleep(timeout)  # nothing to wait on: the thread still paces itself by this wait
+            return []
+        events: list[HealthEvent] = []
+        timeout_ms = int(timeout * 1000)
+        for _ in range(_EVENTS_MAX):
+            try:
+                got = self.nvml.event_set_wait(watch.event_set, timeout_ms)
+            except _NvmlErrors as exc:
+                code = _nvml_code(exc)
+                if code in _LIBRARY_GONE:
+                    raise _library_gone(exc) from None
+                if code in _CARD_LOST:
+                    events.extend(self._lost_in_wait(watch, exc, deadline))
+                else:
+                    # the set cannot be waited on: its cards are unmonitored (their checks still run)
+                    now = datetime.now(timezone.utc)
+                    why = f"NVML's event wait failed ({exc}): health events are no longer watched"
+                    events.extend(HealthEvent(pci, "unmonitored", now, message=why) for pci in watch.cards.values())
+                    self._unmonitored = {**self._unmonitored, **{pci: why for pci in watch.cards.values()}}
+                    self._free_set(watch.event_set)
+                    watch.event_set, watch.cards = None, {}
+                break
+            if got is None:
+                break
+            timeout_ms = 0  # what else is queued already, without waiting again
+            event = self._health_event(watch, got)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _health_event(self, watch: _HealthWatch, got: NvmlEvent) -> HealthEvent | None:
+        pci = watch.cards.get(got.index, watch.gone.get(got.index)) if got.index is not None else None
+        if pci is None and got.pci_bus_id:
+            try:
+                pci = hostfs.normalize_pci(got.pci_bus_id)
+            except ValueError:
+                pci = None
+        if pci is None:
+            return None  # no card to name: a HealthEvent needs one
+        now = datetime.now(timezone.utc)  # NVML gives no wall time
+        gi = got.gi_id
+        ci = got.ci_id if gi is not None else None
+        if got.event_type & pynvml.nvmlEventTypeXidCriticalError:
+            return HealthEvent(pci, "xid", now, xid=int(got.data), gi=gi, ci=ci)
+        if got.event_type & pynvml.nvmlEventTypeDoubleBitEccError:
+            return HealthEvent(pci, "ecc-uncorrectable", now, gi=gi, ci=ci, message="NVML event: double-bit ECC error")
+        if got.event_type & pynvml.nvmlEventTypeSingleBitEccError:
+            return HealthEvent(pci, "ecc-correctable", now, gi=gi, ci=ci, message="NVML event: single-bit ECC error")
+        return None  # a type the watch did not register
+
+    def _lost_in_wait(self, watch: _HealthWatch, exc: BaseException, deadline: float) -> list[HealthEvent]:
+        """The wait answered GPU_IS_LOST without saying which card: each card on the set (and each already
+        gone) is read to find it. Those newly lost are `gone`, and the set is made again without them, so
+        the others' events still come. When no card reads as lost the set cannot be trusted: AdapterError."""
+        lost: dict[int, str] = {}
+        for i, pci in sorted({**watch.cards, **watch.gone}.items()):
+            check = self._check_card(i, pci)
+            if not check.answers:
+                lost[i] = check.message
+        if not lost:
+            raise AdapterError(f"NVML's event wait answered {exc}, and no card it watches reads as lost")
+        now = datetime.now(timezone.utc)
+        new = {i: watch.cards[i] for i in lost if i in watch.cards}
+        events = [HealthEvent(pci, "gone", now, message=lost[i]) for i, pci in new.items()]
+        if not new:
+            # only a card already reported: the wait may keep answering so; it must not spin
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return events
+        watch.gone.update(new)
+        try:
+            event_set = self.nvml.event_set_create()
+        except _NvmlErrors as exc2:
+            if _nvml_code(exc2) in _LIBRARY_GONE:
+                raise _library_gone(exc2) from None
+            raise AdapterError(f"NVML cannot make the event set again after a card was lost ({exc2})") from None
+        unmonitored: dict[str, str] = {}
+        rest = {i: pci for i, pci in watch.cards.items() if i not in new}
+        try:
+            registered = self._register(event_set, rest, watch.gone, unmonitored, events, now)
+        except AdapterError:
+            self._free_set(event_set)
+            raise
+        self._free_set(watch.event_set)
+        watch.event_set, watch.cards = event_set, registered
+        if unmonitored:
+            self._unmonitored = {**self._unmonitored, **unmonitored}
+            events.extend(HealthEvent(pci, "unmonitored", now, message=why) for pci, why in unmonitored.items())
+        return events
+
+    def check_health(self) -> list[HealthCheck]:
+        self._refuse_closed()
+        unmonitored = self._unmonitored  # one snapshot: the health thread replaces it whole
+        out: list[HealthCheck] = []
+        for i, pci, err in self._health_cards():
+            if err is not None:
+                out.append(HealthCheck(pci, answers=False, message=f"NVML cannot read the card: {err}"))
+            else:
+                out.append(replace(self._check_card(i, pci), unmonitored=unmonitored.get(pci, "")))
+        return sorted(out, key=lambda c: c.pci_address)
+
+    def _check_card(self, index: int, pci: str) -> HealthCheck:
+        """Remapped rows and the volatile ECC counters of one card; answers=False when it is lost."""
+        try:
+            rows = self._health_read(lambda: self.nvml.device_remapped_rows(index))
+            uncorrectable = self._health_read(lambda: self.nvml.device_total_ecc_errors(index, uncorrected=True))
+            correctable = self._health_read(lambda: self.nvml.device_total_ecc_errors(index, uncorrected=False))
+        except _CardLost as lost:
+            return HealthCheck(pci, answers=False, message=f"NVML: {lost}")
+        return HealthCheck(
+            pci,
+            row_remap_pending=bool(rows[2]) if rows is not None else False,
+            row_remap_failed=bool(rows[3]) if rows is not None else False,
+            ecc_uncorrectable=uncorrectable,
+            ecc_correctable=correctable,
+        )
+
+    @staticmethod
+    def _health_read(fn: Callable[[], T]) -> T | None:
+        """One read of a check: None when the card lacks it (or NVML refuses it: no fault either);
+        _CardLost when the card is lost; AdapterError when the library is."""
+        try:
+            return fn()
+        except _NvmlErrors as exc:
+            code = _nvml_code(exc)
+            if code in _LIBRARY_GONE:
+                raise _library_gone(exc) from None
+            if code in _CARD_LOST:
+                raise _CardLost(str(exc) or type(exc).__name__) from None
+            return None
+
+    def _health_cards(self) -> list[tuple[int, str, BaseException | None]]:
+        """(NVML index, PCI address, why NVML cannot read it or None) of each card NVML sees. A card whose
+        PCI info NVML no longer reads is named by the last scan; one it never named is left out."""
+        try:
+            count = self.nvml.device_count()
+        except _NvmlErrors as exc:
+            raise _library_gone(exc) from None
+        known = self._nvml_pci
+        out: list[tuple[int, str, BaseException | None]] = []
+        for i in range(count):
+            try:
+                out.append((i, hostfs.normalize_pci(self.nvml.device_pci_bus_id(i)), None))
+            except _NvmlErrors as exc:
+                if _nvml_code(exc) in _LIBRARY_GONE:
+                    raise _library_gone(exc) from None
+                if i in known:
+                    out.append((i, known[i], exc))
+            except ValueError:
+                continue  # not a PCI address: no card to name
+        return out
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise AdapterError("NVML is shut down: the nvidia adapter is closed")
+
+    def close_health_watch(self) -> None:
+        if not self._watch_lock.acquire(timeout=_CLOSE_WAIT_SECONDS):
+            # a wait stuck in the driver: freeing the set under it would crash NVML; the wait frees it
+            self._watch_abandoned = True
+            return
+        try:
+            self._free_watch()
+        finally:
+            self._watch_lock.release()
+
+    def _free_watch(self) -> None:
+        """Under _watch_lock."""
+        watch, self._watch = self._watch, None
+        self._unmonitored = {}
+        if watch is not None and watch.event_set is not None:
+            self._free_set(watch.event_set)
+
+    def _free_set(self, event_set: object) -> None:
+        try:
+            self.nvml.event_set_free(event_set)
+        except _NvmlErrors:
+            pass  # a library that is gone has freed it with everything else
 
     # ----------------------------------------------------------------- MigCapable
 
@@ -860,6 +1311,7 @@ class NvidiaAdapter:
 __all__ = [
     "NATIVE_DRIVER",
     "NvmlError",
+    "NvmlEvent",
     "NvmlGiProfile",
     "NvmlGpuInstance",
     "NvmlMigDevice",

@@ -1,0 +1,124 @@
+"""A sick GPU through every consumer of a whole node (issue 30): `bcd up` on a fake host with the
+device plugin and a kubelet stand-in on the official protos. An XID written into the host file
+reaches, within seconds: the inventory (Healthy=False, phase Failed), the kubelet (the card's
+device Unhealthy in the next ListAndWatch), the control plane (a `gpu` event with the condition,
+a `hold` event DevicesHealthy=False for each hold kept on the card, and `device-unhealthy` for a
+new hold on it), and `bcd status`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from services.device_plugin.proto import HEALTHY, UNHEALTHY
+
+from .harness import EXAMPLE_HOSTS
+from .kube_peers import ApiServer, FakeCluster, KubeletServer
+from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RES = "bcd.dev/gpu"
+HOST = json.loads((EXAMPLE_HOSTS / "h200x8.json").read_text())
+PCI = {g["uuid"]: g["pci_address"] for g in HOST["gpus"]}
+
+
+def kube(alloc: str, *devices: str) -> dict:
+    return {**assignment(alloc, *devices), "binding": "BINDING_KUBERNETES"}
+
+
+@pytest.fixture
+def peers(short_dir: Path, tmp_path: Path) -> Iterator[tuple[FakeCluster, Path, Path]]:
+    cluster = FakeCluster()
+    socket = short_dir / "pod-resources.sock"
+    server = KubeletServer(cluster, socket).start()
+    api = ApiServer(cluster).start()
+    try:
+        yield cluster, socket, api.write_kubeconfig(tmp_path / "kubeconfig")
+    finally:
+        api.stop()
+        server.stop()
+
+
+def throw_xid(host: Path, uuid: str, number: int) -> None:
+    doc = json.loads(host.read_text())
+    card = next(g for g in doc["gpus"] if g["uuid"] == uuid)
+    card.setdefault("health", {}).setdefault("xids", []).append({"xid": number, "at": datetime.now(timezone.utc).isoformat()})
+    tmp = host.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, host)
+
+
+async def test_an_xid_reaches_the_kubelet_the_control_plane_and_new_holds(tmp_path, short_dir, kubelet, peers) -> None:
+    _, socket, kubeconfig = peers
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps({**HOST, "processes": []}))
+    node = Node(tmp_path, "--kubelet-dir", str(short_dir), "--pod-resources-socket", str(socket), "--kubeconfig", str(kubeconfig), host=host)
+    await asyncio.to_thread(node.start)
+    try:
+        gen = await asyncio.to_thread(node.apply, {"node_id": "node-1", "devices": [kube("k1", GPU[0]), assignment("plain", GPU[3])]})
+        await asyncio.to_thread(node.wait_generation, gen)
+        await kubelet.wait_registered(RES)
+        devices = await kubelet.wait_devices(RES, lambda d: set(d) == {GPU[0]})
+        assert devices[GPU[0]].health == HEALTHY
+
+        # XID 79 on the kube hold's card, XID 48 on the plain hold's, XID 95 on a free card, and an
+        # application XID on another free card
+        for uuid, number in ((GPU[0], 79), (GPU[3], 48), (GPU[6], 95), (GPU[5], 43)):
+            throw_xid(host, uuid, number)
+        await kubelet.wait_devices(RES, lambda d: d.get(GPU[0]) is not None and d[GPU[0]].health == UNHEALTHY, timeout=20)
+
+        # the holds are kept, and each says so upstream
+        def hold_events():
+            got = {e.allocation_id: e for e in applied(node, "hold")}
+            return got if {"k1", "plain"} <= set(got) else None
+
+        said = await asyncio.to_thread(wait_for, hold_events, 30, "hold conditions at the control plane")
+        assert "DevicesHealthy=False XidCritical" in said["k1"].detail and "XID 79" in said["k1"].detail
+        assert "XID 48 (double-bit ECC error)" in said["plain"].detail
+        assert node.holds() >= {"k1", "plain"}
+        rsv = node.cp_state().reservations["rsv-plain"]
+        assert rsv.state == "active" and rsv.condition is not None and rsv.condition.reason == "XidCritical"
+
+        # the sick cards' gpu events reach the control plane (Failed); the ignored XID's card stays Ready
+        def gpu_events():
+            got = {(e.event or {}).get("pci_address", ""): e.detail for e in applied(node, "gpu")}
+            return got if all(got.get(PCI[u], "").startswith("Failed/") for u in (GPU[0], GPU[3], GPU[6])) else None
+
+        got = await asyncio.to_thread(wait_for, gpu_events, 30, "gpu events of the sick cards")
+        assert got[PCI[GPU[5]]].startswith("Ready/"), got
+
+        # a new hold on a sick card is refused naming the condition; one on the ignored XID's card binds
+        devices = [kube("k1", GPU[0]), assignment("plain", GPU[3]), assignment("n1", GPU[6]), assignment("ok", GPU[5])]
+        gen = await asyncio.to_thread(node.apply, {"node_id": "node-1", "devices": devices})
+        await asyncio.to_thread(node.wait_generation, gen)
+        failed = {e.allocation_id: e for e in applied(node, "failed")}
+        assert set(failed) == {"n1"}
+        assert failed["n1"].detail.startswith("device-unhealthy: ") and "XID 95 (uncontained ECC error)" in failed["n1"].detail
+        assert "ok" in node.holds() and "n1" not in node.holds()
+        status = await asyncio.to_thread(bcd, "status", "--state-dir", str(node.state))
+        assert "XidCritical" in status.stdout, status.stdout
+
+        # an XID while a pass binds a hold on that card: whichever comes first, the node ends
+        # consistent - the hold refused as device-unhealthy, or bound and then saying DevicesHealthy=False
+        devices.append(assignment("racing", GPU[7]))
+        gen = await asyncio.to_thread(node.apply, {"node_id": "node-1", "devices": devices})
+        throw_xid(host, GPU[7], 119)
+        await asyncio.to_thread(node.wait_generation, gen)
+
+        def settled():
+            if "racing" in {e.allocation_id for e in applied(node, "failed")}:
+                return "refused"
+            said = {e.allocation_id: e.detail for e in applied(node, "hold")}
+            return "kept" if "XID 119" in said.get("racing", "") else None
+
+        outcome = await asyncio.to_thread(wait_for, settled, 30, "the racing hold refused or saying it is on a sick card")
+        assert ("racing" in node.holds()) == (outcome == "kept")
+    finally:
+        await asyncio.to_thread(node.stop)

@@ -1,0 +1,156 @@
+"""GPU health end to end in the real inventory process (issue 30): the fake host's XIDs, ECC
+counts, lost cards and a vanished NVML become each card's Healthy condition within seconds, a
+`gpu` event in the node outbox, bcd_gpu_condition and the XID counter; an ignored XID changes
+nothing; a kill -9 forgets nothing; a reboot with a clean check, or a recheck after a reset,
+brings a card back. The converger is played by the test as in test_inventory_gpu.py."""
+
+from __future__ import annotations
+
+import signal
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from .harness import NodeBus
+from .test_inventory_gpu import CARD0, CARD1, CARD2, CARD3, Node, cond, host_file, node, until  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.integration
+
+CARD4, CARD5, CARD6, CARD7 = "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"
+FAST = {"BCD_HEALTH_INTERVAL": "0.3", "BCD_RESCAN_INTERVAL": "60"}
+
+
+def health(g: Any) -> tuple[str, str] | None:
+    return cond(g, "Healthy")
+
+
+def xid(n: int, **kw: Any) -> dict[str, Any]:
+    return {"xid": n, "at": datetime.now(timezone.utc).isoformat(), **kw}
+
+
+def add_health(node: Node, pci: str, **fields: Any) -> None:
+    card = next(g for g in node.host()["gpus"] if g["pci_address"] == pci)
+    h = dict(card.get("health", {}))
+    for k, v in fields.items():
+        h[k] = [*h.get(k, []), *v] if k == "xids" else v
+    node.edit_host(**{pci: {"health": h}})
+
+
+async def test_each_kind_of_fault_makes_its_card_unhealthy_upstream_and_in_the_metrics(node: Node) -> None:
+    host = node.host()
+    assert [g["pci_address"] for g in host["gpus"]] == [CARD0, CARD1, CARD2, CARD3, CARD4, CARD5, CARD6, CARD7]
+    await node.start(**FAST)
+    for pci in (CARD0, CARD7):
+        g = await node.card(pci)
+        assert health(g) == ("True", "Checked") and g.status.phase == "Ready"
+    events_before = len(await node.outbox())
+
+    faults = {
+        CARD0: ({"xids": [xid(79)]}, "XidCritical", "XID 79 (GPU has fallen off the bus)"),
+        CARD1: ({"xids": [xid(94, gi=1, ci=0)]}, "XidCritical", "XID 94 (contained ECC error) on MIG gi1/ci0"),
+        CARD2: ({"ecc_uncorrectable": 1}, "EccUncorrectable", "uncorrectable"),
+        CARD3: ({"gone": True}, "GpuLost", "stopped answering"),
+        CARD4: ({"row_remap_pending": True}, "RowRemapPending", "remapped rows are pending"),
+        CARD5: ({"row_remap_failed": True}, "RowRemapFailed", "needs service"),
+    }
+    for pci, (fields, _, _) in faults.items():
+        add_health(node, pci, **fields)
+    add_health(node, CARD6, xids=[xid(43), xid(13)])  # application XIDs: ignored
+    for pci, (_, reason, text) in faults.items():
+        g = await node.wait_card(pci, lambda g, r=reason: health(g) == ("False", r), f"Healthy=False {reason}", timeout=15)
+        assert g.status.phase == "Failed"
+        c = next(c for c in g.status.conditions if c.type == "Healthy")
+        assert text in c.message, c.message
+    ignored = await node.card(CARD6)
+    assert health(ignored) == ("True", "Checked") and ignored.status.phase == "Ready"
+
+    # upstream: one gpu event per sick card, each carrying the condition; none for the ignored XIDs
+    async def said() -> dict[str, Any] | None:
+        got = {e.pci_address: e for _, _, e in (await node.outbox())[events_before:]}
+        return got if set(faults) <= set(got) else None
+
+    got = await until(said, "gpu events of the sick cards")
+    assert CARD6 not in got and CARD7 not in got
+    for pci, (_, reason, _) in faults.items():
+        assert got[pci].phase == "Failed"
+        assert ("Healthy", "False", reason) in [(c.type, c.status, c.reason) for c in got[pci].status.conditions]
+
+    text = await node.metrics()
+    for pci, (_, reason, _) in faults.items():
+        assert f'bcd_gpu_condition{{pci_address="{pci}",reason="{reason}",status="False",type="Healthy"}} 1.0' in text
+    assert f'bcd_gpu_xid_events_total{{pci_address="{CARD0}",severity="critical",xid="79"}} 1.0' in text
+    assert f'bcd_gpu_xid_events_total{{pci_address="{CARD6}",severity="ignored",xid="43"}} 1.0' in text
+    assert f'bcd_gpu_ecc_events_total{{kind="uncorrectable",pci_address="{CARD2}"}} 1.0' in text
+    assert f'bcd_gpu_phase{{pci_address="{CARD0}",phase="Failed"}} 1.0' in text
+    node.assert_clean_log()
+
+
+async def test_an_unhealthy_card_stays_so_through_a_kill_9_until_a_reboot_or_a_recheck(node: Node, node_bus: NodeBus) -> None:
+    await node.start(**FAST)
+    add_health(node, CARD0, xids=[xid(79)])
+    add_health(node, CARD1, xids=[xid(48)])
+    await node.wait_card(CARD0, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed")
+    await node.wait_card(CARD1, lambda g: health(g) == ("False", "XidCritical"), "XID 48 noticed")
+
+    # kill -9: the XIDs are not in the host file's news any more (the watch reports only what comes
+    # after it opened), so only gpus.json can remember them
+    sp = node.bus.services[-1]
+    sp.proc.send_signal(signal.SIGKILL)
+    assert sp.wait() == -signal.SIGKILL
+    node.start_inventory(**FAST)
+    await node.bus.wait_service("inventory")
+    for pci in (CARD0, CARD1):
+        g = await node.card(pci)
+        assert health(g) == ("False", "XidCritical") and g.status.phase == "Failed"
+
+    # a clean check alone does not bring a card back after a fatal XID
+    refused = await node.gpu("recheck", CARD2)  # a healthy card: nothing to clear
+    assert refused.accepted is True and refused.message.startswith("nothing cleared; Healthy=True Checked")
+    # the operator reset card 1 and asks for a check: it comes back
+    back = await node.gpu("recheck", CARD1)
+    assert back.accepted is True, back.message
+    assert back.message.startswith("cleared XidCritical; Healthy=True Checked")
+    assert health(await node.card(CARD1)) == ("True", "Checked")
+    # a recheck with the rows still pending clears the XID but not the remap
+    add_health(node, CARD0, row_remap_pending=True)
+    still = await node.gpu("recheck", CARD0)
+    assert still.accepted is False and "RowRemapPending" in still.message
+
+    # a reboot (a new boot id) and a clean check clear the rest
+    add_health(node, CARD0, row_remap_pending=False)
+    node.edit_host(_={"boot_id": "11111111-2222-3333-4444-555555555555"})
+    assert node.bus.services[-1].stop() == 0
+    node.start_inventory(**FAST)
+    await node.bus.wait_service("inventory")
+    await node.wait_card(CARD0, lambda g: health(g) == ("True", "Checked") and g.status.phase == "Ready", "healthy after the reboot")
+    assert "GPU healthy again" in node.log()
+    bad = await node.gpu("recheck", "0000:3B:00.0")
+    assert bad.accepted is False and "canonical PCI address" in bad.message
+
+
+async def test_nvml_vanishing_loses_every_card_and_its_return_keeps_them_lost(node: Node) -> None:
+    await node.start(**FAST)
+    node.edit_host(_={"nvml_gone": True})
+    for pci in (CARD0, CARD7):
+        g = await node.wait_card(pci, lambda g: health(g) == ("False", "GpuLost"), "GpuLost", timeout=15)
+        assert "Driver Not Loaded" in next(c.message for c in g.status.conditions if c.type == "Healthy")
+    assert "the vendor library does not answer" in node.log()
+    node.edit_host(_={"nvml_gone": False})
+    await until(lambda: _logged(node, "answers again"), "the watch opened again", timeout=15)
+    assert health(await node.card(CARD0)) == ("False", "GpuLost")  # lost until a reset or reboot says otherwise
+    node.assert_clean_log()
+
+
+async def test_health_checks_off_reads_unmonitored_and_keeps_cards_ready(node: Node) -> None:
+    await node.start(BCD_HEALTH_CHECKS="off")
+    add_health(node, CARD0, xids=[xid(79)])
+    g = await node.card(CARD0)
+    assert health(g) == ("Unknown", "Unmonitored") and g.status.phase == "Ready"
+    reply = await node.gpu("recheck", CARD0)
+    assert reply.accepted is False and "health checks are off" in reply.message
+
+
+async def _logged(node: Node, text: str) -> bool:
+    return text in node.log()
+
