@@ -170,7 +170,11 @@ def _canonical_pci(address: str) -> str:
 
 
 def cmd_gpu(args: argparse.Namespace) -> int:
-    """`bcd gpu list`, or exclude / include / reclaim one card by its PCI address (through the inventory)."""
+    """`bcd gpu list`, or exclude / include / reclaim / recheck one card by its PCI address (through the inventory).
+
+    recheck: the inventory checks the card's health now and lets a clean check clear its sticky
+    faults (a fatal XID, an uncorrectable ECC error, the card lost); accepted (exit 0) when the
+    card reads healthy after it, refused (exit 1, the reply says what stands) otherwise."""
     from .status import render_gpus
 
     info = node_info(args.state_dir)
@@ -775,14 +779,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="report these pending releases now: you assert no pod holds their devices (a host with no kubelet, whose releases never end)",
     )
-    gpu = client("gpu", cmd_gpu, "PhysicalGPU status of every card (or one); exclude, include, reclaim, reset or diagnose one card")
+    gpu = client("gpu", cmd_gpu, "PhysicalGPU status and health of every card (or one); exclude, include, reclaim, reset, diagnose or recheck one card")
     gpu.add_argument(
         "action",
-        choices=("list", "exclude", "include", "reclaim", "reset", "diag", "mig-layout"),
+        choices=("list", "exclude", "include", "reclaim", "reset", "diag", "mig-layout", "recheck"),
         metavar="ACTION",
-        help="list, exclude, include, reclaim, reset, diag or mig-layout: list the cards (one with ADDRESS), or act on the card at ADDRESS; "
+        help="list, exclude, include, reclaim, reset, diag, mig-layout or recheck: list the cards (one with ADDRESS), or act on the card at ADDRESS; "
         "reset: a PCI function reset; diag: DCGM's diagnostic (--level); "
-        "mig-layout: the card's desired MIG layout (LAYOUT), applied once nothing holds the card",
+        "mig-layout: the card's desired MIG layout (LAYOUT), applied once nothing holds the card; "
+        "recheck: check the card's health now, clearing a fatal XID, ECC or lost-card fault when the check is clean (exit 1 while it stays unhealthy)",
     )
     gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by every action but list)")
     gpu.add_argument("layout", nargs="?", metavar="LAYOUT", help="mig-layout: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")

@@ -13,9 +13,16 @@ holds it cannot use and what to do), or one ok row when there is none. Never a
 failure: a node is healthy whether or not anything on the host can start containers.
 
 A card that only a person can move on (`ATTENTION_ROWS`: a disruption waiting
-for a reboot, a failed reclaim, phase Failed, an Orphaned card nobody is
-reclaiming) makes the node unhealthy (`bcd status` and `bcd doctor` exit 1)
-and is listed with the condition behind it and what to run.
+for a reboot, an unhealthy card, a failed reclaim, phase Failed, an Orphaned
+card nobody is reclaiming) makes the node unhealthy (`bcd status` and `bcd
+doctor` exit 1) and is listed with the condition behind it and what to run.
+
+A card's health is its Healthy condition (issue 30, services/inventory/health.py):
+False (a fatal XID, an uncorrectable ECC error, the card lost, remapped rows) is
+ill health a person has to act on, so it is an ATTENTION_ROWS row and a `gpu-health`
+FAIL in `bcd doctor`; Unknown/Unmonitored (health cannot be watched, or
+`--health-checks off`) is a `gpu-health` warning only; Unknown/NotChecked (a card
+the vendor library has not seen, e.g. on vfio-pci) and True are fine.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from shared.schemas import (
     GpuOp,
     Inventory,
 )
-from shared.schemas.inventory import REBOOT_WAIT_REASONS
+from shared.schemas.inventory import HEALTHY_CONDITION, REBOOT_WAIT_REASONS
 from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.subjects import NodeSubjects
 
@@ -57,6 +64,9 @@ from .runtimes import RUNTIME_NAMES, HoldFiles, HoldUse, RuntimeFacts, RuntimePr
 
 #: an outbox whose oldest event is older than this is not draining.
 OUTBOX_STALE_S = 120.0
+#: Healthy=Unknown before the vendor library saw the card (on vfio-pci): nothing to watch, no warning
+#: (services/inventory/health.py NOT_CHECKED; the other Unknown reason is Unmonitored).
+NOT_CHECKED = "NotChecked"
 
 
 @dataclass
@@ -231,6 +241,11 @@ def render_status(report: NodeReport) -> str:
             lines.append(f"  hold {h.allocation_id} ({h.reservation_id}) gen {h.generation}: {', '.join(h.devices)}{extra}{flag}")
             if h.binding == "BINDING_KUBERNETES":
                 lines.append(f"    kubelet: {advertised_text(report, h.allocation_id)}")
+            if h.condition is not None and h.condition.status == "False":
+                # kept on a sick card, and said upstream (HoldCondition): the work should move
+                lines.append(f"    {h.condition.type}=False {h.condition.reason}: {h.condition.message}")
+        # why an instance's card was not handed to its VM (unhealthy, excluded, waiting for a holder)
+        lines.extend(f"  vfio: {n}" for n in conv.vfio_notes)
         # what the converger skipped or got less of (files that are not regular files, a reduced outbox)
         lines.extend(f"  problem: {p}" for p in conv.problems)
         # the journal against the disk: a hold whose files went from outside, before the pass puts them back
@@ -261,10 +276,14 @@ def render_status(report: NodeReport) -> str:
     attention = gpu_attention(inv)
     if attention:
         lines.append("needs a person:")
+        cards = {g.pci_address: g for g in inv.gpus} if inv else {}
         for a in attention:
             why = f"{a.message} ({a.condition})" if a.condition else a.message
             lines.append(f"  GPU {a.pci} {a.what}: {why}")
             lines.append(f"    {'run: ' if a.command else 'to do: '}{a.action}")
+            sick = cards[a.pci].status.unhealthy() if a.pci in cards and a.row != "unhealthy" else None
+            if sick is not None:  # another row comes first (a reboot it waits for), but say why it is sick too
+                lines.append(f"    also unhealthy: {health_words(sick)}")
     svc = ", ".join(f"{n}{'' if n in report.services else ' (DOWN)'}" for n in (report.expected or sorted(report.services)))
     lines.append(f"services: {svc}")
     bad = problems(report)
@@ -332,26 +351,72 @@ def op_line(op: GpuOp) -> str:
     return f"{what} {op.pci}: {op.outcome} at {_when(op.finished_at)} ({op.id}): {op.message}"
 
 
+def health_cell(g: Gpu) -> str:
+    """A card's health in a word (`bcd gpu list`'s HEALTH): ok, the False reason (XidCritical, ...),
+    Unknown/<reason> (NotChecked, Unmonitored), or "-" from an inventory that does not say."""
+    c = g.status.health()
+    if c is None:
+        return "-"
+    if c.status == "True":
+        return "ok"
+    return c.reason if c.status == "False" else f"{c.status}/{c.reason}"
+
+
+def health_words(c: Condition) -> str:
+    """The Healthy condition's message naming its reason once (the inventory's message already
+    starts "XidCritical: ..." and names every fault)."""
+    if not c.message:
+        return c.reason
+    return c.message if c.message.startswith(f"{c.reason}:") else f"{c.reason}: {c.message}"
+
+
+#: the most cards a line of `bcd gpu list` or `bcd doctor` names before "and N more".
+_NAMED_CARDS = 5
+
+
+def _cards(pcis: list[str], of: int) -> str:
+    if len(pcis) == of and of > 1:
+        return f"every card ({of})"
+    more = f" and {len(pcis) - _NAMED_CARDS} more" if len(pcis) > _NAMED_CARDS else ""
+    return ", ".join(pcis[:_NAMED_CARDS]) + more
+
+
+def _unwatched(inv: Inventory) -> dict[str, list[str]]:
+    """Healthy=Unknown for another reason than NotChecked (Unmonitored: it cannot be watched), by message."""
+    out: dict[str, list[str]] = {}
+    for g in inv.gpus:
+        c = g.status.health()
+        if c is not None and c.status == "Unknown" and c.reason != NOT_CHECKED:
+            out.setdefault(c.message or c.reason, []).append(g.pci_address)
+    return out
+
+
 def render_gpus(inv: Inventory, ops: list[GpuOp] | None = None) -> str:
-    """`bcd gpu list`: each card's driver binding, phase, management state and the conditions behind them,
-    and its maintenance: what runs on it, the last reset and the last diagnostic (from the converger)."""
-    lines = [f"{'PCI':<13} {'DRIVER':<9} {'MODE':<11} {'PHASE':<13} {'MANAGEMENT':<11} CONDITIONS"]
+    """`bcd gpu list`: each card's driver binding, phase, management state, health and the conditions
+    behind them, and its maintenance: what runs on it, the last reset and the last diagnostic (from
+    the converger). An unhealthy card gets a `Healthy:` line with the message (what the inventory
+    saw, and when); cards whose health cannot be watched are named once at the end, by why."""
+    lines = [f"{'PCI':<13} {'DRIVER':<9} {'MODE':<11} {'PHASE':<13} {'MANAGEMENT':<11} {'HEALTH':<19} CONDITIONS"]
     for g in inv.gpus:
         st = g.status
         conds = ", ".join(f"{c.type}={c.status}/{c.reason}" for c in st.conditions)
         lines.append(
             f"{g.pci_address:<13} {st.driver_binding.driver or '-':<9} {st.driver_binding.mode:<11} "
-            f"{st.phase:<13} {st.driver_binding.management_state:<11} {conds}"
+            f"{st.phase:<13} {st.driver_binding.management_state:<11} {health_cell(g):<19} {conds}"
         )
         for c in st.conditions:
             if c.type in ("Reclaim", "Reconfiguring", "MigLayout") or (c.type == "AdapterReady" and c.status == "False"):
                 lines.append(f"{'':<13} {c.type}: {c.message}")
+            elif c.type == HEALTHY_CONDITION and c.status == "False":
+                lines.append(f"{'':<13} {c.type}: {c.message or c.reason}")
         a = card_attention(g)
         if a is not None:
             lines.append(f"{'':<13} needs a person: {'run ' if a.command else ''}{a.action}")
         for op in ops or ():
             if op.pci == g.pci_address:
                 lines.append(f"{'':<13} {op_line(op).replace(f' {g.pci_address}:', ':', 1)}")
+    for why, pcis in _unwatched(inv).items():
+        lines.append(f"health not watched on {_cards(pcis, len(inv.gpus))}: {why}")
     if ops is None:
         lines.append("(maintenance unknown: the converger did not answer)")
     return "\n".join(lines)
@@ -415,6 +480,32 @@ def _reclaim_failed(g: Gpu) -> Condition | None:
     return c if c is not None and c.status == "False" and c.reason == "Failed" else None
 
 
+def _unhealthy(g: Gpu) -> Condition | None:
+    return g.status.unhealthy()
+
+
+def _unhealthy_action(g: Gpu) -> tuple[str, bool]:
+    """What brings an unhealthy card back, by its Healthy reason (the worst fault it has)."""
+    c, pci = g.status.unhealthy(), g.pci_address
+    reason = c.reason if c is not None else ""
+    if reason == "RowRemapFailed":
+        return "the card needs service: a row of its memory could not be remapped (no reset or reboot fixes that); have it repaired or replaced", False
+    if reason == "RowRemapPending":
+        return f"reset the card (`bcd gpu reset {pci}`) or reboot the node: the pending rows are remapped then, and the next check clears it", False
+    if reason == "EccCorrectable":
+        return (
+            f"reset the card (`bcd gpu reset {pci}`) or reboot the node to zero its ECC counters (the next check clears it), "
+            "or raise the inventory's --ecc-correctable-max",
+            False,
+        )
+    # GpuLost, XidCritical, EccUncorrectable: sticky until a person acted
+    return (
+        f"reset the card (`bcd gpu reset {pci}`) or reboot the node, then `bcd gpu recheck {pci}` if it still reads unhealthy "
+        "(a clean check after the reset or the reboot clears it)",
+        False,
+    )
+
+
 def _adapter_not_ready(g: Gpu) -> Condition | None:
     c = _condition(g, "AdapterReady")
     return c if c is not None and c.status == "False" else None
@@ -445,7 +536,8 @@ def _base(g: Gpu) -> str:
 
 #: what makes a card need a person, first matching row wins per card; anything
 #: else (Ready, Completing, a refused reclaim, OrphanPending, Excluded, a
-#: reclaim in progress) resolves by itself or is the operator's own choice.
+#: reclaim in progress, health Unknown) resolves by itself or is the operator's
+#: own choice.
 ATTENTION_ROWS: tuple[AttentionRow, ...] = (
     # the switcher could not roll a driver switch back: only a reboot returns the card
     AttentionRow(
@@ -454,6 +546,16 @@ ATTENTION_ROWS: tuple[AttentionRow, ...] = (
         _reboot_wait,
         lambda g: getattr(_reboot_wait(g), "reason", "Reconfiguring"),
         lambda g: (f"reboot the node (the card is back on {_base(g)} after it; the condition clears by itself)", False),
+    ),
+    # Healthy=False (issue 30): a fatal XID, an uncorrectable ECC error, the card lost, remapped rows;
+    # nothing new is given the card, and only a reset, a reboot or service brings it back. Before
+    # phase-failed (Healthy=False makes the phase Failed) and a failed reclaim (a sick card is why).
+    AttentionRow(
+        "unhealthy",
+        lambda g: _unhealthy(g) is not None,
+        _unhealthy,
+        lambda g: "unhealthy",
+        _unhealthy_action,
     ),
     # a reclaim that did not get the card off vfio-pci in time (seed: "a node reboot may be needed")
     AttentionRow(
@@ -548,6 +650,29 @@ def cdi_runtime_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     return out
 
 
+def health_checks(inv: Inventory | None) -> list[tuple[str, str, str]]:
+    """`gpu-health` rows: a FAIL per unhealthy card (its Healthy condition; the `gpu` row says what to
+    do), a warning per reason health cannot be watched (Unmonitored), naming the cards; else one ok
+    row. Nothing from an inventory that does not say (no card has a Healthy condition)."""
+    if inv is None or not any(g.status.health() is not None for g in inv.gpus):
+        return []
+    out: list[tuple[str, str, str]] = []
+    for g in inv.gpus:
+        c = g.status.unhealthy()
+        if c is not None:
+            out.append(("fail", "gpu-health", f"{g.pci_address} is unhealthy (Healthy=False/{c.reason}), nothing new is given it: {health_words(c)}"))
+    for why, pcis in _unwatched(inv).items():
+        out.append(("warn", "gpu-health", f"{_cards(pcis, len(inv.gpus))}: health not watched (Healthy=Unknown): {why}"))
+    if not out:
+        healthy = sum(1 for g in inv.gpus if (c := g.status.health()) is not None and c.status == "True")
+        waiting = len(inv.gpus) - healthy
+        text = f"{healthy} card(s) healthy"
+        if waiting:
+            text += f", {waiting} not checked yet (NotChecked: the vendor library has not seen them, e.g. on vfio-pci)"
+        out.append(("ok", "gpu-health", text))
+    return out
+
+
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     """(level ok|warn|fail, check name, message) per check."""
     out: list[tuple[str, str, str]] = []
@@ -626,6 +751,7 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
         elif dra.registration_error:
             out.append(("warn", "dra-plugin", f"the kubelet refused its registration: {dra.registration_error}"))
     out.extend(cdi_runtime_checks(report))
+    out.extend(health_checks(inv))
     out.extend(("fail", "gpu", p) for p in gpu_problems(inv))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
@@ -639,6 +765,9 @@ __all__ = [
     "problems",
     "render_status",
     "render_gpus",
+    "health_cell",
+    "health_words",
+    "health_checks",
     "Attention",
     "AttentionRow",
     "ATTENTION_ROWS",

@@ -228,7 +228,7 @@ def apply_check(
     if check.row_remap_failed:
         changed |= _raise(health, ROW_REMAP_FAILED, "a row could not be remapped: the card needs service", now, boot_id)
     if check.row_remap_pending:
-        changed |= _raise(health, ROW_REMAP_PENDING, "remapped rows are pending: reset the card (nvidia-smi -r) or reboot", now, boot_id)
+        changed |= _raise(health, ROW_REMAP_PENDING, "remapped rows are pending: reset the card (bcd gpu reset) or reboot", now, boot_id)
     else:
         changed |= _clear(health, [ROW_REMAP_PENDING])
     if check.ecc_uncorrectable is not None and check.ecc_uncorrectable > policy.ecc_uncorrectable_max:

@@ -154,3 +154,20 @@ async def test_health_checks_off_reads_unmonitored_and_keeps_cards_ready(node: N
 async def _logged(node: Node, text: str) -> bool:
     return text in node.log()
 
+
+
+async def test_a_reset_that_worked_brings_a_card_back_after_a_clean_check(node: Node) -> None:
+    await node.start(**FAST)
+    add_health(node, CARD2, xids=[xid(79)])
+    await node.wait_card(CARD2, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed")
+    # a reset that failed clears nothing
+    await node.switch_result(pci=CARD2, target="reset", outcome="Failed", reason="WriteFailed")
+    await node.switch_result(pci=CARD3, target="reset", outcome="Succeeded", reason="Reset")
+    await until(lambda: _logged(node, "switch result"), "the notices taken")
+    assert health(await node.card(CARD2)) == ("False", "XidCritical")
+    # `bcd gpu reset` did it (the switcher's notice): the inventory checks the card again
+    await node.switch_result(pci=CARD2, target="reset", outcome="Succeeded", reason="Reset")
+    g = await node.wait_card(CARD2, lambda g: health(g) == ("True", "Checked"), "healthy after the reset")
+    assert g.status.phase == "Ready"
+    assert "GPU healthy again: a clean check cleared its faults" in node.log()
+    node.assert_clean_log()

@@ -396,3 +396,149 @@ def test_ping_shows_the_metrics_endpoint_as_this_host_reaches_it(info: dict, met
 
     node = NodeInfo(node_id="n", nats_url="nats://127.0.0.1:1", creds_dir="/x", **info)
     assert cli._metrics_seen_from_here(node, "converger", metadata) == shown
+
+
+# ------------------------------------------------------------------ bcd gpu recheck, gpu list's health (issue 30)
+
+CARD = "0000:18:00.0"
+XID_79 = "XidCritical: XID 79 (GPU has fallen off the bus) at 2026-12-03T10:00:00Z"
+
+
+def _healthy(status: str, reason: str, message: str):
+    from datetime import datetime, timezone
+
+    from shared.schemas import Condition
+
+    return Condition(type="Healthy", status=status, reason=reason, message=message, since=datetime(2026, 12, 3, 10, tzinfo=timezone.utc))
+
+
+def _card(status: str, reason: str, message: str):
+    """The fake host's first card, with a Healthy condition."""
+    import msgspec
+
+    from tests.converger_kit import host_inventory
+
+    g = host_inventory().gpus[0]
+    phase = "Failed" if status == "False" else "Ready"
+    return msgspec.structs.replace(g, status=msgspec.structs.replace(g.status, phase=phase, conditions=[*g.status.conditions, _healthy(status, reason, message)]))
+
+
+class _Bus:
+    async def close(self) -> None:
+        return None
+
+
+def _fake_node(monkeypatch: pytest.MonkeyPatch, answers: dict) -> list:
+    """`bcd` against a node whose endpoints answer `answers` (subject -> reply, or an exception to raise);
+    returns what was asked, (subject, request), in order."""
+    from bcd.client import NodeInfo
+
+    monkeypatch.setattr(cli, "node_info", lambda _state: NodeInfo(node_id="node-1", nats_url="nats://127.0.0.1:1", creds_dir="/nonexistent"))
+
+    async def connect(_info: object) -> _Bus:
+        return _Bus()
+
+    asked: list = []
+
+    async def request(_nc: object, subject: str, payload: object, _codec: object, timeout: float = 5) -> object:
+        asked.append((subject, payload))
+        answer = answers[subject]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(cli, "connect", connect)
+    monkeypatch.setattr(cli, "request", request)
+    return asked
+
+
+def _main(*argv: str) -> int:
+    with pytest.raises(SystemExit) as done:
+        cli.main(list(argv))
+    return int(done.value.code)
+
+
+@pytest.mark.parametrize(
+    ("accepted", "message", "card", "code", "said"),
+    [
+        pytest.param(
+            True,
+            "cleared XidCritical; Healthy=True Checked: no fatal XID, ECC within limits, the vendor library answers",
+            ("True", "Checked", "no fatal XID, ECC within limits, the vendor library answers"),
+            0,
+            f"recheck {CARD}: accepted: cleared XidCritical; Healthy=True Checked",
+            id="cleared",
+        ),
+        pytest.param(
+            True,
+            "nothing cleared; Healthy=True Checked: no fatal XID",
+            ("True", "Checked", "no fatal XID"),
+            0,
+            f"recheck {CARD}: accepted: nothing cleared",
+            id="healthy-already",
+        ),
+        pytest.param(
+            False,
+            "cleared XidCritical; Healthy=False RowRemapPending: RowRemapPending: remapped rows are pending (a reset that worked and a clean check clear a fatal fault; a pending row remap needs the reset)",
+            ("False", "RowRemapPending", "RowRemapPending: remapped rows are pending"),
+            1,
+            f"recheck {CARD}: REFUSED: cleared XidCritical; Healthy=False RowRemapPending",
+            id="still-unhealthy",
+        ),
+        pytest.param(False, "not checked: health checks are off (--health-checks off)", None, 1, f"recheck {CARD}: REFUSED: not checked: health checks are off", id="checks-off"),
+    ],
+)
+def test_gpu_recheck_asks_the_inventory_and_exits_0_only_when_accepted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], accepted: bool, message: str, card: tuple | None, code: int, said: str
+) -> None:
+    from shared.schemas import GpuReply, GpuRequest
+    from shared.subjects import NodeSubjects
+
+    gpu = _card(*card) if card is not None else None
+    asked = _fake_node(monkeypatch, {NodeSubjects("node-1").inventory_gpu: GpuReply(pci=CARD, action="recheck", accepted=accepted, message=message, gpu=gpu)})
+    assert _main("gpu", "recheck", CARD, "--state-dir", "st") == code
+    # the same endpoint and request as exclude, include and reclaim, the address as typed
+    assert asked == [(NodeSubjects("node-1").inventory_gpu, GpuRequest(action="recheck", pci=CARD))]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(said), lines
+    if gpu is not None:
+        health = next(c for c in gpu.status.conditions if c.type == "Healthy")
+        assert f"  Healthy={health.status} {health.reason}: {health.message}" in lines
+    # --json: the GpuReply as it came
+    _fake_node(monkeypatch, {NodeSubjects("node-1").inventory_gpu: GpuReply(pci=CARD, action="recheck", accepted=accepted, message=message, gpu=gpu)})
+    assert _main("gpu", "recheck", CARD, "--state-dir", "st", "--json") == code
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["action"], doc["accepted"], doc["message"]) == ("recheck", accepted, message)
+
+
+def test_gpu_recheck_needs_an_address(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    asked = _fake_node(monkeypatch, {})
+    assert _main("gpu", "recheck", "--state-dir", "st") == Exit.USAGE
+    assert asked == [] and "gpu recheck: a PCI address is needed" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["gpu", "recheck", CARD]).action == "recheck"
+
+
+def test_gpu_list_shows_each_cards_health_and_why(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import msgspec
+
+    from tests.converger_kit import host_inventory
+    from shared.subjects import NodeSubjects
+
+    inv = host_inventory()
+    sick = _card("False", "XidCritical", XID_79)
+    inv = msgspec.structs.replace(inv, gpus=[sick, *inv.gpus[1:]])
+    subjects = NodeSubjects("node-1")
+    _fake_node(monkeypatch, {subjects.inventory_get: inv, subjects.converger_status: asyncio.TimeoutError()})
+    assert _main("gpu", "list", "--state-dir", "st") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "HEALTH" in out[0].split()
+    i = next(k for k, line in enumerate(out) if line.startswith(CARD))
+    assert "XidCritical" in out[i].split() and "Healthy=False/XidCritical" in out[i]
+    assert out[i + 1].strip() == f"Healthy: {XID_79}"
+    assert f"then `bcd gpu recheck {CARD}`" in out[i + 2]
+    # --json: the Healthy condition is one of the card's conditions
+    _fake_node(monkeypatch, {subjects.inventory_get: inv, subjects.converger_status: asyncio.TimeoutError()})
+    assert _main("gpu", "list", CARD, "--state-dir", "st", "--json") == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["phase"] == "Failed"
+    assert {"type": "Healthy", "status": "False", "reason": "XidCritical", "message": XID_79}.items() <= next(c for c in row["conditions"] if c["type"] == "Healthy").items()

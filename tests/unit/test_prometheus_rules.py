@@ -68,6 +68,19 @@ ISSUE_7_METRICS: dict[str, tuple[str, set[str]]] = {
     "PhysicalGPU conditions (DisruptionRequired)": ("bcd_gpu_condition", {"pci_address", "type", "status", "reason"}),
 }
 
+#: issue 30 (GPU health): the series the inventory adds, with the labels the alerts and dashboards read.
+ISSUE_30_METRICS: dict[str, tuple[str, set[str]]] = {
+    "XIDs by card, number and severity": ("bcd_gpu_xid_events_total", {"pci_address", "xid", "severity"}),
+    "ECC events by card and kind": ("bcd_gpu_ecc_events_total", {"pci_address", "kind"}),
+    "health checks by outcome": ("bcd_gpu_health_checks_total", {"outcome"}),
+    "the Healthy condition": ("bcd_gpu_condition", {"pci_address", "type", "status", "reason"}),
+}
+#: issue 30's alerts: the series each reads and the matchers it must have.
+ISSUE_30_ALERTS: dict[str, tuple[str, set[str]]] = {
+    "BcdGpuXidCritical": ("bcd_gpu_xid_events_total", {'severity="critical"'}),
+    "BcdGpuUnhealthy": ("bcd_gpu_condition", {'type="Healthy"', 'status="False"'}),
+}
+
 _METRIC_CLASSES = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Summary": "summary", "Info": "info", "Enum": "stateset"}
 
 
@@ -325,6 +338,32 @@ def test_the_alerts_issue_7_asks_for_exist():
         "BcdMetricsAbsent",
     }
     assert asked <= names, asked - names
+
+
+def test_the_gpu_health_alerts_issue_30_asks_for():
+    by_name = {a["alert"]: a for a in alerts()}
+    series = catalogue().series
+    for what, (name, labels) in ISSUE_30_METRICS.items():
+        assert name in series and labels <= series[name], f"{what}: {name} with {labels} is not registered"
+    for alert, (metric, matchers) in ISSUE_30_ALERTS.items():
+        assert alert in by_name, f"no alert {alert}"
+        expr = by_name[alert]["expr"]
+        assert metric in {s.name for s in selectors(expr)}, f"{alert} does not read {metric}"
+        for m in matchers:
+            assert m in expr.replace(" ", ""), f"{alert}: no {m} in {expr!r}"
+        # each says the card, and what to run on the node
+        ann = by_name[alert]["annotations"]
+        assert "$labels.pci_address" in ann["summary"] and "bcd gpu recheck" in ann["description"], alert
+    # the XID alert does not rely on increase() alone: the inventory makes a card's series at its first XID, at 1
+    assert "offset 10m" in by_name["BcdGpuXidCritical"]["expr"]
+    # an unhealthy card is Failed too: one alert for it, not two
+    assert 'unless on (job, instance, node, pci_address) (bcd_gpu_condition{type="Healthy", status="False"} == 1)' in by_name["BcdGpuFailed"]["expr"]
+    health = PROM_DIR / "tests" / "health.yml"
+    assert health in RULE_TESTS
+    checks = [c for case in yaml.safe_load(health.read_text())["tests"] for c in case.get("alert_rule_test", [])]
+    for alert in ISSUE_30_ALERTS:
+        assert any(c["alertname"] == alert and c.get("exp_alerts") for c in checks), f"health.yml never sees {alert} fire"
+        assert any(c["alertname"] == alert and not c.get("exp_alerts") for c in checks), f"health.yml never sees {alert} stay quiet"
 
 
 def test_rule_tests_cover_every_alert_firing_and_not_firing():

@@ -134,6 +134,8 @@ def _binding(mode: str = "Compute", state: str = "Unclaimed", driver: str = "nvi
 VFIO_ORPHAN = dict(mode="Passthrough", state="Orphaned", driver="vfio-pci")
 ORPHANED = _cond("Managed", "False", "Orphaned", "bound to vfio-pci with no claim for 2m0s or more without a break")
 
+XID_79 = "XidCritical: XID 79 (GPU has fallen off the bus) at 2026-12-03T10:00:00Z"
+
 #: (name, phase, driverBinding, conditions, ATTENTION_ROWS row or None, line words, action words, action is a command)
 ATTENTION_CASES = [
     # nothing to do: it resolves by itself, or it is what the operator chose
@@ -192,6 +194,99 @@ ATTENTION_CASES = [
         False,
     ),
     ("failed-phase-without-a-condition", "Failed", _binding(), [], "phase-failed", "phase Failed: phase Failed, managementState Unclaimed", "AdapterReady", False),
+    # GPU health (issue 30): Healthy=False needs a person, what to do by its reason; Unknown does not
+    ("healthy-needs-nobody", "Ready", _binding(), [_cond("Healthy", "True", "Checked", "no fatal XID")], None, "", "", False),
+    ("unmonitored-needs-nobody", "Ready", _binding(), [_cond("Healthy", "Unknown", "Unmonitored", "health checks are off (--health-checks off)")], None, "", "", False),
+    (
+        "not-checked-on-vfio-needs-nobody",
+        "Passthrough",
+        _binding("Passthrough", "Managed", "vfio-pci"),
+        [_cond("Managed", "True", "BackingAllocation"), _cond("Healthy", "Unknown", "NotChecked", "not checked yet")],
+        None,
+        "",
+        "",
+        False,
+    ),
+    (
+        "xid-critical",
+        "Failed",
+        _binding(state="Managed"),
+        [_cond("AdapterReady", "True", "AdapterReady"), _cond("Healthy", "False", "XidCritical", XID_79)],
+        "unhealthy",
+        f"unhealthy: {XID_79} (Healthy=False/XidCritical)",
+        "reset the card (`bcd gpu reset {pci}`) or reboot the node, then `bcd gpu recheck {pci}`",
+        False,
+    ),
+    (
+        "gpu-lost",
+        "Failed",
+        _binding(),
+        [_cond("Healthy", "False", "GpuLost", "GpuLost: the card stopped answering at 2026-12-03T10:00:00Z")],
+        "unhealthy",
+        "unhealthy: GpuLost: the card stopped answering",
+        "`bcd gpu reset {pci}`) or reboot the node, then `bcd gpu recheck {pci}`",
+        False,
+    ),
+    (
+        "ecc-uncorrectable",
+        "Failed",
+        _binding(),
+        [_cond("Healthy", "False", "EccUncorrectable", "EccUncorrectable: 2 uncorrectable ECC errors since the last reset (limit 0)")],
+        "unhealthy",
+        "(Healthy=False/EccUncorrectable)",
+        "then `bcd gpu recheck {pci}`",
+        False,
+    ),
+    (
+        "row-remap-pending-wants-a-reset",
+        "Failed",
+        _binding(),
+        [_cond("Healthy", "False", "RowRemapPending", "RowRemapPending: remapped rows are pending: reset the card (bcd gpu reset) or reboot")],
+        "unhealthy",
+        "RowRemapPending: remapped rows are pending",
+        "reset the card (`bcd gpu reset {pci}`) or reboot the node: the pending rows are remapped then",
+        False,
+    ),
+    (
+        "row-remap-failed-needs-service",
+        "Failed",
+        _binding(),
+        [_cond("Healthy", "False", "RowRemapFailed", "RowRemapFailed: a row could not be remapped: the card needs service")],
+        "unhealthy",
+        "(Healthy=False/RowRemapFailed)",
+        "the card needs service",
+        False,
+    ),
+    (
+        "ecc-correctable-over-its-limit",
+        "Failed",
+        _binding(),
+        [_cond("Healthy", "False", "EccCorrectable", "EccCorrectable: 120 correctable ECC errors since the last reset (limit 100)")],
+        "unhealthy",
+        "EccCorrectable: 120 correctable",
+        "--ecc-correctable-max",
+        False,
+    ),
+    (
+        "unhealthy-beats-a-failed-reclaim",
+        "Failed",
+        _binding(**VFIO_ORPHAN),
+        [ORPHANED, _cond("Reclaim", "False", "Failed", "still Passthrough"), _cond("Healthy", "False", "GpuLost", "GpuLost: the card stopped answering")],
+        "unhealthy",
+        "GpuLost",
+        "bcd gpu recheck {pci}",
+        False,
+    ),
+    (
+        "a-reboot-it-waits-for-beats-unhealthy",
+        "Failed",
+        _binding("None", "Unknown", ""),
+        [_cond("Reconfiguring", "True", "RebootRequested", "node reboot requested"), _cond("Healthy", "False", "XidCritical", XID_79)],
+        "reboot-wait",
+        "RebootRequested",
+        "reboot the node",
+        False,
+    ),
 ]
 
 
@@ -311,6 +406,169 @@ def test_gpu_list_says_what_a_card_needs():
     i = next(k for k, line in enumerate(out) if line.startswith(pci))
     assert out[i + 1].strip() == f"needs a person: run bcd gpu reclaim {pci}"
     assert sum("needs a person" in line for line in out) == 1  # the other cards need nothing
+
+
+# --------------------------------------------------------------------------- GPU health (issue 30)
+
+
+def _with_health(inv, healthy: dict[int, tuple[str, str, str]]):
+    """The inventory with a Healthy condition (status, reason, message) on the cards given by index;
+    Healthy=False makes the phase Failed, as the inventory does."""
+    import msgspec
+
+    gpus = list(inv.gpus)
+    for i, (status, reason, message) in healthy.items():
+        st = gpus[i].status
+        phase = "Failed" if status == "False" else st.phase
+        gpus[i] = msgspec.structs.replace(gpus[i], status=msgspec.structs.replace(st, phase=phase, conditions=[*st.conditions, _cond("Healthy", status, reason, message)]))
+    return msgspec.structs.replace(inv, gpus=gpus)
+
+
+OK = ("True", "Checked", "no fatal XID, ECC within limits, the vendor library answers")
+NOT_CHECKED = ("Unknown", "NotChecked", "not checked yet: the vendor library has not seen the card (on vfio-pci, or not read yet)")
+OFF = ("Unknown", "Unmonitored", "health checks are off (--health-checks off)")
+CANNOT = ("Unknown", "Unmonitored", "events cannot be registered for this card")
+XID = ("False", "XidCritical", XID_79)
+PENDING = ("False", "RowRemapPending", "RowRemapPending: remapped rows are pending: reset the card (bcd gpu reset) or reboot")
+EVERY = range(8)
+
+
+@pytest.mark.parametrize(
+    ("cards", "rows"),
+    [
+        pytest.param({}, [], id="an-inventory-that-does-not-say"),
+        pytest.param({i: OK for i in EVERY}, [("ok", "8 card(s) healthy")], id="all-healthy"),
+        pytest.param(
+            {**{i: OK for i in EVERY}, 6: NOT_CHECKED, 7: NOT_CHECKED},
+            [("ok", "6 card(s) healthy, 2 not checked yet (NotChecked: the vendor library has not seen them, e.g. on vfio-pci)")],
+            id="not-checked-on-vfio-is-fine",
+        ),
+        pytest.param(
+            {**{i: OK for i in EVERY}, 0: XID},
+            [("fail", f"0000:18:00.0 is unhealthy (Healthy=False/XidCritical), nothing new is given it: {XID_79}")],
+            id="one-fatal-xid",
+        ),
+        pytest.param(
+            {**{i: OK for i in EVERY}, 0: XID, 1: PENDING},
+            [
+                ("fail", f"0000:18:00.0 is unhealthy (Healthy=False/XidCritical), nothing new is given it: {XID_79}"),
+                ("fail", f"0000:2a:00.0 is unhealthy (Healthy=False/RowRemapPending), nothing new is given it: {PENDING[2]}"),
+            ],
+            id="two-sick-cards-one-row-each",
+        ),
+        pytest.param(
+            {i: OFF for i in EVERY},
+            [("warn", "every card (8): health not watched (Healthy=Unknown): health checks are off (--health-checks off)")],
+            id="checks-off",
+        ),
+        pytest.param(
+            {**{i: OK for i in EVERY}, 2: CANNOT, 3: CANNOT},
+            [("warn", "0000:3a:00.0, 0000:5d:00.0: health not watched (Healthy=Unknown): events cannot be registered for this card")],
+            id="unmonitored-cards",
+        ),
+        pytest.param(
+            {**{i: OK for i in EVERY}, 0: ("False", "GpuLost", "the card stopped answering"), 5: CANNOT},
+            [
+                ("fail", "0000:18:00.0 is unhealthy (Healthy=False/GpuLost), nothing new is given it: GpuLost: the card stopped answering"),
+                ("warn", "0000:ab:00.0: health not watched (Healthy=Unknown): events cannot be registered for this card"),
+            ],
+            id="a-message-without-its-reason-gets-it",
+        ),
+    ],
+)
+def test_doctor_gpu_health_fails_per_unhealthy_card_and_warns_where_health_is_not_watched(cards, rows):
+    r = report(inventory=_with_health(host_inventory(), cards))
+    got = [(level, message) for level, name, message in doctor_checks(r) if name == "gpu-health"]
+    assert got == rows
+    # a FAIL row is a failed check: `bcd doctor` exits 1, and `bcd status` too (the card needs a person)
+    sick = any(level == "fail" for level, _ in rows)
+    assert any(level == "fail" for level, _, _ in doctor_checks(r)) is sick
+    assert bool(problems(r)) is sick
+    assert render_status(r).endswith("health: ok") is not sick
+
+
+@pytest.mark.parametrize(
+    ("health", "cell"),
+    [
+        pytest.param(None, "-", id="not-said"),
+        pytest.param(OK, "ok", id="healthy"),
+        pytest.param(NOT_CHECKED, "Unknown/NotChecked", id="not-checked"),
+        pytest.param(OFF, "Unknown/Unmonitored", id="unmonitored"),
+        pytest.param(XID, "XidCritical", id="xid"),
+        pytest.param(PENDING, "RowRemapPending", id="remap-pending"),
+    ],
+)
+def test_gpu_list_has_a_health_column(health, cell):
+    from bcd.status import health_cell, render_gpus
+
+    inv = _with_health(host_inventory(), {} if health is None else {0: health})
+    g = inv.gpus[0]
+    assert health_cell(g) == cell
+    out = render_gpus(inv).splitlines()
+    assert out[0].split() == ["PCI", "DRIVER", "MODE", "PHASE", "MANAGEMENT", "HEALTH", "CONDITIONS"]
+    line = next(l for l in out if l.startswith(g.pci_address))
+    assert line.split()[5] == cell
+    # the columns before it and the conditions after it are where they were
+    assert line.split()[:5] == [g.pci_address, "nvidia", "Compute", g.status.phase, g.status.driver_binding.management_state]
+    assert "AdapterReady=True/AdapterReady" in line
+
+
+def test_gpu_list_shows_why_a_card_is_unhealthy_and_which_cards_are_not_watched():
+    from bcd.status import render_gpus
+
+    inv = _with_health(host_inventory(), {0: XID, 1: OK, 2: CANNOT, 3: CANNOT, 6: NOT_CHECKED})
+    out = render_gpus(inv).splitlines()
+    i = next(k for k, line in enumerate(out) if line.startswith("0000:18:00.0"))
+    assert out[i + 1].strip() == f"Healthy: {XID_79}"
+    assert out[i + 2].strip() == "needs a person: reset the card (`bcd gpu reset 0000:18:00.0`) or reboot the node, then `bcd gpu recheck 0000:18:00.0` if it still reads unhealthy (a clean check after the reset or the reboot clears it)"
+    assert sum(line.strip().startswith("Healthy:") for line in out) == 1  # healthy, unwatched and unchecked cards get no line
+    assert "health not watched on 0000:3a:00.0, 0000:5d:00.0: events cannot be registered for this card" in out
+    every = render_gpus(_with_health(host_inventory(), {i: OFF for i in EVERY})).splitlines()
+    assert [l for l in every if l.startswith("health not watched")] == ["health not watched on every card (8): health checks are off (--health-checks off)"]
+
+
+def test_status_says_why_a_card_is_unhealthy_and_what_to_do():
+    inv = _with_health(host_inventory(), {0: XID, 1: OK})
+    r = report(inventory=inv)
+    lines = render_status(r).splitlines()
+    i = lines.index("needs a person:")
+    assert lines[i + 1] == f"  GPU 0000:18:00.0 unhealthy: {XID_79} (Healthy=False/XidCritical)"
+    assert lines[i + 2].startswith("    to do: reset the card (`bcd gpu reset 0000:18:00.0`) or reboot the node, then `bcd gpu recheck 0000:18:00.0`")
+    assert problems(r) == [
+        f"GPU 0000:18:00.0 unhealthy: {XID_79} (Healthy=False/XidCritical) -> reset the card (`bcd gpu reset 0000:18:00.0`) or reboot the node, "
+        "then `bcd gpu recheck 0000:18:00.0` if it still reads unhealthy (a clean check after the reset or the reboot clears it)"
+    ]
+    # only the unhealthy row: phase Failed is the condition's doing, not a second item
+    assert sum(line.startswith("  GPU ") for line in lines[i:]) == 1
+
+
+def test_status_names_the_health_of_a_card_whose_reboot_comes_first():
+    inv, pci, _ = _with_status(
+        host_inventory(),
+        0,
+        phase="Failed",
+        driver_binding=_binding("None", "Unknown", ""),
+        conditions=[_cond("Reconfiguring", "True", "RebootRequested", "node reboot requested"), _cond("Healthy", "False", "XidCritical", XID_79)],
+    )
+    lines = render_status(report(inventory=inv)).splitlines()
+    i = lines.index("needs a person:")
+    assert "RebootRequested" in lines[i + 1]
+    assert lines[i + 3] == f"    also unhealthy: {XID_79}"
+
+
+def test_an_attention_json_of_an_unhealthy_card_names_its_row_and_condition():
+    from bcd.status import gpu_attention
+
+    (a,) = gpu_attention(_with_health(host_inventory(), {4: PENDING}))
+    assert a.to_builtins() == {
+        "pci_address": "0000:9a:00.0",
+        "row": "unhealthy",
+        "what": "unhealthy",
+        "condition": "Healthy=False/RowRemapPending",
+        "message": PENDING[2],
+        "action": "reset the card (`bcd gpu reset 0000:9a:00.0`) or reboot the node: the pending rows are remapped then, and the next check clears it",
+        "command": False,
+    }
 
 
 # --------------------------------------------------------------------------- the device plugin
@@ -570,3 +828,21 @@ def msgspec_replace(info: NodeInfo, **kw) -> NodeInfo:
     import msgspec
 
     return msgspec.structs.replace(info, **kw)
+
+
+def test_render_status_shows_a_hold_on_a_sick_card_and_a_vm_left_without_one():
+    """Issue 30: a kept hold's DevicesHealthy=False and the VFIO side's note are shown."""
+    import msgspec
+
+    from shared.schemas import Condition
+
+    c = report().converger
+    assert c is not None and c.holds
+    sick = Condition(type="DevicesHealthy", status="False", reason="XidCritical", message="GPU-x on 0000:18:00.0: Healthy=False XidCritical: XID 79", since=NOW)
+    holds = [msgspec.structs.replace(c.holds[0], condition=sick), *c.holds[1:]]
+    note = "instance vm-1: 0000:2a:00.0 is unhealthy (Healthy=False XidCritical: XID 48); not switched to vfio-pci"
+    text = render_status(report(converger=conv(holds=holds, vfio_notes=[note])))
+    assert "    DevicesHealthy=False XidCritical: GPU-x on 0000:18:00.0: Healthy=False XidCritical: XID 79" in text
+    assert f"  vfio: {note}" in text
+    # a hold whose cards are well (or never were sick) shows no such line
+    assert "DevicesHealthy" not in render_status(report())
