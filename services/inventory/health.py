@@ -16,7 +16,7 @@ Two kinds of fault:
 
 The condition is False with the worst reason (HEALTH_ORDER) while any fault but Unmonitored
 stands, Unknown/Unmonitored when only watching is impossible, True/Checked otherwise; its
-message names every fault. Healthy=False makes the phase Failed (physicalgpu.PHASE_ROWS).
+message is the worst fault's, then `also <Reason>: <message>` for each other one. Healthy=False makes the phase Failed (physicalgpu.PHASE_ROWS).
 
 Which XIDs are fatal follows NVIDIA's device plugin: every XID but the application ones
 (13, 31, 43, 45, 68, 109: a program's fault, not the card's) and those an operator ignores;
@@ -275,7 +275,10 @@ def healthy_condition(health: CardHealth | None, policy: HealthPolicy, *, now: d
     if not faults:
         return Condition(type=HEALTHY, status="True", reason=CHECKED, message="no fatal XID, ECC within limits, the vendor library answers", since=now)
     worst = faults[0]
-    message = "; ".join(f"{f.reason}: {f.message}" + (f" (x{f.count})" if f.count > 1 else "") for f in faults)
+    # the worst fault's own words (the reason is the condition's), then each other one by its reason
+    message = "; ".join(
+        ("" if i == 0 else f"also {f.reason}: ") + f.message + (f" (x{f.count})" if f.count > 1 else "") for i, f in enumerate(faults)
+    )
     if len(message) > _MESSAGE_MAX:
         message = message[: _MESSAGE_MAX - 1] + "…"
     status = "Unknown" if worst.reason == UNMONITORED else "False"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .adapters.base import AdapterError, HealthCheck, HealthEvent, HealthWatcher
+from .adapters.base import AdapterError, HealthCheck, HealthEvent, HealthNotRead, HealthWatcher
 
 #: the longest one wait for events blocks (and so the longest a stop waits for the thread)
 WAIT_SECONDS = 0.5
@@ -76,6 +76,7 @@ class HealthThread:
         opened = False
         next_check = time.monotonic() + self.interval  # the service ran the first check itself
         gone = ""
+        unread = ""
         while not self.stopping.is_set():
             try:
                 if not opened:
@@ -97,6 +98,14 @@ class HealthThread:
                     # so a passing fault of the library does not leave them unwatched until a restart
                     opened = False
                     self.stopping.wait(RETRY_SECONDS)
+            except HealthNotRead as exc:
+                # nothing to conclude (the fake host file being edited): logged once, tried again
+                if str(exc) != unread:
+                    self.log.warning("GPU health not read this time; trying again", error=str(exc))
+                unread = str(exc)
+                next_check = time.monotonic() + self.interval
+                self.stopping.wait(RETRY_SECONDS)
+                continue
             except AdapterError as exc:
                 message = str(exc) or type(exc).__name__
                 if message != gone:

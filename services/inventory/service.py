@@ -94,7 +94,7 @@ from shared.schemas.common import PCI_RE, clip
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
-from .adapters.base import Diagnosable, GpuSharer, HealthWatcher, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
+from .adapters.base import Diagnosable, GpuSharer, HealthNotRead, HealthWatcher, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
     GpuState,
@@ -434,6 +434,9 @@ class InventoryApp(ServiceApp):
         assert self.tracker is not None and self.health is not None
         try:
             checks = await asyncio.to_thread(self.adapter.check_health)
+        except HealthNotRead as exc:
+            ctx.log.warning("GPU health not read at start; the health thread tries again", error=str(exc))
+            return
         except AdapterError as exc:
             news = HealthNews("gone", message=str(exc))
         else:
@@ -470,6 +473,8 @@ class InventoryApp(ServiceApp):
         assert self.tracker is not None
         try:
             checks = await asyncio.to_thread(self.adapter.check_health)
+        except HealthNotRead as exc:
+            return False, f"the check could not be made now: {exc}", []
         except AdapterError as exc:
             return False, f"the vendor library does not answer: {exc}", []
         check = next((c for c in checks if c.pci_address == pci), None)

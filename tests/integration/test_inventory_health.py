@@ -171,3 +171,16 @@ async def test_a_reset_that_worked_brings_a_card_back_after_a_clean_check(node: 
     assert g.status.phase == "Ready"
     assert "GPU healthy again: a clean check cleared its faults" in node.log()
     node.assert_clean_log()
+
+
+async def test_a_broken_host_file_loses_no_card(node: Node) -> None:
+    """The fake host file half written is no reason to call every card lost (it is not NVML gone)."""
+    await node.start(**FAST)
+    good = node.host_file.read_bytes()
+    node.host_file.write_text('{"gpus": [')
+    await until(lambda: _logged(node, "GPU health not read this time"), "the health thread noticing the bad file", timeout=10)
+    assert health(await node.card(CARD0)) == ("True", "Checked")
+    node.host_file.write_bytes(good)
+    add_health(node, CARD1, xids=[xid(79)])
+    await node.wait_card(CARD1, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed after the file reads again")
+    assert health(await node.card(CARD0)) == ("True", "Checked")

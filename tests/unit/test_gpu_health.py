@@ -185,9 +185,11 @@ def test_condition_table(faults: tuple[str, ...], policy: HealthPolicy, watched:
             h.faults.update(sick(r).faults)
     c = healthy_condition(h, policy, now=T0, watched=watched)
     assert (c.type, c.status, c.reason) == ("Healthy", status, reason)
-    for r in faults:
-        if policy.enabled and watched:
-            assert f"{r}:" in c.message
+    if policy.enabled and watched and faults:
+        assert not c.message.startswith(f"{reason}:")  # the reason is the condition's, not repeated
+        for r in faults:
+            if r != reason:
+                assert f"also {r}:" in c.message
 
 
 def test_a_card_never_checked_reads_unknown() -> None:
@@ -497,3 +499,21 @@ def test_the_thread_registers_again_when_a_wait_stops_watching_a_card(monkeypatc
     asyncio.run(main())
     assert watcher.opened >= 2
     assert [n.kind for n in got][:3] == ["opened", "events", "opened"]
+
+
+def test_a_host_file_that_cannot_be_read_concludes_nothing(tmp_path: Path) -> None:
+    """A typo in the fake host file is not NVML gone: HealthNotRead, never AdapterError (every card lost)."""
+    from services.inventory.adapters.base import HealthNotRead
+
+    path = host_copy(tmp_path)
+    a = FakeHwAdapter(path, cdi_dir=tmp_path)
+    a.open_health_watch()
+    path.write_text('{"gpus": [{"uuid": "GPU-x"')  # half a file
+    with pytest.raises(HealthNotRead):
+        a.wait_health_events(1.0)
+    with pytest.raises(HealthNotRead):
+        a.check_health()
+    assert not isinstance(HealthNotRead("x"), AdapterError)
+    shutil.copy(ONE_GPU, path)
+    change(path, lambda d: health_of(d).update(xids=[{"xid": 79, "at": "2026-12-03T10:00:00Z"}]))
+    assert [e.xid for e in a.wait_health_events(2.0)] == [79]  # the watch goes on once the file reads again

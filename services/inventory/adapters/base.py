@@ -402,6 +402,12 @@ class Diagnosable(Protocol):
         ...
 
 
+class HealthNotRead(Exception):
+    """A health check or wait could not be made this time for a reason that says nothing of the
+    cards (the fake host file is being fixed): nothing is concluded, the next one tries again.
+    Not an AdapterError, which means the vendor library does not answer (every card lost)."""
+
+
 @runtime_checkable
 class HealthWatcher(Protocol):
     """A card's health between scans (issue 30): events the vendor library pushes, and a periodic
@@ -544,6 +550,7 @@ __all__ = [
     "HealthEvent",
     "HealthCheck",
     "HealthWatcher",
+    "HealthNotRead",
     "MigLayoutResult",
     "MigPartitioner",
     "VendorCdi",

@@ -1083,9 +1083,9 @@ class FakeHwAdapter:
         return self._health_watch.wait(timeout)
 
     def check_health(self) -> list[HealthCheck]:
-        from .fakehw_health import check_host
+        from .fakehw_health import check_host, read_host
 
-        return check_host(load_host_file(self.host_file))
+        return check_host(read_host(self.host_file))
 
     def close_health_watch(self) -> None:
         self._health_watch = None

@@ -3,7 +3,8 @@
 Each card's `health` in the host file (fakehw.HostGpuHealth) is what NVML would say. The watch
 behaves as NVML's does: it reports what happens after it opened (an XID added to `xids`, a
 rise of an ECC counter, `gone` turning true) and nothing from before, so a restarted inventory
-knows an earlier XID only from its own gpus.json. It polls the file (every POLL_SECONDS, and
+knows an earlier XID only from its own gpus.json. A host file that cannot be read is
+HealthNotRead (nothing is concluded), never the library gone. It polls the file (every POLL_SECONDS, and
 decodes it only when its inode, size or mtime moved), from the inventory's health thread.
 Cards NVML cannot see (on vfio-pci, off the bus) are neither watched nor checked.
 """
@@ -15,8 +16,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .base import AdapterError, HealthCheck, HealthEvent
-from .fakehw import NVML_GONE, FakeHost, HostGpu, load_host_file
+from .base import AdapterError, HealthCheck, HealthEvent, HealthNotRead
+from .fakehw import NVML_GONE, FakeHost, HostFileError, HostGpu, load_host_file
 
 #: how often the watch looks at the host file while it waits
 POLL_SECONDS = 0.1
@@ -25,6 +26,15 @@ POLL_SECONDS = 0.1
 def _watched(card: HostGpu) -> bool:
     """NVML sees the card: on the bus and on its native driver (a vfio-pci card is the VM's)."""
     return card.present and not card.real_sysfs and card.driver == card.base_driver and bool(card.driver)
+
+
+def read_host(path: Path) -> FakeHost:
+    """The host file; HealthNotRead when it cannot be read or decoded now (a typo says nothing of the
+    cards: the scan keeps its last inventory meanwhile too)."""
+    try:
+        return load_host_file(path)
+    except HostFileError as exc:
+        raise HealthNotRead(str(exc)) from None
 
 
 def check_host(host: FakeHost) -> list[HealthCheck]:
@@ -77,7 +87,7 @@ class FakeHealthWatch:
         return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def open(self) -> list[HealthEvent]:
-        host = load_host_file(self.host_file)
+        host = read_host(self.host_file)
         if host.nvml_gone:
             raise AdapterError(NVML_GONE)
         self._stamp = self._file_stamp()
@@ -95,7 +105,7 @@ class FakeHealthWatch:
             stamp = self._file_stamp()
             if stamp != self._stamp:
                 self._stamp = stamp
-                events = self._new_events(load_host_file(self.host_file))
+                events = self._new_events(read_host(self.host_file))
                 if events:
                     return events
             left = deadline - time.monotonic()

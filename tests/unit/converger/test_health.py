@@ -17,8 +17,8 @@ from shared.schemas import ClaimDevice, ClaimPrepareRequest, Condition, Instance
 from tests.converger_kit import GPU, Node, fast_dir, hold, host_inventory, spec, with_status
 
 T0 = datetime(2026, 12, 3, 10, 0, tzinfo=timezone.utc)
-XID79 = Condition(type="Healthy", status="False", reason="XidCritical", message="XidCritical: XID 79 (GPU has fallen off the bus) at 2026-12-03T10:00:00Z", since=T0)
-LOST = Condition(type="Healthy", status="False", reason="GpuLost", message="GpuLost: the card stopped answering", since=T0)
+XID79 = Condition(type="Healthy", status="False", reason="XidCritical", message="XID 79 (GPU has fallen off the bus) at 2026-12-03T10:00:00Z", since=T0)
+LOST = Condition(type="Healthy", status="False", reason="GpuLost", message="the card stopped answering", since=T0)
 WELL = Condition(type="Healthy", status="True", reason="Checked", message="ok", since=T0)
 UNMONITORED = Condition(type="Healthy", status="Unknown", reason="Unmonitored", message="cannot register", since=T0)
 
@@ -35,7 +35,7 @@ def test_a_new_hold_on_an_unhealthy_card_fails_naming_the_condition() -> None:
         failures = {f.allocation_id: f for f in p.failures}
         assert set(failures) == {"a1"}
         assert failures["a1"].reason == "device-unhealthy"
-        assert "Healthy=False XidCritical: XidCritical: XID 79 (GPU has fallen off the bus)" in failures["a1"].message
+        assert "Healthy=False XidCritical: XID 79 (GPU has fallen off the bus)" in failures["a1"].message
         assert p.section.state == "FAILED" and "a1: device-unhealthy" in p.section.message
 
 
