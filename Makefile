@@ -27,8 +27,9 @@ bytecode: $(STAMP)
 run: $(STAMP) bytecode
 	$(BIN)/bcd up --any-ports-if-taken --log-format text --apply examples/specs/demo.json $(ARGS)
 
+# the VM suites run beside the rest, in a lane of their own (tests/lanes.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python tests/lanes.py $(PYTEST_ARGS)
 
 schema: $(STAMP)
 	$(BIN)/python -m shared.schemas.jsonschema --write docs/schema
