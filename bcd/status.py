@@ -273,6 +273,12 @@ def render_status(report: NodeReport) -> str:
     dra_line = dra_plugin_line(report)
     if dra_line:
         lines.append(dra_line)
+        # unhealthy cards the slices carry with a taint (the API server keeps device taints), and
+        # those left out (withdrawn: it drops taints, or the card is not Ready for another reason)
+        dra = report.dra_plugin
+        if dra is not None:
+            lines.extend(f"  tainted: {t}" for t in dra.tainted)
+            lines.extend(f"  left out: {t}" for t in dra.left_out if "Healthy=False" in t or "device taints" in t)
     attention = gpu_attention(inv)
     if attention:
         lines.append("needs a person:")

@@ -7,8 +7,9 @@ BindingFailed on the claim rather than a pod that hangs silently.
 That someone is this node's plugin: for every allocated ResourceClaim with a
 device of our driver in our pool whose `status.devices` entry has neither
 condition, it writes `Ready=True` when the device is still one this node
-publishes (its card still in the pool), else `BindingFailed=True` with the
-reason. `plan_binding` is pure (a table-tested decision); the plugin applies
+publishes (its card still in the pool) and untainted, else `BindingFailed=True`
+with the reason (a tainted device is on an unhealthy card, issue 30: the
+converger refuses to prepare it, so the scheduler had better try elsewhere). `plan_binding` is pure (a table-tested decision); the plugin applies
 it with a status PUT carrying the claim's resourceVersion (a conflict is tried
 again at the next round).
 """
@@ -50,6 +51,7 @@ def _condition(type_: str, reason: str, message: str, now: datetime, generation:
 def plan_binding(claims: Iterable[dict], *, driver: str, pool_name: str, pool: Pool, now: datetime) -> list[BindingUpdate]:
     """The status writes that say, for each of our allocated devices still waiting, Ready or BindingFailed."""
     published = {d.name for d in pool.devices}
+    tainted = {d.name: ", ".join(t.text() for t in d.taints) for d in pool.devices if d.taints}
     out: list[BindingUpdate] = []
     for obj in claims:
         status = obj.get("status") or {}
@@ -71,7 +73,12 @@ def plan_binding(claims: Iterable[dict], *, driver: str, pool_name: str, pool: P
                 entry = {"driver": driver, "pool": pool_name, "device": r.get("device")}
                 devices.append(entry)
                 by_key[key] = entry
-            if r.get("device") in published:
+            if r.get("device") in tainted:
+                cond = _condition(
+                    FAILED, "DeviceTainted", f"{r.get('device')} on node {pool_name} is unhealthy (tainted {tainted[str(r.get('device'))]}): it is not prepared", now, generation
+                )
+                changed.append((str(r.get("device")), FAILED))
+            elif r.get("device") in published:
                 cond = _condition(READY, "DevicePublished", f"{r.get('device')} is on node {pool_name} and published by it", now, generation)
                 changed.append((str(r.get("device")), READY))
             else:

@@ -15,6 +15,15 @@ scheduler accounts for what it allocated itself; any other kind removes it). Whi
 are not known (None) nothing is published: fail-closed, a card a VM took a moment ago must not
 be offered.
 
+Unhealthy cards (issue 30): a card whose Healthy condition is False reads phase Failed. With
+`device_taints` (the API server's DRADeviceTaints feature, KEP 5055) it stays published when
+it would be Ready but for its health (AdapterReady=True, not Reconfiguring, not Passthrough:
+physicalgpu.PHASE_ROWS without the "unhealthy" row), and every device of it (the whole card,
+its MIG placements, a shared card) carries the taints of its faults (`health_taints`): the
+scheduler gives it to no claim that does not tolerate them, and NoExecute evicts the pods of
+claims it already has. Without `device_taints` it is left out, as every card not Ready is.
+Healthy=Unknown (Unmonitored, NotChecked) neither taints nor withdraws a card.
+
 Names (DNS labels, deterministic): the whole card `gpu-<index>`; a MIG placement
 `gpu-<index>-mig-<profile label>-<start>` (`1g.10gb+me` -> `1g-10gb-me`); the card's counter set
 `gpu-<index>-counters`. The start is the last dash-separated part of a MIG name, so names are
@@ -47,9 +56,11 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Literal
 
-from shared.schemas import ClaimDevice, Claims, Gpu, Inventory, MigPlacement, MigProfile
+from shared.schemas import ClaimDevice, Claims, Condition, Gpu, Inventory, MigPlacement, MigProfile
+from shared.schemas.inventory import PhysicalGPUStatus, health_text
 
 #: the domain of device attributes and capacities (`gpu.bcd.dev/<name>`)
 ATTRIBUTE_DOMAIN = "gpu.bcd.dev"
@@ -80,6 +91,34 @@ DNS_SUBDOMAIN_MAX = 253
 DRIVER_NAME_MAX = 63
 LABEL_VALUE_MAX = 63
 
+#: device taints of an unhealthy card (issue 30), modelled on NVIDIA's DRA driver (gpu.nvidia.com/xid,
+#: gpu.nvidia.com/gpu-lost): one key per kind of fault, the value says which (the XID number, else
+#: the Healthy reason). resource.k8s.io/v1 DeviceTaint: key a label name, value a label value,
+#: effect None|NoSchedule|NoExecute, at most 16 per device; a slice with a tainted device takes 64.
+TAINT_XID = f"{ATTRIBUTE_DOMAIN}/xid"
+TAINT_GPU_LOST = f"{ATTRIBUTE_DOMAIN}/gpu-lost"
+TAINT_ECC = f"{ATTRIBUTE_DOMAIN}/ecc"
+TAINT_ROW_REMAP = f"{ATTRIBUTE_DOMAIN}/row-remap"
+#: a Healthy=False reason this plugin does not know (a newer inventory's): fatal, fail-safe
+TAINT_UNHEALTHY = f"{ATTRIBUTE_DOMAIN}/unhealthy"
+NO_SCHEDULE = "NoSchedule"
+NO_EXECUTE = "NoExecute"
+#: Healthy=False reason (services/inventory/health.py) -> (taint key, effect). The sticky faults
+#: (the card needs a reset or a reboot and a clean check) evict; the level ones (rows waiting to be
+#: remapped, correctable errors over the threshold) keep new claims off and let running ones be.
+HEALTH_TAINTS: dict[str, tuple[str, str]] = {
+    "GpuLost": (TAINT_GPU_LOST, NO_EXECUTE),
+    "XidCritical": (TAINT_XID, NO_EXECUTE),
+    "EccUncorrectable": (TAINT_ECC, NO_EXECUTE),
+    "RowRemapFailed": (TAINT_ROW_REMAP, NO_EXECUTE),
+    "RowRemapPending": (TAINT_ROW_REMAP, NO_SCHEDULE),
+    "EccCorrectable": (TAINT_ECC, NO_SCHEDULE),
+}
+MAX_TAINTS_PER_DEVICE = 16
+#: the conditions the phase is derived from (services/inventory/physicalgpu.py)
+ADAPTER_READY_CONDITION = "AdapterReady"
+RECONFIGURING_CONDITION = "Reconfiguring"
+
 #: the capacities a share of a card asks (consumable capacity): percent of the card, bytes of its memory
 CAPACITY_SHARE_PERCENT = "sharePercent"
 CAPACITY_MEMORY = "memory"
@@ -103,6 +142,13 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _C_IDENTIFIER = re.compile(r"^[_a-zA-Z][_a-zA-Z0-9]*$")
 _GPU_INDEX = re.compile(r"^gpu-(0|[1-9][0-9]*)(?:-|$)")
 _DECIMAL_SUFFIXES = ("", "k", "M", "G", "T", "P", "E")
+_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+#: another fault in a Healthy condition's message: health.healthy_condition writes the worst fault's
+#: text, then "; also <Reason>: <text>" for each other one (an earlier inventory: "<Reason>: <text>"
+#: for every fault, joined by "; ")
+_FAULT_IN_MESSAGE = re.compile(r"(?:^|; )(?:also )?([A-Z][A-Za-z]*): ")
+#: the XID of an XidCritical fault: its text starts "XID <n>" (the worst fault's at the message's start)
+_XID_IN_MESSAGE = re.compile(r"(?:^|XidCritical: )XID (\d+)\b")
 
 DeviceKind = Literal["gpu", "mig"]
 
@@ -177,6 +223,84 @@ def _label_value(value: str) -> str:
     return value[: LABEL_VALUE_MAX - len(digest) - 1].rstrip(".-_") + "-" + digest
 
 
+# --------------------------------------------------------------------------- health as device taints
+
+
+def _stamp(at: datetime) -> str:
+    """A time as metav1.Time writes it (RFC 3339 in UTC, whole seconds), so it reads back unchanged."""
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def taint_value(text: str) -> str:
+    """`text` as a label value (at most 63 of [-A-Za-z0-9_.], alphanumeric at both ends; "" when nothing is left)."""
+    value = re.sub(r"[^-A-Za-z0-9_.]+", "-", text)[:LABEL_VALUE_MAX]
+    value = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+    return value if _LABEL_VALUE_RE.match(value) else ""
+
+
+@dataclass(frozen=True)
+class DeviceTaint:
+    """One resource.k8s.io/v1 DeviceTaint of a device."""
+
+    key: str
+    effect: str
+    value: str = ""
+    #: when the fault was first seen (the Healthy condition's since); None: the API server's to say
+    time_added: datetime | None = None
+
+    def to_api(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key}
+        if self.value:
+            out["value"] = self.value
+        out["effect"] = self.effect
+        if self.time_added is not None:
+            out["timeAdded"] = _stamp(self.time_added)
+        return out
+
+    def text(self) -> str:
+        """`key=value:effect`, as kubectl writes a node taint."""
+        return f"{self.key}{'=' + self.value if self.value else ''}:{self.effect}"
+
+
+def health_taints(condition: Condition | None) -> tuple[DeviceTaint, ...]:
+    """The taints of a card's Healthy condition: none unless it is False; else one per kind of fault
+    it names (its reason first, then each other fault its message lists, "also <Reason>: ...",
+    worst first as health.py orders them), the first of a key kept (NoExecute before NoSchedule:
+    the fatal reasons come first). `gpu.bcd.dev/xid` says the XID number when the message has one;
+    every other value is the reason. A reason this plugin does not know taints
+    `gpu.bcd.dev/unhealthy` NoExecute. Every taint was added at the condition's since (when its
+    worst fault was first seen)."""
+    if condition is None or condition.status != "False":
+        return ()
+    reasons = [condition.reason] + [m.group(1) for m in _FAULT_IN_MESSAGE.finditer(condition.message) if m.group(1) in HEALTH_TAINTS]
+    xid = _XID_IN_MESSAGE.search(condition.message)
+    out: dict[str, DeviceTaint] = {}
+    for reason in reasons:
+        key, effect = HEALTH_TAINTS.get(reason, (TAINT_UNHEALTHY, NO_EXECUTE))
+        if key in out:
+            continue
+        value = xid.group(1) if key == TAINT_XID and xid else taint_value(reason) or "Unhealthy"
+        out[key] = DeviceTaint(key=key, effect=effect, value=value, time_added=condition.since)
+    return tuple(out.values())[:MAX_TAINTS_PER_DEVICE]
+
+
+def _condition_true(status: PhysicalGPUStatus, type_: str) -> bool:
+    return any(c.type == type_ and c.status == "True" for c in status.conditions)
+
+
+def ready_but_for_health(status: PhysicalGPUStatus) -> bool:
+    """The phase would be Ready without the Healthy condition (physicalgpu.PHASE_ROWS without its
+    "unhealthy" row): not Passthrough, not Reconfiguring, AdapterReady=True. Any other reason a card
+    is not Ready keeps it out whatever its health."""
+    return (
+        status.driver_binding.mode != "Passthrough"
+        and not _condition_true(status, RECONFIGURING_CONDITION)
+        and _condition_true(status, ADAPTER_READY_CONDITION)
+    )
+
+
 # --------------------------------------------------------------------------- the pool
 
 
@@ -216,6 +340,8 @@ class PublishedDevice:
     #: a whole card several claims may share (consumable capacity, KEP 5075): published with
     #: allowMultipleAllocations and the capacities a claim asks a part of (sharePercent, memory)
     shared: bool = False
+    #: the card is unhealthy and published anyway (the API server keeps device taints)
+    taints: tuple[DeviceTaint, ...] = ()
 
     def claim_device(self, pool: str) -> ClaimDevice:
         return ClaimDevice(
@@ -285,6 +411,8 @@ class PublishedDevice:
             out["bindsToNode"] = True
             out["bindingConditions"] = list(BINDING_CONDITIONS)
             out["bindingFailureConditions"] = list(BINDING_FAILURE_CONDITIONS)
+        if self.taints:
+            out["taints"] = [t.to_api() for t in self.taints]
         return out
 
 
@@ -296,6 +424,8 @@ class Pool:
     counter_sets: tuple[CounterSet, ...] = ()
     #: one line per card left out, or partly left out, and why ("<pci> gpu-<index>: <why>")
     notes: tuple[str, ...] = ()
+    #: one line per card published with taints, and why ("<pci> gpu-<index>: <taints> (<Healthy>)")
+    tainted: tuple[str, ...] = ()
     #: False while the inventory or the claims are not known (then nothing is published)
     known: bool = True
 
@@ -391,10 +521,14 @@ def _consumption(profile: MigProfile, placement: MigPlacement, offered: Mapping[
     return tuple((k, v) for k, v in want if v > 0 and k in offered)
 
 
-def _exclusion(gpu: Gpu, claims: Claims) -> str:
+def _exclusion(gpu: Gpu, claims: Claims, device_taints: bool = False) -> str:
     """Why the card is not published at all, or ""."""
     st = gpu.status
-    if st.phase != "Ready":
+    sick = st.unhealthy()
+    if sick is not None and not (device_taints and ready_but_for_health(st)):
+        off = "" if device_taints else "; withdrawn, not tainted: device taints are off"
+        return f"phase {st.phase}, not Ready: {health_text(sick)}{off}"
+    if st.phase != "Ready" and sick is None:
         return f"phase {st.phase}, not Ready"
     if st.driver_binding.management_state == "Excluded":
         return "excluded from management"
@@ -407,9 +541,15 @@ def _exclusion(gpu: Gpu, claims: Claims) -> str:
 
 
 def _card_devices(
-    gpu: Gpu, claim_gis: Mapping[str, Iterable[int]], binding_conditions: bool, mig_devices: bool, shared_cards: bool = False
+    gpu: Gpu,
+    claim_gis: Mapping[str, Iterable[int]],
+    binding_conditions: bool,
+    mig_devices: bool,
+    shared_cards: bool = False,
+    taints: tuple[DeviceTaint, ...] = (),
 ) -> tuple[list[PublishedDevice], CounterSet | None, list[str], str]:
-    """The devices and counter set of one eligible card, its problems, and a refusal ("" when none)."""
+    """The devices and counter set of one eligible card, its problems, and a refusal ("" when none).
+    Every device of the card carries `taints`."""
     def whole(**kw: Any) -> PublishedDevice:
         return PublishedDevice(
             name=gpu_device_name(gpu.index),
@@ -419,6 +559,7 @@ def _card_devices(
             kind="gpu",
             product=gpu.name,
             binding_conditions=binding_conditions,
+            taints=taints,
             **kw,
         )
 
@@ -468,6 +609,7 @@ def _card_devices(
                 counter_set=cset.name,
                 consumes=_consumption(p, pl, offered),
                 binding_conditions=binding_conditions,
+                taints=taints,
             )
         )
     return devices, cset, list(layout.problems), ""
@@ -485,6 +627,7 @@ def plan_pool(
     binding_conditions: bool = False,
     mig_devices: bool = True,
     shared_cards: bool = False,
+    device_taints: bool = False,
 ) -> Pool:
     """The pool this node publishes.
 
@@ -500,6 +643,10 @@ def plan_pool(
     sharePercent and memory of it (consumable capacity, the DRAConsumableCapacity feature; a
     cluster without it drops the fields, and the plugin then publishes exclusive cards again).
     A MIG card and its placements stay exclusive: the counters keep them apart.
+    `device_taints`: an unhealthy card (Healthy=False) that would be Ready but for its health is
+    published with the taints of its faults on every device (the DRADeviceTaints feature; a
+    cluster without it drops them, and the plugin then withdraws such cards again); off: it is
+    left out like every card not Ready.
     """
     if inventory is None:
         return Pool(notes=("inventory not known yet: nothing published",), known=False)
@@ -513,16 +660,19 @@ def plan_pool(
     devices: list[PublishedDevice] = []
     sets: list[CounterSet] = []
     notes: list[str] = []
+    tainted: list[str] = []
     names: set[str] = set()
     for g in gpus:
         if indexes[g.index] > 1:
             notes.append(_note(g, f"index {g.index} is not unique on the node: its names would be ambiguous"))
             continue
-        why = _exclusion(g, claims)
+        why = _exclusion(g, claims, device_taints)
         if why:
             notes.append(_note(g, why))
             continue
-        card, cset, problems, refused = _card_devices(g, claim_gis, binding_conditions, mig_devices, shared_cards)
+        sick = g.status.unhealthy()
+        taints = health_taints(sick)
+        card, cset, problems, refused = _card_devices(g, claim_gis, binding_conditions, mig_devices, shared_cards, taints)
         if refused:
             notes.append(_note(g, "; ".join([refused, *problems])))
             continue
@@ -536,7 +686,9 @@ def plan_pool(
             sets.append(cset)
         if problems:
             notes.append(_note(g, "; ".join(problems)))
-    return Pool(devices=tuple(devices), counter_sets=tuple(sets), notes=tuple(notes))
+        if taints and sick is not None:
+            tainted.append(_note(g, f"published tainted {', '.join(t.text() for t in taints)} ({health_text(sick)})"))
+    return Pool(devices=tuple(devices), counter_sets=tuple(sets), notes=tuple(notes), tainted=tuple(tainted))
 
 
 # --------------------------------------------------------------------------- slices
@@ -601,7 +753,8 @@ def render_slices(
     sets = list(pool.counter_sets)
     for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE):
         specs.append(("sharedCounters", [c.to_api() for c in sets[i : i + MAX_COUNTER_SETS_PER_SLICE]]))
-    limit = MAX_DEVICES_PER_SLICE_WITH_COUNTERS if any(d.consumes for d in pool.devices) else MAX_DEVICES_PER_SLICE
+    # 1.35: 64 devices in a slice where any consumes counters or has taints (applied to every slice)
+    limit = MAX_DEVICES_PER_SLICE_WITH_COUNTERS if any(d.consumes or d.taints for d in pool.devices) else MAX_DEVICES_PER_SLICE
     for chunk in _pack(pool.devices, limit):
         specs.append(("devices", [d.to_api() for d in chunk]))
     if not specs:
@@ -711,7 +864,17 @@ __all__ = [
     "MAX_DEVICES_PER_SLICE_WITH_COUNTERS",
     "MAX_COUNTER_SETS_PER_SLICE",
     "MAX_COUNTERS_PER_SET",
+    "MAX_TAINTS_PER_DEVICE",
+    "HEALTH_TAINTS",
+    "TAINT_XID",
+    "TAINT_GPU_LOST",
+    "TAINT_ECC",
+    "TAINT_ROW_REMAP",
+    "TAINT_UNHEALTHY",
+    "NO_SCHEDULE",
+    "NO_EXECUTE",
     "CounterSet",
+    "DeviceTaint",
     "PublishedDevice",
     "Pool",
     "is_dns_label",
@@ -723,6 +886,9 @@ __all__ = [
     "counter_set_name",
     "slice_counter",
     "quantity",
+    "taint_value",
+    "health_taints",
+    "ready_but_for_health",
     "plan_pool",
     "pool_content_key",
     "render_slices",

@@ -23,6 +23,14 @@ up whenever what is published changes. Publishing waits while a prepare or
 unprepare is in flight, so a MIG instance being made never shows as someone
 else's for a moment.
 
+What the API server drops without an error (a feature gate off) is found by
+comparing what was sent with what came back, and the plugin falls back for
+good (until restarted): MIG counters dropped (DRAPartitionableDevices) ->
+whole cards only; consumable capacity dropped (DRAConsumableCapacity) ->
+exclusive cards; device taints dropped (DRADeviceTaints) -> an unhealthy
+card is withdrawn from the slices instead of published tainted (at once: a
+second publication follows in the same round). `status()` says which.
+
 At start (`reconcile`) the checkpoint, the converger's claim holds and the API
 server are brought together: a claim gone from the API server (or with another
 uid, or no longer allocated) is unprepared; a claim hold the checkpoint does
@@ -188,6 +196,9 @@ class SlicePublisher:
     #: policies (its DRAConsumableCapacity feature is off): a "share" would be the whole card to
     #: the scheduler, and a default-100% capacity no longer keeps two claims apart
     capacity_dropped: bool = False
+    #: the API server gave back tainted devices without their taints (its DRADeviceTaints feature
+    #: is off): an unhealthy card would be offered as if it were well
+    taints_dropped: bool = False
 
     async def publish(self, pool: Any) -> bool:
         """Make the API server's slices this pool's; True when anything was written."""
@@ -207,7 +218,7 @@ class SlicePublisher:
             self.generation += 1
         want = self._rendered(pool, self.generation)
         wrote = False
-        self.counters_dropped = self.capacity_dropped = False
+        self.counters_dropped = self.capacity_dropped = self.taints_dropped = False
         for body in want:
             name = body["metadata"]["name"]
             have = existing.pop(name, None)
@@ -222,6 +233,7 @@ class SlicePublisher:
                 got = have
             self.counters_dropped = self.counters_dropped or _counters_dropped(body, got)
             self.capacity_dropped = self.capacity_dropped or _capacity_dropped(body, got)
+            self.taints_dropped = self.taints_dropped or _taints_dropped(body, got)
         for name in existing:
             await self.api.delete_slice(name)
             wrote = True
@@ -253,6 +265,15 @@ def _capacity_dropped(sent: dict, got: dict) -> bool:
             return True
         policies = {k for k, c in (d.get("capacity") or {}).items() if "requestPolicy" in c}
         if any("requestPolicy" not in ((b.get("capacity") or {}).get(k) or {}) for k in policies):
+            return True
+    return False
+
+
+def _taints_dropped(sent: dict, got: dict) -> bool:
+    """A device sent with taints came back with fewer (none, where DRADeviceTaints is off)."""
+    back = {d.get("name"): d for d in ((got or {}).get("spec") or {}).get("devices") or [] if isinstance(d, dict)}
+    for d in (sent.get("spec") or {}).get("devices") or []:
+        if d.get("taints") and len((back.get(d.get("name")) or {}).get("taints") or []) < len(d["taints"]):
             return True
     return False
 
@@ -295,6 +316,9 @@ class DraPlugin:
     #: whole cards published as shareable (consumable capacity); turned off for good when the API
     #: server drops the fields (its DRAConsumableCapacity feature is off)
     shared_cards: bool = True
+    #: an unhealthy card (Healthy=False) stays published with device taints (DRADeviceTaints);
+    #: turned off for good when the API server drops them: such cards are withdrawn instead
+    device_taints: bool = True
     watch_interval: float = 1.0
     resync_interval: float = 30.0
 
@@ -312,6 +336,7 @@ class DraPlugin:
         self.reconciled = False
         self.counters_note = ""
         self.capacity_note = ""
+        self.taints_note = ""
         #: why a socket is not served ("" while both are)
         self.serve_error = ""
         #: the kubelet directory does not exist: no kubelet on this host (yet)
@@ -414,7 +439,13 @@ class DraPlugin:
             return
         self.inventory = inv
         pool = dev.plan_pool(
-            inv, claims, claim_gis=claim_gis(holds, inv), binding_conditions=self.binding_conditions, mig_devices=self.mig_devices, shared_cards=self.shared_cards
+            inv,
+            claims,
+            claim_gis=claim_gis(holds, inv),
+            binding_conditions=self.binding_conditions,
+            mig_devices=self.mig_devices,
+            shared_cards=self.shared_cards,
+            device_taints=self.device_taints,
         )
         self.pool = pool
         self._gauge_pool(pool)
@@ -448,6 +479,23 @@ class DraPlugin:
             )
             self.shared_cards = False
             self.capacity_note = "the API server dropped consumable capacity (DRAConsumableCapacity off): cards are exclusive, not shared"
+            self._wake.set()
+        if self.publisher.taints_dropped and self.device_taints:
+            # fail safe: an untainted unhealthy card is one the scheduler would give out; withdrawn
+            # (as before device taints) until this plugin is started again
+            log.error(
+                "the API server dropped the device taints (its DRADeviceTaints feature is off): "
+                "unhealthy cards are withdrawn from the slices; enable the feature, or start with --device-taints false to say so",
+                tainted=list(pool.tainted),
+            )
+            self.device_taints = False
+            self.taints_note = "the API server dropped device taints (DRADeviceTaints off): unhealthy cards are withdrawn, not tainted"
+            if pool.tainted:
+                # the slices offer the unhealthy cards untainted right now: withdrawn at once, not at the next wake
+                if wrote:
+                    self._count(self.metrics.publishes, outcome="ok")
+                await self.refresh()
+                return
             self._wake.set()
         if wrote:
             self._count(self.metrics.publishes, outcome="ok")
@@ -660,13 +708,15 @@ class DraPlugin:
             slices=self.publisher.slices if self.publisher else 0,
             devices=len(pool.devices) if pool is not None else 0,
             cards=sorted({d.pci for d in pool.devices})[:1024] if pool is not None else [],
-            left_out=[clip(n) for n in (self.counters_note, self.capacity_note) if n] + ([clip(n) for n in pool.notes][:1022] if pool is not None else []),
+            left_out=[clip(n) for n in (self.counters_note, self.capacity_note, self.taints_note) if n] + ([clip(n) for n in pool.notes][:1021] if pool is not None else []),
             published_at=self.publisher.published_at if self.publisher else None,
             claims=[
                 DraClaimStatus(uid=e.uid, namespace=e.namespace, name=e.name, state=e.state, devices=list(e.devices), since=e.since)
                 for _, e in sorted(self.checkpoint.claims.items())
             ][:4096],
             shared_cards=self.shared_cards,
+            device_taints=self.device_taints,
+            tainted=[clip(n) for n in pool.tainted][:1024] if pool is not None else [],
         )
 
     def _gauge_prepared(self) -> None:

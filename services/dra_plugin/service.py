@@ -2,7 +2,8 @@
 
 - `bcd.<n>.dra_plugin.status` Empty -> DraPluginStatus: registration, the
   pool published (generation, slices, devices, cards and why others are left
-  out), the claims in the checkpoint.
+  out, the unhealthy cards published tainted and whether taints are kept),
+  the claims in the checkpoint.
 
 It prepares claims through the converger (`converger.claim_prepare` /
 `claim_unprepare`: the converger owns every hold, checks conflicts and makes
@@ -106,6 +107,14 @@ class DraPluginApp(ServiceApp):
                 default="true",
                 choices=("true", "false"),
             ),
+            Option(
+                "--device-taints",
+                "publish an unhealthy card (Healthy=False) with device taints on all its devices (gpu.bcd.dev/xid, gpu-lost, ecc, "
+                "row-remap; needs the DRADeviceTaints feature: without it the API server drops them and such cards are withdrawn "
+                "again); false: unhealthy cards are left out of the slices",
+                default="true",
+                choices=("true", "false"),
+            ),
             Option("--proc-root", "root of /proc (boot id)", default=Path("/proc"), type=Path),
             Option("--fake-host", "fake host description file (boot id)", type=Path),
             Option("--watch-interval", "seconds between looks at the sockets", default=1.0, type=float),
@@ -180,6 +189,7 @@ class DraPluginApp(ServiceApp):
             binding_conditions=o.binding_conditions == "true",
             mig_devices=o.mig_devices == "true",
             shared_cards=o.shared_cards == "true",
+            device_taints=o.device_taints == "true",
             watch_interval=o.watch_interval,
             resync_interval=o.resync_interval,
         )

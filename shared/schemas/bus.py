@@ -706,6 +706,11 @@ class DraPluginStatus(msgspec.Struct, frozen=True, kw_only=True):
     claims: Annotated[list[DraClaimStatus], msgspec.Meta(max_length=4096)] = []
     #: whole cards are published as shareable (consumable capacity); False: exclusive only
     shared_cards: bool = False
+    #: unhealthy cards (Healthy=False) are published with device taints (DRADeviceTaints); False:
+    #: they are left out (the API server drops taints, --device-taints false, or an older plugin)
+    device_taints: bool = False
+    #: the unhealthy cards published tainted, one line per card ("<pci> gpu-<i>: published tainted <key>=<value>:<effect>, ... (Healthy=False ...)")
+    tainted: Annotated[list[Text], msgspec.Meta(max_length=1024)] = []
 
 
 # --------------------------------------------------------------------------- root helper

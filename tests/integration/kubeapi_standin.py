@@ -48,8 +48,15 @@ read for this file (paths in kubernetes/kubernetes):
 
 Written from memory of upstream rather than re-read (marked "from memory"
 below): the generic object-meta checks (name format, labels, owner
-references), core's node-selector validation, the decode error texts, and the
-ResourceClaim status-update rules.
+references), core's node-selector validation, the decode error texts, the
+ResourceClaim status-update rules, and metav1.Time (a device taint's
+timeAdded: RFC 3339 or 400, read back in UTC with whole seconds).
+
+Device taints (DRADeviceTaints, KEP 5055): with the gate on a device's
+`taints` are kept and validated (validateDeviceTaint: key a label name, value
+a label value, effect None|NoSchedule|NoExecute, at most 16; a slice with a
+tainted device holds 64 devices); with it off they are dropped silently,
+unless the stored slice already had taints (dropDisabledDRADeviceTaintsFields).
 
 `check_pool(driver, pool)` is the scheduler's view of a whole pool, which the
 API server never checks across slices (staging/.../structured/internal/
@@ -303,7 +310,31 @@ class DecodeError(Exception):
     pass
 
 
-_STR, _INT, _BOOL, _QTY, _ANY = "string", "int64", "bool", "quantity", "any"
+_STR, _INT, _BOOL, _QTY, _ANY, _TIME = "string", "int64", "bool", "quantity", "any", "time"
+#: metav1.Time (from memory of apimachinery's time.go / time_proto.go): UnmarshalJSON takes null or a
+#: JSON string time.Parse(time.RFC3339) reads (fractional seconds allowed); MarshalJSON writes
+#: RFC 3339 in UTC with whole seconds, and the protobuf storage keeps seconds only, so what is
+#: read back is `YYYY-MM-DDTHH:MM:SSZ` whatever offset or fraction was sent.
+_RFC3339 = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(\.\d+)?(Z|[+-]\d{2}:\d{2})")
+RFC3339_LAYOUT = "2006-01-02T15:04:05Z07:00"
+
+
+def parse_time(value: Any) -> str:
+    """A metav1.Time as the API server gives it back (UTC, whole seconds); ValueError if it is not one."""
+    if not isinstance(value, str):
+        raise ValueError(f"json: cannot unmarshal {_json_kind(value)} into Go value of type string")
+    m = _RFC3339.fullmatch(value)
+    try:
+        if not m:
+            raise ValueError
+        zone = m.group(8)
+        text = value[: m.start(7)] if m.group(7) else value[: m.start(8)]
+        at = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").replace(
+            tzinfo=timezone.utc if zone == "Z" else datetime.strptime(zone.replace(":", ""), "%z").tzinfo
+        )
+    except ValueError:
+        raise ValueError(f'parsing time "{value}" as "{RFC3339_LAYOUT}": cannot parse "{value}" as "{RFC3339_LAYOUT}"') from None
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _obj(**fields: Any) -> tuple:
@@ -336,7 +367,7 @@ _DEVICE = _obj(
     nodeName=_STR,
     nodeSelector=_NODE_SELECTOR,
     allNodes=_BOOL,
-    taints=_list(_obj(key=_STR, value=_STR, effect=_STR, timeAdded=_ANY)),
+    taints=_list(_obj(key=_STR, value=_STR, effect=_STR, timeAdded=_TIME)),
     bindsToNode=_BOOL,
     bindingConditions=_list(_STR),
     bindingFailureConditions=_list(_STR),
@@ -389,6 +420,11 @@ def _decode(value: Any, schema: Any, path: str, warnings: list[str]) -> Any:
         except ValueError as exc:
             raise DecodeError(str(exc)) from None
         return value if isinstance(value, str) else json.dumps(value)  # a Quantity comes back as a string
+    if schema == _TIME:
+        try:
+            return parse_time(value)
+        except ValueError as exc:
+            raise DecodeError(str(exc)) from None
     if isinstance(schema, str):
         ok = {
             _STR: isinstance(value, str),
@@ -1587,5 +1623,6 @@ __all__ = [
     "decode_resource_slice",
     "drop_disabled_fields",
     "parse_quantity",
+    "parse_time",
     "validate_resource_slice",
 ]

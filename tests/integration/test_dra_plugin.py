@@ -8,7 +8,9 @@ ResourceSlices (1.35 rules, one counter set per card); a claim the scheduler all
 prepared as a hold of its own (`bcd-claim-<uid>.json`), its MIG instance made on prepare and
 destroyed on unprepare; a placement that overlaps a hold is refused naming the hold; a compute
 instance that fails leaves no GPU instance; a plugin killed with claims prepared reconciles its
-checkpoint with the API server; a card handed to a VM leaves the slices.
+checkpoint with the API server; a card handed to a VM leaves the slices; a card an XID made
+unhealthy stays published with device taints on all its devices (DRADeviceTaints on) or leaves
+the slices (an API server that drops the taints).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -344,3 +347,81 @@ async def test_binding_conditions_say_ready_or_binding_failed_on_the_claim(tmp_p
         assert "gpu-3" in failed["message"] and failed["reason"] == "DeviceNotAvailable"
     finally:
         await stop(node)
+
+
+def throw_xid(h: Path, index: int, number: int) -> str:
+    """An XID on a card of the fake host (what NVML's event set would report); its time, as a taint has it."""
+    at = datetime.now(timezone.utc)
+    doc = json.loads(h.read_text())
+    g = next(g for g in doc["gpus"] if g["index"] == index)
+    g.setdefault("health", {}).setdefault("xids", []).append({"xid": number, "at": at.isoformat()})
+    tmp = h.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, h)
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def test_an_unhealthy_card_stays_published_with_taints_on_all_its_devices(tmp_path, short_dir, api):
+    """Issue 30 with DRADeviceTaints on: an XID makes the card Healthy=False (phase Failed); rather
+    than leaving the slices, the whole card and each of its MIG placements carry the taint (NoExecute
+    for a fatal XID, its number as the value, timeAdded when it was seen); the other cards are
+    untouched; a claim that names a tainted device is still refused by the node."""
+    h = host(tmp_path)
+    node = await start(tmp_path, short_dir, api, h)
+    kubelet = DraKubelet(short_dir)
+    try:
+        await kubelet.register(DRIVER)
+        before = await wait_devices(api, lambda d: "gpu-2" in d and "gpu-6-mig-1g-18gb-0" in d, "the node's devices")
+        assert not any("taints" in d for d in before.values())
+        at2 = throw_xid(h, 2, 79)
+        at6 = throw_xid(h, MIG_CARD, 48)
+
+        def tainted(d: dict) -> bool:
+            return bool(d.get("gpu-2", {}).get("taints")) and all(v.get("taints") for n, v in d.items() if n.startswith("gpu-6"))
+
+        devs = await wait_devices(api, tainted, "the sick cards' devices tainted", timeout=30)
+        assert set(devs) == set(before), "nothing withdrawn"
+        assert devs["gpu-2"]["taints"] == [{"key": "gpu.bcd.dev/xid", "value": "79", "effect": "NoExecute", "timeAdded": at2}]
+        six = [n for n in devs if n.startswith("gpu-6")]
+        assert len(six) > 1 and "gpu-6-mig-7g-141gb-0" in six
+        for n in six:
+            assert devs[n]["taints"] == [{"key": "gpu.bcd.dev/xid", "value": "48", "effect": "NoExecute", "timeAdded": at6}], n
+        assert {n: d for n, d in devs.items() if not n.startswith(("gpu-2", "gpu-6"))} == {n: d for n, d in before.items() if not n.startswith(("gpu-2", "gpu-6"))}
+        assert api.check_pool(DRIVER, NODE) == []
+
+        st = dra_status(node)
+        assert st["device_taints"] is True and not any("DRADeviceTaints" in n for n in st.get("left_out", []))
+        lines = {line.split(" ")[1]: line for line in st["tainted"]}
+        assert set(lines) == {"gpu-2:", "gpu-6:"}
+        assert "gpu.bcd.dev/xid=79:NoExecute" in lines["gpu-2:"] and "Healthy=False XidCritical" in lines["gpu-2:"]
+
+        # the scheduler would not allocate it to a claim without a toleration; one that names it anyway is refused
+        c = claim(api, "onsick", "gpu-2")
+        err = (await kubelet.prepare(c))[c[2]].error
+        assert "unhealthy" in err, err
+    finally:
+        await kubelet.close()
+        await stop(node)
+
+
+async def test_an_api_server_that_drops_device_taints_gets_the_unhealthy_card_withdrawn(tmp_path, short_dir):
+    """A stock 1.35 API server (DRADeviceTaints off) drops the taints without an error: the plugin
+    sees them missing in what came back and withdraws the unhealthy card (as before device
+    taints), saying why in its status."""
+    with KubeApiStandIn(gates=GATES_1_35_DEFAULT) as server:
+        server.add_node(NODE)
+        h = host(tmp_path)
+        node = await start(tmp_path, short_dir, server, h)
+        try:
+            await wait_devices(server, lambda d: "gpu-2" in d and "gpu-1" in d, "the node's devices")
+            assert dra_status(node)["device_taints"] is True, "no taint sent yet: nothing seen dropped"
+            throw_xid(h, 2, 79)
+            devs = await wait_devices(server, lambda d: "gpu-2" not in d and "gpu-1" in d, "gpu-2 withdrawn", timeout=30)
+            assert not any("taints" in d for d in devs.values())
+            st = await asyncio.to_thread(wait_for, lambda: (lambda s: s if not s.get("device_taints") else None)(dra_status(node)), 30, "taints off")
+            assert any("DRADeviceTaints" in n for n in st["left_out"]) and st.get("tainted", []) == []
+            (note,) = [n for n in st["left_out"] if " gpu-2: " in n]
+            assert "Healthy=False XidCritical" in note and "device taints are off" in note
+            assert server.check_pool(DRIVER, NODE) == []
+        finally:
+            await stop(node)

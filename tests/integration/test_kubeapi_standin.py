@@ -397,6 +397,7 @@ ATTR = "gpu.bcd.dev/uuid"
 MEMORY = "gpu.bcd.dev/memory"
 POLICY = {"default": "1Gi", "validValues": ["1Gi", "2Gi"]}
 OK = "accepted"
+TAINT = {"key": "gpu.bcd.dev/xid", "value": "79", "effect": "NoExecute", "timeAdded": "2026-12-03T10:00:00Z"}
 #: (id, base, mutation, expected): expected is OK, a set of field paths (422 Invalid), or 400 (refused decoding)
 ROWS: list[tuple[str, Callable[[], dict], Mutation, Any]] = [
     ("all fine: devices", device_slice, lambda s: None, OK),
@@ -523,6 +524,25 @@ ROWS: list[tuple[str, Callable[[], dict], Mutation, Any]] = [
     # taints: <= 16, known effects
     ("17 taints", device_slice, _set("spec.devices.0.taints", [{"key": f"t{i}", "effect": "NoSchedule"} for i in range(17)]), {f"{D0}.taints"}),
     ("taint effect unknown", device_slice, _set("spec.devices.0.taints", [{"key": "t", "effect": "PreferNoSchedule"}]), {f"{D0}.taints[0].effect"}),
+    # taints (issue 30): key a label name, value a label value, effect required, timeAdded a metav1.Time
+    ("16 taints", device_slice, _set("spec.devices.0.taints", [{"key": f"t{i}", "effect": "NoSchedule"} for i in range(16)]), OK),
+    ("a taint as the plugin writes one", device_slice, _set("spec.devices.0.taints", [TAINT]), OK),
+    ("taint effect None", device_slice, _set("spec.devices.0.taints", [{**TAINT, "effect": "None"}]), OK),
+    ("taint without a value", device_slice, _set("spec.devices.0.taints", [{"key": "gpu.bcd.dev/gpu-lost", "effect": "NoExecute"}]), OK),
+    ("taint effect missing", device_slice, _set("spec.devices.0.taints", [{"key": "gpu.bcd.dev/xid", "value": "79"}]), {f"{D0}.taints[0].effect"}),
+    ("taint key missing", device_slice, _set("spec.devices.0.taints", [{"value": "79", "effect": "NoExecute"}]), {f"{D0}.taints[0].key"}),
+    ("taint key not a label name", device_slice, _set("spec.devices.0.taints", [{**TAINT, "key": "gpu.bcd.dev/xid error"}]), {f"{D0}.taints[0].key"}),
+    ("taint key domain not a DNS subdomain", device_slice, _set("spec.devices.0.taints", [{**TAINT, "key": "GPU_bcd/xid"}]), {f"{D0}.taints[0].key"}),
+    ("taint key name longer than 63", device_slice, _set("spec.devices.0.taints", [{**TAINT, "key": "gpu.bcd.dev/" + "x" * 64}]), {f"{D0}.taints[0].key"}),
+    ("taint value of 63", device_slice, _set("spec.devices.0.taints", [{**TAINT, "value": "v" * 63}]), OK),
+    ("taint value of 64", device_slice, _set("spec.devices.0.taints", [{**TAINT, "value": "v" * 64}]), {f"{D0}.taints[0].value"}),
+    ("taint value not a label value", device_slice, _set("spec.devices.0.taints", [{**TAINT, "value": "XID 79"}]), {f"{D0}.taints[0].value"}),
+    ("taint value starting with a dash", device_slice, _set("spec.devices.0.taints", [{**TAINT, "value": "-1"}]), {f"{D0}.taints[0].value"}),
+    ("taint timeAdded with an offset and a fraction", device_slice, _set("spec.devices.0.taints", [{**TAINT, "timeAdded": "2026-12-03T11:00:00.25+01:00"}]), OK),
+    ("taint timeAdded not RFC 3339", device_slice, _set("spec.devices.0.taints", [{**TAINT, "timeAdded": "2026-12-03 10:00:00"}]), 400),
+    ("taint timeAdded without a zone", device_slice, _set("spec.devices.0.taints", [{**TAINT, "timeAdded": "2026-12-03T10:00:00"}]), 400),
+    ("taint timeAdded a number", device_slice, _set("spec.devices.0.taints", [{**TAINT, "timeAdded": 1796292000}]), 400),
+    ("two taints, the second bad", device_slice, _set("spec.devices.0.taints", [TAINT, {**TAINT, "effect": "Evict"}]), {f"{D0}.taints[1].effect"}),
     # consumable capacity: a request policy only on a device that allows multiple allocations
     ("requestPolicy without allowMultipleAllocations", device_slice, _set(f"spec.devices.0.capacity[{MEMORY}].requestPolicy", POLICY), {f"{D0}.capacity[{MEMORY}].requestPolicy"}),
     ("requestPolicy with allowMultipleAllocations", device_slice, _all(_set(f"spec.devices.0.capacity[{MEMORY}].requestPolicy", POLICY), _set("spec.devices.0.allowMultipleAllocations", True)), OK),
@@ -581,6 +601,66 @@ async def test_a_stock_1_35_server_drops_counters_silently(tmp_path: Path) -> No
             await client.close()
     assert [sorted(d) for d in devices["spec"]["devices"]] == [["attributes", "capacity", "name"], ["attributes", "name"]]
     assert "sharedCounters" not in counters["spec"] and "sharedCounters" not in nine["spec"]
+
+
+def tainted_slice(taints: list[dict] | None = None) -> dict:
+    body = device_slice()
+    body["spec"]["devices"][0]["taints"] = copy.deepcopy(taints if taints is not None else [TAINT])
+    return body
+
+
+async def test_taints_are_kept_and_their_time_reads_back_in_utc_seconds(standin: KubeApiStandIn, api: ClusterApi) -> None:
+    """DRADeviceTaints on: a device's taints are stored as sent, but for timeAdded, which metav1.Time
+    gives back in UTC with whole seconds (what a client compares must be written that way)."""
+    sent = [{**TAINT, "timeAdded": "2026-12-03T11:00:00.75+01:00"}, {"key": "gpu.bcd.dev/ecc", "value": "EccCorrectable", "effect": "NoSchedule"}]
+    created = await api.create_slice(tainted_slice(sent))
+    assert created["spec"]["devices"][0]["taints"] == [TAINT, sent[1]]
+    assert standin.slice("node-1-gpu.bcd.dev-devices")["spec"]["devices"][0]["taints"] == [TAINT, sent[1]]
+    assert "taints" not in created["spec"]["devices"][1]
+    # the same taints again change nothing (no new generation)
+    again = await api.replace_slice(created["metadata"]["name"], created)
+    assert again["metadata"]["generation"] == 1 and again["spec"]["devices"][0]["taints"] == [TAINT, sent[1]]
+    # taints gone: a new generation
+    del again["spec"]["devices"][0]["taints"]
+    cleared = await api.replace_slice(again["metadata"]["name"], again)
+    assert cleared["metadata"]["generation"] == 2 and "taints" not in cleared["spec"]["devices"][0]
+
+
+async def test_a_stock_1_35_server_drops_taints_silently(tmp_path: Path) -> None:
+    """DRADeviceTaints off (the 1.35 default): taints vanish without an error, and the dropped part
+    is never validated (17 taints with an unknown effect pass as well)."""
+    bad = [{"key": f"t{i}", "effect": "Evict"} for i in range(17)]
+    with KubeApiStandIn(gates=GATES_1_35_DEFAULT) as server:
+        client = ClusterApi(server.write_kubeconfig(tmp_path / "kubeconfig"), timeout=5)
+        try:
+            created = await client.create_slice(tainted_slice())
+            other = tainted_slice(bad)
+            other["metadata"]["name"] = "node-1-gpu.bcd.dev-devices-2"
+            seventeen = await client.create_slice(other)
+            # a replace that adds taints to a slice without any: dropped too
+            body = copy.deepcopy(created)
+            body["spec"]["devices"][1]["taints"] = [TAINT]
+            replaced = await client.replace_slice(body["metadata"]["name"], body)
+        finally:
+            await client.close()
+    for got in (created, seventeen, replaced):
+        assert not any("taints" in d for d in got["spec"]["devices"]), got
+    assert replaced["metadata"]["generation"] == 1  # nothing kept changed
+
+
+async def test_taints_a_slice_already_has_are_kept_with_the_gate_turned_off(standin: KubeApiStandIn, api: ClusterApi) -> None:
+    """dropDisabledDRADeviceTaintsFields ratchets: an update of a slice that has taints keeps them
+    (and may change them) though the gate went off since; one without taints gets none."""
+    created = await api.create_slice(tainted_slice())
+    plain = await api.create_slice(counter_slice())
+    standin.gates["DRADeviceTaints"] = False
+    created["spec"]["devices"][0]["taints"] = [{**TAINT, "value": "48"}]
+    kept = await api.replace_slice(created["metadata"]["name"], created)
+    assert kept["spec"]["devices"][0]["taints"] == [{**TAINT, "value": "48"}]
+    fresh = device_slice("node-1-gpu.bcd.dev-devices-2")
+    fresh["spec"]["devices"][0]["taints"] = [TAINT]
+    assert "taints" not in (await api.create_slice(fresh))["spec"]["devices"][0]
+    assert "sharedCounters" in plain["spec"]
 
 
 # --- the scheduler's view of a pool ------------------------------------------------------------------

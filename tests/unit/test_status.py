@@ -846,3 +846,21 @@ def test_render_status_shows_a_hold_on_a_sick_card_and_a_vm_left_without_one():
     assert f"  vfio: {note}" in text
     # a hold whose cards are well (or never were sick) shows no such line
     assert "DevicesHealthy" not in render_status(report())
+
+
+def test_the_dra_plugin_s_tainted_and_withdrawn_unhealthy_cards_are_shown():
+    import msgspec
+
+    dra = msgspec.structs.replace(
+        dra_status(),
+        device_taints=True,
+        tainted=["0000:3a:00.0 gpu-2: published tainted gpu.bcd.dev/xid=79:NoExecute (Healthy=False XidCritical: XID 79)"],
+        left_out=[
+            "0000:5d:00.0 gpu-3: phase Failed, not Ready: Healthy=False GpuLost: gone; withdrawn, not tainted: device taints are off",
+            "0000:db:00.0 gpu-7: excluded from management",
+        ],
+    )
+    text = render_status(dra_report(dra))
+    assert "  tainted: 0000:3a:00.0 gpu-2: published tainted gpu.bcd.dev/xid=79:NoExecute" in text
+    assert "  left out: 0000:5d:00.0 gpu-3: phase Failed, not Ready: Healthy=False GpuLost" in text
+    assert "gpu-7: excluded" not in text  # not a health line
