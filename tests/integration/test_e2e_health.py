@@ -1,6 +1,7 @@
 """A sick GPU through every consumer of a whole node (issue 30): `bcd up` on a fake host with the
 device plugin and a kubelet stand-in on the official protos. An XID written into the host file
-reaches, within seconds: the inventory (Healthy=False, phase Failed), the kubelet (the card's
+(and each other kind of fault: a lost card, an uncorrectable ECC error, rows to remap) reaches,
+within seconds: the inventory (Healthy=False, phase Failed), the kubelet (the card's
 device Unhealthy in the next ListAndWatch), the control plane (a `gpu` event with the condition,
 a `hold` event DevicesHealthy=False for each hold kept on the card, and `device-unhealthy` for a
 new hold on it), and `bcd status`."""
@@ -46,13 +47,20 @@ def peers(short_dir: Path, tmp_path: Path) -> Iterator[tuple[FakeCluster, Path, 
         server.stop()
 
 
-def throw_xid(host: Path, uuid: str, number: int) -> None:
+def sicken(host: Path, uuid: str, **health: object) -> None:
+    """What NVML would say of the card from now on (the fake host's `health`)."""
     doc = json.loads(host.read_text())
     card = next(g for g in doc["gpus"] if g["uuid"] == uuid)
-    card.setdefault("health", {}).setdefault("xids", []).append({"xid": number, "at": datetime.now(timezone.utc).isoformat()})
+    card.setdefault("health", {}).update(health)
     tmp = host.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, host)
+
+
+def throw_xid(host: Path, uuid: str, number: int) -> None:
+    doc = json.loads(host.read_text())
+    xids = next(g for g in doc["gpus"] if g["uuid"] == uuid).get("health", {}).get("xids", [])
+    sicken(host, uuid, xids=[*xids, {"xid": number, "at": datetime.now(timezone.utc).isoformat()}])
 
 
 async def test_an_xid_reaches_the_kubelet_the_control_plane_and_new_holds(tmp_path, short_dir, kubelet, peers) -> None:
@@ -68,10 +76,14 @@ async def test_an_xid_reaches_the_kubelet_the_control_plane_and_new_holds(tmp_pa
         devices = await kubelet.wait_devices(RES, lambda d: set(d) == {GPU[0]})
         assert devices[GPU[0]].health == HEALTHY
 
-        # XID 79 on the kube hold's card, XID 48 on the plain hold's, XID 95 on a free card, and an
-        # application XID on another free card
-        for uuid, number in ((GPU[0], 79), (GPU[3], 48), (GPU[6], 95), (GPU[5], 43)):
-            throw_xid(host, uuid, number)
+        # each kind of fault on its own card: the kube hold's card is lost, the plain hold's throws
+        # XID 48, a free card counts an uncorrectable ECC error, another has rows waiting to be
+        # remapped, and one throws only an application XID (ignored)
+        sicken(host, GPU[0], gone=True)
+        throw_xid(host, GPU[3], 48)
+        sicken(host, GPU[6], ecc_uncorrectable=1)
+        sicken(host, GPU[1], row_remap_pending=True)
+        throw_xid(host, GPU[5], 43)
         await kubelet.wait_devices(RES, lambda d: d.get(GPU[0]) is not None and d[GPU[0]].health == UNHEALTHY, timeout=20)
 
         # the holds are kept, and each says so upstream
@@ -80,8 +92,8 @@ async def test_an_xid_reaches_the_kubelet_the_control_plane_and_new_holds(tmp_pa
             return got if {"k1", "plain"} <= set(got) else None
 
         said = await asyncio.to_thread(wait_for, hold_events, 30, "hold conditions at the control plane")
-        assert "DevicesHealthy=False XidCritical" in said["k1"].detail and "XID 79" in said["k1"].detail
-        assert "XID 48 (double-bit ECC error)" in said["plain"].detail
+        assert "DevicesHealthy=False GpuLost" in said["k1"].detail and "stopped answering" in said["k1"].detail
+        assert "DevicesHealthy=False XidCritical" in said["plain"].detail and "XID 48 (double-bit ECC error)" in said["plain"].detail
         assert node.holds() >= {"k1", "plain"}
         rsv = node.cp_state().reservations["rsv-plain"]
         assert rsv.state == "active" and rsv.condition is not None and rsv.condition.reason == "XidCritical"
@@ -89,21 +101,22 @@ async def test_an_xid_reaches_the_kubelet_the_control_plane_and_new_holds(tmp_pa
         # the sick cards' gpu events reach the control plane (Failed); the ignored XID's card stays Ready
         def gpu_events():
             got = {(e.event or {}).get("pci_address", ""): e.detail for e in applied(node, "gpu")}
-            return got if all(got.get(PCI[u], "").startswith("Failed/") for u in (GPU[0], GPU[3], GPU[6])) else None
+            return got if all(got.get(PCI[u], "").startswith("Failed/") for u in (GPU[0], GPU[3], GPU[6], GPU[1])) else None
 
         got = await asyncio.to_thread(wait_for, gpu_events, 30, "gpu events of the sick cards")
         assert got[PCI[GPU[5]]].startswith("Ready/"), got
 
         # a new hold on a sick card is refused naming the condition; one on the ignored XID's card binds
-        devices = [kube("k1", GPU[0]), assignment("plain", GPU[3]), assignment("n1", GPU[6]), assignment("ok", GPU[5])]
+        devices = [kube("k1", GPU[0]), assignment("plain", GPU[3]), assignment("n1", GPU[6]), assignment("n2", GPU[1]), assignment("ok", GPU[5])]
         gen = await asyncio.to_thread(node.apply, {"node_id": "node-1", "devices": devices})
         await asyncio.to_thread(node.wait_generation, gen)
         failed = {e.allocation_id: e for e in applied(node, "failed")}
-        assert set(failed) == {"n1"}
-        assert failed["n1"].detail.startswith("device-unhealthy: ") and "XID 95 (uncontained ECC error)" in failed["n1"].detail
-        assert "ok" in node.holds() and "n1" not in node.holds()
+        assert set(failed) == {"n1", "n2"}
+        assert failed["n1"].detail.startswith("device-unhealthy: ") and "Healthy=False EccUncorrectable" in failed["n1"].detail
+        assert failed["n2"].detail.startswith("device-unhealthy: ") and "Healthy=False RowRemapPending" in failed["n2"].detail
+        assert "ok" in node.holds() and not {"n1", "n2"} & node.holds()
         status = await asyncio.to_thread(bcd, "status", "--state-dir", str(node.state))
-        assert "XidCritical" in status.stdout, status.stdout
+        assert "GpuLost" in status.stdout and "XidCritical" in status.stdout, status.stdout
 
         # an XID while a pass binds a hold on that card: whichever comes first, the node ends
         # consistent - the hold refused as device-unhealthy, or bound and then saying DevicesHealthy=False
