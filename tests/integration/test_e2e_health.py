@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 from services.device_plugin.proto import HEALTHY, UNHEALTHY
 
 from .harness import EXAMPLE_HOSTS
-from .kube_peers import ApiServer, FakeCluster, KubeletServer
+from .test_device_plugin import peers  # noqa: F401 - the kubelet's pod-resources and API server peers
 from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -32,19 +31,6 @@ PCI = {g["uuid"]: g["pci_address"] for g in HOST["gpus"]}
 
 def kube(alloc: str, *devices: str) -> dict:
     return {**assignment(alloc, *devices), "binding": "BINDING_KUBERNETES"}
-
-
-@pytest.fixture
-def peers(short_dir: Path, tmp_path: Path) -> Iterator[tuple[FakeCluster, Path, Path]]:
-    cluster = FakeCluster()
-    socket = short_dir / "pod-resources.sock"
-    server = KubeletServer(cluster, socket).start()
-    api = ApiServer(cluster).start()
-    try:
-        yield cluster, socket, api.write_kubeconfig(tmp_path / "kubeconfig")
-    finally:
-        api.stop()
-        server.stop()
 
 
 def sicken(host: Path, uuid: str, **health: object) -> None:
