@@ -111,7 +111,7 @@ class HealthPolicy:
 
 
 class HealthFault(msgspec.Struct, kw_only=True):
-    """One reason a card is not healthy, as first seen (a repeat counts, and its message is the latest)."""
+    """One reason a card is not healthy, as first seen (a repeat only counts)."""
 
     reason: str
     message: str
@@ -151,18 +151,19 @@ def _stamp(at: datetime) -> str:
 
 
 def _raise(health: CardHealth, reason: str, message: str, at: datetime, boot_id: str, xid: int | None = None) -> bool:
-    """Record a fault; True when the card's faults changed (a new reason, or a new message)."""
+    """Record a fault; True when the card's condition changes (a reason it did not have).
+
+    A fault seen again only counts (and notes the boot it was seen in): its first words and
+    instant stay, so a storm of one XID, or a check that finds the same thing every interval,
+    publishes nothing new and says nothing new upstream (the XID counter counts each one)."""
     old = health.faults.get(reason)
     if old is None:
         health.faults[reason] = HealthFault(reason=reason, message=message, at=at, boot_id=boot_id, xid=xid)
         return True
     old.count += 1
-    changed = old.message != message
-    old.message = message
-    old.xid = xid if xid is not None else old.xid
     if boot_id and old.boot_id != boot_id:
         old.boot_id = boot_id  # seen again in this boot: a reboot alone does not clear it now
-    return changed
+    return False
 
 
 def _clear(health: CardHealth, reasons: Iterable[str]) -> bool:
@@ -276,9 +277,7 @@ def healthy_condition(health: CardHealth | None, policy: HealthPolicy, *, now: d
         return Condition(type=HEALTHY, status="True", reason=CHECKED, message="no fatal XID, ECC within limits, the vendor library answers", since=now)
     worst = faults[0]
     # the worst fault's own words (the reason is the condition's), then each other one by its reason
-    message = "; ".join(
-        ("" if i == 0 else f"also {f.reason}: ") + f.message + (f" (x{f.count})" if f.count > 1 else "") for i, f in enumerate(faults)
-    )
+    message = "; ".join(("" if i == 0 else f"also {f.reason}: ") + f.message for i, f in enumerate(faults))
     if len(message) > _MESSAGE_MAX:
         message = message[: _MESSAGE_MAX - 1] + "…"
     status = "Unknown" if worst.reason == UNMONITORED else "False"

@@ -456,14 +456,14 @@ class InventoryApp(ServiceApp):
         assert self.tracker is not None and self.health is not None
         async with self.lock:
             base = self.last_base
-            if news.kind == "events":
-                # an XID can come with the card leaving NVML: read the host again (the last scan when that fails)
-                base = await self._scan(ctx, "health event") or base
             if base is None:
                 return
             if not self.health.note(self.tracker, news, listed=watched_cards(self.current or base), boot_id=base.boot_id):
-                return
+                return  # an ignored XID, a fault seen again: nothing to publish (a storm costs no scan)
             self._save(ctx)  # the fault is on disk before anyone hears of it
+            if news.kind == "events":
+                # an XID can come with the card leaving NVML: read the host again (the last scan when that fails)
+                base = await self._scan(ctx, "health event") or base
             claims = await self._fetch_claims(ctx)
             await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events")
 

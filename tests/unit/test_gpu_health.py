@@ -94,11 +94,14 @@ def test_the_operator_chooses_which_xids_count() -> None:
 
 def test_a_repeated_xid_counts_and_keeps_its_first_instant() -> None:
     h = CardHealth()
-    apply_event(h, xid(79, T0, gi=1, ci=0), POLICY, "b")
-    apply_event(h, xid(48, T0 + timedelta(seconds=5)), POLICY, "b")
+    assert apply_event(h, xid(79, T0, gi=1, ci=0), POLICY, "b") == ("fatal", True)
+    # seen again (another fatal XID too): counted, nothing new to say or publish
+    assert apply_event(h, xid(48, T0 + timedelta(seconds=5)), POLICY, "b") == ("fatal", False)
     f = h.faults[XID_CRITICAL]
-    assert (f.at, f.count, f.xid) == (T0, 2, 48)
-    assert f.message.startswith("XID 48 (double-bit ECC error) at 2026-12-03T10:00:05Z")
+    assert (f.at, f.count, f.xid) == (T0, 2, 79)
+    assert f.message.startswith("XID 79 (GPU has fallen off the bus) on MIG gi1/ci0 at 2026-12-03T10:00:00Z")
+    assert apply_check(h, check(row_remap_pending=True), POLICY, boot_id="b", now=T0)[0] is True
+    assert apply_check(h, check(row_remap_pending=True), POLICY, boot_id="b", now=T0)[0] is False  # the same every interval
     first = CardHealth()
     apply_event(first, xid(79, T0, gi=1, ci=0), POLICY, "b")
     assert "XID 79 (GPU has fallen off the bus) on MIG gi1/ci0 at 2026-12-03T10:00:00Z" == first.faults[XID_CRITICAL].message
@@ -517,3 +520,38 @@ def test_a_host_file_that_cannot_be_read_concludes_nothing(tmp_path: Path) -> No
     shutil.copy(ONE_GPU, path)
     change(path, lambda d: health_of(d).update(xids=[{"xid": 79, "at": "2026-12-03T10:00:00Z"}]))
     assert [e.xid for e in a.wait_health_events(2.0)] == [79]  # the watch goes on once the file reads again
+
+
+def test_news_that_changes_nothing_is_not_published(tmp_path: Path) -> None:
+    """An XID storm (or the same check every interval) costs no scan and no publish."""
+    import asyncio
+
+    from services.inventory.service import InventoryApp
+
+    app = InventoryApp()
+    app.tracker = tracker()
+    app.health = HealthIntake(CollectorRegistry(), SimpleNamespace(info=lambda *a, **k: None, error=lambda *a, **k: None, warning=lambda *a, **k: None))
+    app.last_base = inventory(ONE_GPU)
+    scans: list[str] = []
+
+    async def scan(ctx: Any, reason: str) -> Any:
+        scans.append(reason)
+        return app.last_base
+
+    async def publish(*a: Any, **k: Any) -> Any:
+        scans.append("published")
+
+    app._scan = scan  # type: ignore[method-assign]
+    app._evaluate_and_publish = publish  # type: ignore[method-assign]
+    app._fetch_claims = lambda ctx: asyncio.sleep(0)  # type: ignore[method-assign,assignment]
+    app._save = lambda ctx, **k: None  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await app._on_health(None, HealthNews("events", events=[xid(43), xid(13)]))  # type: ignore[arg-type]
+        assert scans == []
+        await app._on_health(None, HealthNews("events", events=[xid(79)]))  # type: ignore[arg-type]
+        assert scans == ["health event", "published"]
+        await app._on_health(None, HealthNews("events", events=[xid(79), xid(48)]))  # type: ignore[arg-type]
+        assert scans == ["health event", "published"]
+
+    asyncio.run(main())
