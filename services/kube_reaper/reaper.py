@@ -312,9 +312,13 @@ class Reaper:
             if holders or not snap.reachable:
                 continue
             msg = Freed(allocation_id=alloc, devices=list(w.devices))
+            # the gauge says it before anyone hears Freed: a reader that got the notice and asks
+            # the metrics at once must not see it still watched (the publish may yield first)
+            self._gauge(self.m.watched, len(self.watched) - 1)
             try:
                 await self._publish_freed(msg)
             except Exception as exc:  # noqa: BLE001 - the bus is away; the next look publishes again
+                self._gauge(self.m.watched, len(self.watched))
                 self.log.warning("could not publish freed; keeps watching", allocation_id=alloc, error=f"{type(exc).__name__}: {exc}")
                 continue
             del self.watched[alloc]

@@ -384,3 +384,31 @@ async def test_a_failed_freed_publish_keeps_the_watch_and_publishes_later():
     assert [f.allocation_id for f in await r.recheck()] == ["alloc_1"]
     assert len(freed) == 1 and r.watched == {}
     assert any(level == "warning" and "could not publish freed" in msg for level, msg, _ in r.log.lines)
+
+
+async def test_the_watched_gauge_says_freed_before_the_notice_goes_out():
+    """Whoever hears Freed and reads the metrics at once sees the allocation no longer watched
+    (a CI run under load caught the gauge a notice behind)."""
+    from services.kube_reaper.reaper import Metrics
+
+    class Gauge:
+        value = None
+
+        def set(self, v):
+            self.value = v
+
+    gauge = Gauge()
+    r, _, freed = make(metrics=Metrics(watched=gauge))
+    seen: list[float] = []
+    publish = r._publish_freed
+
+    async def looking(msg: Freed) -> None:
+        seen.append(gauge.value)
+        await publish(msg)
+
+    r._publish_freed = looking
+    await r.evict(q(A))
+    await r.evict(q(B, alloc="alloc_2"))
+    assert gauge.value == 2
+    await r.recheck()
+    assert seen == [1, 0] and gauge.value == 0 and len(freed) == 2
