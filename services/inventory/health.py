@@ -53,9 +53,6 @@ NOT_CHECKED = "NotChecked"
 #: worst first: the condition's reason is the first fault of this order that stands.
 HEALTH_ORDER: tuple[str, ...] = (GPU_LOST, XID_CRITICAL, ECC_UNCORRECTABLE, ROW_REMAP_FAILED, ROW_REMAP_PENDING, ECC_CORRECTABLE, UNMONITORED)
 STICKY_FAULTS = frozenset({GPU_LOST, XID_CRITICAL, ECC_UNCORRECTABLE, ROW_REMAP_FAILED})
-LEVEL_FAULTS = frozenset({ROW_REMAP_PENDING, ECC_CORRECTABLE, UNMONITORED})
-#: the reasons of Healthy=False (every fault but Unmonitored, which reads Unknown).
-UNHEALTHY_REASONS = frozenset(HEALTH_ORDER) - {UNMONITORED}
 
 #: XIDs a program causes, not the card (NVIDIA's device plugin skips the same ones).
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -297,8 +294,6 @@ __all__ = [
     "NOT_CHECKED",
     "HEALTH_ORDER",
     "STICKY_FAULTS",
-    "LEVEL_FAULTS",
-    "UNHEALTHY_REASONS",
     "APPLICATION_XIDS",
     "XID_TEXT",
     "HealthPolicy",
