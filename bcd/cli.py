@@ -591,7 +591,9 @@ def manpage(parser: argparse.ArgumentParser | None = None) -> str:
             "date": "",
         },
     )
-    return str(page)
+    # argparse-manpage leaves help text as it wraps: a line that starts with a quote would be
+    # read as a roff control line (it makes no request of its own that starts so)
+    return "\n".join("\\&" + line if line.startswith("'") else line for line in str(page).split("\n"))
 
 
 def cmd_man(args: argparse.Namespace) -> int:
@@ -712,6 +714,15 @@ def build_parser() -> argparse.ArgumentParser:
     _path(up.add_argument("--upstream-token-file", type=Path, help="file holding an upstream token (with --upstream)"), _FILE)
     _path(up.add_argument("--upstream-nkey-file", type=Path, help="upstream nkey seed file (with --upstream)"), _FILE)
     _path(up.add_argument("--upstream-creds", type=Path, help="upstream .creds file, JWT + nkey (with --upstream)"), _FILE)
+    _path(up.add_argument("--upstream-ca", type=Path, help="CA bundle the upstream's certificate must chain to: TLS on, a plain-text upstream refused (with --upstream)"), _FILE)
+    _path(up.add_argument("--upstream-cert", type=Path, help="this node's client certificate, for an upstream that verifies clients (mutual TLS; with --upstream-key)"), _FILE)
+    _path(up.add_argument("--upstream-key", type=Path, help="the client certificate's private key (0600; with --upstream-cert)"), _FILE)
+    up.add_argument("--upstream-server-name", help="the name the upstream's certificate must carry (default: the URL's host)")
+    up.add_argument(
+        "--upstream-tls",
+        choices=("auto", "required"),
+        help="'required': TLS even with no CA file (the system trust store); default auto: TLS for tls:// or with a CA or certificate",
+    )
     _path(up.add_argument("--kubeconfig", type=Path, default=os.environ.get("BCD_KUBECONFIG") or None, help="kubeconfig for kube_reaper's evictions [env BCD_KUBECONFIG]"), _FILE)
     _path(
         up.add_argument(

@@ -104,6 +104,7 @@ from shared.schemas.events import EVENT_TYPES
 from shared.schemas.strict import UnknownField, UnknownFieldsError, unknown_fields
 from shared.ed25519der import public_key_pem as spki_pem
 from shared.signing import Ed25519PrivateKey, VerificationError, key_id, raw_public_key, sign_node_spec, verify_report
+from shared.tlsconfig import TlsConfigError, TlsFiles, UpstreamTls, client_context, connect_options, explain, new_client, upstream_tls
 from shared.subjects import (
     CONTROLPLANE_USER,
     MSG_ID_HEADER,
@@ -1339,6 +1340,26 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--nats-url", default=_env("BCD_CP_NATS_URL", "nats://127.0.0.1:4222"), help="upstream NATS URL [env BCD_CP_NATS_URL]")
     common.add_argument("--user", default=_env("BCD_CP_USER", CONTROLPLANE_USER), help="upstream NATS user [env BCD_CP_USER]")
     common.add_argument("--password-file", type=Path, default=_env("BCD_CP_PASSWORD_FILE"), help="file holding the user's password [env BCD_CP_PASSWORD_FILE]")
+    common.add_argument(
+        "--nkey-file",
+        type=Path,
+        default=_env("BCD_CP_NKEY_FILE"),
+        help="the user's nkey seed file (`bcd fleet init`: DIR/upstream/controlplane.nk); wins over --password-file [env BCD_CP_NKEY_FILE]",
+    )
+    common.add_argument(
+        "--ca-file", type=Path, default=_env("BCD_CP_CA_FILE"), help="CA bundle the upstream's certificate must chain to (turns TLS on) [env BCD_CP_CA_FILE]"
+    )
+    common.add_argument("--cert-file", type=Path, default=_env("BCD_CP_CERT_FILE"), help="client certificate for mutual TLS (with --key-file) [env BCD_CP_CERT_FILE]")
+    common.add_argument("--key-file", type=Path, default=_env("BCD_CP_KEY_FILE"), help="the client certificate's key [env BCD_CP_KEY_FILE]")
+    common.add_argument(
+        "--server-name", default=_env("BCD_CP_SERVER_NAME", ""), help="name the upstream's certificate must have (default: the URL's host) [env BCD_CP_SERVER_NAME]"
+    )
+    common.add_argument(
+        "--tls-required",
+        action="store_true",
+        default=(_env("BCD_CP_TLS", "") or "").lower() == "required",
+        help="TLS even with a nats:// URL and no CA file (the system's trust store); a plain-text server is refused [env BCD_CP_TLS=required]",
+    )
     common.add_argument("--state-dir", type=Path, default=_env("BCD_CP_STATE_DIR"), help="key, state.json, events.jsonl [env BCD_CP_STATE_DIR]")
     common.add_argument(
         "--replicas",
@@ -1368,29 +1389,79 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tls_from_args(args: argparse.Namespace) -> UpstreamTls:
+    """The TLS the command line and BCD_CP_* ask for (TlsConfigError: a certificate without its key)."""
+    return upstream_tls(
+        args.nats_url, ca=args.ca_file, cert=args.cert_file, key=args.key_file, server_name=args.server_name, required=args.tls_required
+    )
+
+
+class _Reasons:
+    """What went wrong connecting, each distinct reason said once until a connection is up again
+    (nats-py retries every second and calls back each time)."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def first(self, reason: str) -> bool:
+        if reason in self.said:
+            return False
+        self.said.add(reason)
+        return True
+
+    def clear(self) -> None:
+        self.said.clear()
+
+
 async def connect_upstream(
-    url: str, user: str, password_file: Path | None, *, reconnect: bool = True, timeout: float = 5.0
+    url: str,
+    user: str,
+    password_file: Path | None,
+    *,
+    nkey_file: Path | None = None,
+    tls: UpstreamTls | None = None,
+    reconnect: bool = True,
+    timeout: float = 5.0,
 ) -> Client:
-    """Connect as the control plane. `reconnect=False` (one put): one try and one retry within
-    `timeout` seconds, then ConnectionError naming the cause (nats-py alone would retry a refused
-    server forever and log each failure)."""
-    password = Path(password_file).read_text().strip() if password_file else None
+    """Connect as the control plane: with `nkey_file` as that nkey user (else with the password
+    of `password_file`, else without credentials), and with `tls` (UpstreamTls) over verified TLS.
+
+    `reconnect=True` (serve): tries until connected, each distinct failure logged once, as one
+    line (`explain`: another CA, an expired certificate, a name mismatch, a plain-text server,
+    a client certificate refused). `reconnect=False` (one put): one try within `timeout`
+    seconds, then ConnectionError naming the cause in that one line (nats-py alone would retry
+    a refused server forever and log each failure). TlsConfigError when the TLS files do not
+    load (reconnect=True); a ConnectionError saying so with reconnect=False."""
+    tls = tls or UpstreamTls()
+    try:
+        ctx = client_context(tls) if tls.enabled else None
+    except TlsConfigError as exc:
+        if reconnect:
+            raise
+        raise ConnectionError(f"upstream {url}: {exc}") from None
+    password = Path(password_file).read_text().strip() if password_file and nkey_file is None else None
     errors: list[Exception] = []
+    reasons = _Reasons()
 
     async def on_error(exc: Exception) -> None:
         if not reconnect:
             errors.append(exc)  # said once, in the ConnectionError
             return
-        log.warning("nats error", error=str(exc))
+        reason = explain(exc)
+        if nc.is_connected:
+            log.warning("nats error", error=reason)
+        elif reasons.first(reason):
+            log.warning("upstream connection failed; retrying", reason=reason, tls=tls.describe())
 
-    nc: Client | None = None
+    nc = new_client(tls)
 
     async def on_disconnect() -> None:
         # a close we asked for is not news
-        if nc is None or not (nc.is_closed or nc.is_draining):
+        if not (nc.is_closed or nc.is_draining):
             log.warning("disconnected from upstream")
 
     async def on_reconnect() -> None:
+        reasons.clear()
         log.info("reconnected to upstream")
 
     options: dict[str, Any] = dict(
@@ -1402,10 +1473,14 @@ async def connect_upstream(
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         allow_reconnect=reconnect,
+        **connect_options(tls, ctx),
     )
+    if nkey_file is not None:
+        options["nkeys_seed"] = str(nkey_file)
     if reconnect:
-        return await nats.connect(server_list(url), max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5, **options)
-    nc = Client()
+        await nc.connect(server_list(url), max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5, **options)
+        reasons.clear()
+        return nc
     try:
         await asyncio.wait_for(
             nc.connect(server_list(url), max_reconnect_attempts=1, reconnect_time_wait=min(0.25, timeout / 4), connect_timeout=max(0.1, timeout), **options),
@@ -1416,10 +1491,29 @@ async def connect_upstream(
             await nc.close()
         cause: BaseException = errors[-1] if errors and isinstance(exc, (nats.errors.NoServersError, asyncio.TimeoutError)) else exc
         why = "connection refused" if isinstance(cause, ConnectionRefusedError) else (
-            f"no answer within {timeout:g} s" if isinstance(cause, asyncio.TimeoutError) else (str(cause) or type(cause).__name__)
+            f"no answer within {timeout:g} s" if isinstance(cause, asyncio.TimeoutError) else explain(cause)
         )
         raise ConnectionError(f"upstream {url} not reachable ({why})") from None
     return nc
+
+
+#: how often `serve` looks at its TLS files for a renewal (seconds; it is used at the next reconnect)
+TLS_CHECK_S = 10.0
+
+
+async def _watch_tls(files: TlsFiles, nc: Client, stopping: asyncio.Event, every: float) -> None:
+    """A renewed certificate, key or CA bundle on disk becomes the context of the next reconnect;
+    one that does not load is said once and the files in use are kept."""
+    said: str | None = None
+    while not stopping.is_set():
+        await _sleep_unless(stopping, every)
+        if files.refresh():
+            files.install(nc)
+            said = None
+            log.info("upstream TLS files renewed: used at the next reconnect", tls=files.tls.describe(), generation=files.generation)
+        elif files.error and files.error != said:
+            said = files.error
+            log.warning("upstream TLS renewal does not load; keeping the files in use", reason=files.error)
 
 
 async def _close(nc: Client) -> None:
@@ -1432,32 +1526,75 @@ async def _close(nc: Client) -> None:
             await nc.close()
 
 
+async def _connect_serving(args: argparse.Namespace, tls: UpstreamTls, stopping: asyncio.Event) -> tuple[Client, TlsFiles] | None:
+    """Connected (None: stopped first). TLS files that do not load (yet) are said once per
+    reason and tried again, alive (a supervisor would only loop on an exit); the connection's
+    own failures likewise, in connect_upstream."""
+    said: set[str] = set()
+    while True:
+        try:
+            files = TlsFiles(tls)
+            break
+        except TlsConfigError as exc:
+            if str(exc) not in said:
+                said.add(str(exc))
+                log.warning("upstream TLS files do not load; retrying", reason=str(exc))
+            await _sleep_unless(stopping, 5.0)
+            if stopping.is_set():
+                return None
+    connecting = asyncio.ensure_future(connect_upstream(args.nats_url, args.user, args.password_file, nkey_file=args.nkey_file, tls=tls))
+    stop_wait = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({connecting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await connecting
+        return None
+    return connecting.result(), files
+
+
 async def _serve(args: argparse.Namespace) -> int:
     key, pub = load_or_create_cp_key(args.state_dir)
+    tls = tls_from_args(args)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    nc = await connect_upstream(args.nats_url, args.user, args.password_file)
     try:
-        cp = ControlPlane(nc, key, args.state_dir, replicas=args.replicas)
-        # a cluster still electing, or short of peers for the replicas, refuses the
-        # stream for now: retried rather than exiting (which a supervisor would loop on)
-        while True:
-            try:
-                await cp.ensure_upstream()
-                break
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                log.warning("upstream objects not ready; retrying", error=str(exc) or type(exc).__name__, replicas=args.replicas)
-                await _sleep_unless(stopping, 2.0)
-                if stopping.is_set():
-                    return 0
-        log.info("started", nats_url=args.nats_url, user=args.user, key_id=cp.key_id, public_key=str(pub), pid=os.getpid())
-        await cp.run(stopping)
-        log.info("stopping")
-        return 0
+        connected = await _connect_serving(args, tls, stopping)
+        if connected is None:
+            return 0
+        nc, files = connected
+        every = float(_env("BCD_CP_TLS_CHECK", str(TLS_CHECK_S)) or TLS_CHECK_S)
+        watcher = asyncio.ensure_future(_watch_tls(files, nc, stopping, every)) if tls.enabled else None
+        try:
+            cp = ControlPlane(nc, key, args.state_dir, replicas=args.replicas)
+            # a cluster still electing, or short of peers for the replicas, refuses the
+            # stream for now: retried rather than exiting (which a supervisor would loop on)
+            while True:
+                try:
+                    await cp.ensure_upstream()
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    log.warning("upstream objects not ready; retrying", error=str(exc) or type(exc).__name__, replicas=args.replicas)
+                    await _sleep_unless(stopping, 2.0)
+                    if stopping.is_set():
+                        return 0
+            log.info(
+                "started", nats_url=args.nats_url, user=args.user, key_id=cp.key_id, public_key=str(pub), pid=os.getpid(),
+                auth="nkey" if args.nkey_file else ("password" if args.password_file else "none"), tls=tls.describe(),
+            )
+            await cp.run(stopping)
+            log.info("stopping")
+            return 0
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            await _close(nc)
     finally:
-        await _close(nc)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
 
@@ -1474,6 +1611,8 @@ async def put_spec_file(
     hello_wait: float | Callable[[str], float] = 0.0,
     connect_timeout: float = 5.0,
     replicas: int = 1,
+    nkey_file: Path | None = None,
+    tls: UpstreamTls | None = None,
 ) -> PutResult:
     """Connect, ensure the upstream objects, sign and put one spec (a file path, or the JSON bytes).
 
@@ -1481,14 +1620,16 @@ async def put_spec_file(
     UnknownFieldsError (a BadMessage) for fields NodeSpec does not declare
     (unless allowed), UnknownNode (a ValueError, with `require_known_node`),
     OSError for an unreadable file, ConnectionError when upstream cannot be
-    reached. `hello_wait` may depend on the spec's node id.
+    reached (with TLS: the one line `shared.tlsconfig.explain` gives, or the TLS
+    files that do not load). `hello_wait` may depend on the spec's node id;
+    `nkey_file` and `tls` as for `connect_upstream`.
     """
     data = spec if isinstance(spec, bytes) else Path(spec).read_bytes()
     # everything that can be judged offline is judged before connecting
     checked = check_spec(data, allow_unknown_fields=allow_unknown_fields)
     wait = hello_wait(checked.draft.node_id) if callable(hello_wait) else hello_wait
     key, _ = load_or_create_cp_key(state_dir)
-    nc = await connect_upstream(nats_url, user, password_file, reconnect=False, timeout=connect_timeout)
+    nc = await connect_upstream(nats_url, user, password_file, nkey_file=nkey_file, tls=tls, reconnect=False, timeout=connect_timeout)
     try:
         cp = ControlPlane(nc, key, state_dir, out=None, replicas=replicas)
         try:
@@ -1552,6 +1693,8 @@ async def _put(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         require_known_node=not args.force,
         hello_wait=args.hello_wait,
+        nkey_file=args.nkey_file,
+        tls=tls_from_args(args),
     )
     if result.note:
         print(f"note: {result.note}", file=sys.stderr)
@@ -1569,6 +1712,10 @@ def _put_main(args: argparse.Namespace) -> int:
 
     if args.state_dir is None:
         return say("--state-dir (or BCD_CP_STATE_DIR) is required", 2)
+    try:
+        tls_from_args(args)
+    except TlsConfigError as exc:
+        return say(str(exc), 2)
     try:
         return asyncio.run(_put(args))
     except (KeyFileError, StateError) as exc:
@@ -1594,6 +1741,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("controlplane", args.log_level, args.log_format)
     if args.state_dir is None:
         log.error("cannot start", reason="--state-dir (or BCD_CP_STATE_DIR) is required")
+        return 2
+    try:
+        tls_from_args(args)
+    except TlsConfigError as exc:
+        log.error("cannot start", reason=str(exc))
         return 2
     try:
         return asyncio.run(_serve(args))
@@ -1642,6 +1794,7 @@ __all__ = [
     "public_key_pem",
     "load_or_create_cp_key",
     "connect_upstream",
+    "tls_from_args",
     "put_spec_file",
     "put_through_node",
     "apply_spec_file",

@@ -192,6 +192,20 @@ def pending_release_lines(conv: ConvergerStatus, now: datetime) -> list[str]:
     return lines
 
 
+def upstream_line(report: NodeReport) -> str:
+    """One line: where the bridge dials, over what, and how it stands (its PING metadata)."""
+    bridge = report.services.get("gateway_bridge")
+    if bridge is None:
+        return ""
+    md = bridge.get("metadata") or {}
+    url, state, error, tls = md.get("upstream", "?"), md.get("upstream_state", ""), md.get("upstream_error", ""), md.get("upstream_tls", "")
+    if not state:
+        return f"upstream {url}"  # a bridge older than these facts
+    over = "TLS" if tls.startswith("on") else "plain text"
+    line = f"upstream {url} ({over}): {state}"
+    return f"{line}: {error}" if error else line
+
+
 def render_status(report: NodeReport) -> str:
     if not report.reachable:
         return f"node {report.node_id}: {report.error}"
@@ -209,6 +223,9 @@ def render_status(report: NodeReport) -> str:
         f"node {report.node_id}  spec generation {gen}  outbox {depth} event(s)"
         + (f", oldest {age:.0f} s" if age is not None else "")
     )
+    up = upstream_line(report)
+    if up:
+        lines.append(up)
     lines.append(f"{'GPU':<4} {'PCI':<13} {'PHASE':<12} {'MANAGEMENT':<11} HELD BY")
     for g in inv.gpus if inv else []:
         if g.mig_mode:
@@ -679,6 +696,31 @@ def health_checks(inv: Inventory | None) -> list[tuple[str, str, str]]:
     return out
 
 
+def upstream_checks(md: dict[str, str]) -> list[tuple[str, str, str]]:
+    """The `upstream` row (connected, or why not, in the bridge's one line) and a `upstream-tls`
+    warning for plain text to a host that is not this one."""
+    state, error, url, tls = md.get("upstream_state", ""), md.get("upstream_error", ""), md.get("upstream", ""), md.get("upstream_tls", "")
+    if not state:
+        return []
+    out: list[tuple[str, str, str]] = []
+    if state == "connected":
+        out.append(("warn", "upstream", f"connected to {url}, but {error}") if error else ("ok", "upstream", f"connected to {url} (TLS {tls})"))
+    else:
+        # a refusal needs someone; a first connection still under way does not (yet)
+        level = "fail" if error else "warn"
+        out.append((level, "upstream", f"{state} to {url}: {error or 'no answer yet'}; holds and the outbox are kept meanwhile"))
+    if tls == "off" and not _loopback_only(url):
+        out.append(("warn", "upstream-tls", f"{url} is dialled in plain text: specs, events and credentials cross the network in clear (--upstream-ca)"))
+    return out
+
+
+def _loopback_only(url: str) -> bool:
+    from urllib.parse import urlparse
+
+    hosts = [urlparse(u.strip() if "://" in u else f"nats://{u.strip()}").hostname or "" for u in url.split(",") if u.strip()]
+    return all(h in ("localhost", "::1") or h.startswith("127.") for h in hosts)
+
+
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     """(level ok|warn|fail, check name, message) per check."""
     out: list[tuple[str, str, str]] = []
@@ -697,6 +739,7 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             out.append(("warn", "unsigned-specs", "no control-plane key configured: the node accepts UNSIGNED specs (--cp-key)"))
         else:
             out.append(("ok", "signed-specs", f"node specs verified against {keys} control-plane key(s)"))
+        out.extend(upstream_checks(bridge.get("metadata") or {}))
     conv, inv = report.converger, report.inventory
     if conv is not None:
         if not conv.privileged and inv is not None and inv.gpus:

@@ -92,6 +92,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("bcd up: --upstream needs --cp-key FILE (the control plane's public key); "
               "pass --cp-key '' to accept unsigned specs knowingly", file=sys.stderr)
         return 2
+    if not embedded and bool(args.upstream_cert) != bool(args.upstream_key):
+        print("bcd up: --upstream-cert and --upstream-key go together (a client certificate and its key)", file=sys.stderr)
+        return 2
     conf, creds = prepare_node_bus(
         paths["bus"],
         paths["data"] / "nats",
@@ -147,10 +150,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             ("upstream_token_file", "BCD_UPSTREAM_TOKEN_FILE"),
             ("upstream_nkey_file", "BCD_UPSTREAM_NKEY_FILE"),
             ("upstream_creds", "BCD_UPSTREAM_CREDS"),
+            ("upstream_ca", "BCD_UPSTREAM_CA"),
+            ("upstream_cert", "BCD_UPSTREAM_CERT"),
+            ("upstream_key", "BCD_UPSTREAM_KEY"),
+            ("upstream_server_name", "BCD_UPSTREAM_SERVER_NAME"),
+            ("upstream_tls", "BCD_UPSTREAM_TLS"),
         ):
             value = getattr(args, opt)
             if value:
-                bridge_env[env] = str(value)
+                # the services run from another directory: a relative file is this shell's
+                bridge_env[env] = str(Path(value).resolve()) if isinstance(value, Path) else str(value)
 
     # kube_reaper: the kubelet's pod-resources socket and the Eviction API when
     # given; on a fake host it reads the host file's processes. Without a

@@ -101,6 +101,7 @@ from shared.subjects import (
     upstream_spec_get_subject,
     upstream_spec_key_subject,
 )
+from shared.tlsconfig import TlsConfigError, TlsFiles, UpstreamTls, connect_options, explain, local_problems, new_client, upstream_tls
 
 NODE_SPEC_REJECTED = "NodeSpecRejected"
 #: one hand-over to the converger waits this long for its answer; then it is tried again.
@@ -490,6 +491,9 @@ class BridgeApp(ServiceApp):
         self.hello_adapter: str | None = None
         self.reader: OutboxReader | None = None
         self.purger: OutboxPurger | None = None
+        #: the client still making its first connection (the TLS watch renews it too)
+        self.connecting: Client | None = None
+        self.last_upstream_error = ""
 
     def options(self) -> list[Option]:
         return [
@@ -508,6 +512,22 @@ class BridgeApp(ServiceApp):
                 type=float,
             ),
             Option("--outbox-poll", "seconds between outbox checks when idle", default=1.0, type=float),
+            Option("--upstream-ca", "CA bundle (PEM) the upstream's certificate must chain to; TLS on, plain text refused", type=Path),
+            Option("--upstream-cert", "this node's client certificate (PEM), for an upstream that verifies clients (mutual TLS)", type=Path),
+            Option("--upstream-key", "the client certificate's private key (PEM)", type=Path),
+            Option("--upstream-server-name", "the name the upstream's certificate must carry (default: the URL's host)", default=""),
+            Option(
+                "--upstream-tls",
+                "'required': TLS even without a CA file (the system trust store); 'auto': TLS when the URL is tls:// or a CA or certificate is given",
+                default="auto",
+                choices=("auto", "required"),
+            ),
+            Option(
+                "--upstream-tls-check",
+                "seconds between looks at the TLS files: a renewed certificate or bundle is used at the next reconnect",
+                default=10.0,
+                type=float,
+            ),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -523,6 +543,24 @@ class BridgeApp(ServiceApp):
                 raise StartupError(f"--cp-key {name}: {exc}") from None
         ctx.metadata["cp_keys"] = str(len(self.keys))
         ctx.metadata["upstream"] = o.upstream_url
+        try:
+            self.tls: UpstreamTls = upstream_tls(
+                o.upstream_url,
+                ca=o.upstream_ca,
+                cert=o.upstream_cert,
+                key=o.upstream_key,
+                server_name=o.upstream_server_name,
+                required=o.upstream_tls == "required",
+            )
+        except TlsConfigError as exc:
+            raise StartupError(str(exc)) from None
+        self.tls_files = TlsFiles(self.tls)
+        ctx.metadata["upstream_tls"] = self.tls.describe()
+        self._set_state("connecting", self.tls_files.error or "")
+        for problem in local_problems(self.tls):
+            ctx.log.warning("upstream TLS file problem", problem=problem)
+        if self.tls_files.error:
+            ctx.log.error("upstream TLS files do not load; waiting for them", error=self.tls_files.error)
         if self.keys:
             ctx.log.info("verifying node specs", keys=len(self.keys))
         else:
@@ -562,6 +600,57 @@ class BridgeApp(ServiceApp):
 
     # ------------------------------------------------------------------ upstream connection
 
+    def _set_state(self, state: str, error: str) -> None:
+        """What `bcd status` and `bcd doctor` say of the upstream (the PING metadata)."""
+        self.ctx.metadata["upstream_state"] = state
+        self.ctx.metadata["upstream_error"] = error
+
+    def _upstream_failed(self, why: str) -> None:
+        """An error from upstream or on the way there, said once per distinct reason (nats-py
+        tries again each second, and each try that fails reports here)."""
+        connected = self.up is not None and self.up.is_connected
+        self._set_state("connected" if connected else ("connecting" if self.up is None else "disconnected"), why)
+        if why == self.last_upstream_error:
+            return
+        self.last_upstream_error = why
+        if connected:
+            self.log.warning("upstream error", error=why)
+        else:
+            self.log.warning("upstream refused or unreachable; retrying (holds and outbox kept)", url=self.opts.upstream_url, error=why)
+
+    def _upstream_ok(self) -> None:
+        self.last_upstream_error = ""
+        self._set_state("connected", self.tls_files.error or "")
+
+    async def tls_loop(self) -> None:
+        """Looks at the TLS files every --upstream-tls-check s: a renewed set goes into the
+        client, used at its next (re)connect; one that does not load is said, the old kept."""
+        said = ""
+        while not self.ctx.stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctx.stopping.wait(), max(0.05, float(self.opts.upstream_tls_check)))
+            if self.ctx.stopping.is_set():
+                return
+            if self.tls_files.refresh():
+                for nc in (self.up, self.connecting):
+                    if nc is not None:
+                        self.tls_files.install(nc)
+                self.log.info(
+                    "upstream TLS files renewed: the next reconnect uses them (the connection up now stays as verified)",
+                    tls=self.tls.describe(),
+                    renewal=self.tls_files.generation,
+                )
+                for problem in local_problems(self.tls):
+                    self.log.warning("upstream TLS file problem", problem=problem)
+                said = ""
+                if self.up is not None and self.up.is_connected:
+                    self._set_state("connected", "")
+            elif self.tls_files.error and self.tls_files.error != said:
+                said = self.tls_files.error
+                self.log.warning("upstream TLS files changed but do not load; the ones in use are kept", error=said)
+                if self.up is not None and self.up.is_connected:
+                    self._set_state("connected", f"renewed TLS files not used: {said}")
+
     async def _connect_upstream(self) -> None:
         o = self.opts
         user = o.upstream_user or upstream_node_user(o.node_id)
@@ -579,23 +668,36 @@ class BridgeApp(ServiceApp):
         async def on_disconnect() -> None:
             self.up_connected.clear()
             self.m_up.set(0)
+            self._set_state("disconnected", self.ctx.metadata.get("upstream_error", ""))
             self.log.warning("upstream disconnected; the outbox keeps events until it is back")
 
         async def on_reconnect() -> None:
             self.up_connected.set()
             self.m_up.set(1)
+            self._upstream_ok()
             self.log.info("upstream reconnected")
             self.mark_records()
             self.spec_wake.set()
             self.outbox_wake.set()
 
         async def on_error(exc: Exception) -> None:
-            self.log.warning("upstream error", error=str(exc))
+            nc = self.up or self.connecting
+            srv = getattr(nc, "_current_server", None)
+            where = f"{srv.uri.hostname}:{srv.uri.port}" if srv is not None and srv.uri is not None else ""
+            self._upstream_failed(explain(exc, server=where))
 
         delay = 0.5
         while not self.ctx.stopping.is_set():
+            if not self.tls_files.ready:
+                # files that do not load yet: said once, looked at again each check
+                self._upstream_failed(self.tls_files.error or "TLS files not loaded")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.ctx.stopping.wait(), max(0.05, float(o.upstream_tls_check)))
+                self.tls_files.refresh()
+                continue
+            nc = self.connecting = new_client(self.tls)
             try:
-                self.up = await nats.connect(
+                await nc.connect(
                     server_list(o.upstream_url),
                     name=f"bcd-bridge-{o.node_id}",
                     inbox_prefix=inbox_prefix(user).encode(),
@@ -612,14 +714,18 @@ class BridgeApp(ServiceApp):
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
+                    **connect_options(self.tls, self.tls_files.context),
                     **kw,
                 )
+                self.up = nc
                 break
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
-                self.log.warning("upstream unreachable; retrying", url=o.upstream_url, error=str(exc) or type(exc).__name__, retry_in_s=delay)
+                self._upstream_failed(explain(exc))
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.ctx.stopping.wait(), delay)
                 delay = min(delay * 2, 10.0)
+            finally:
+                self.connecting = None
         if self.up is None:
             return
 
@@ -632,7 +738,8 @@ class BridgeApp(ServiceApp):
         await self.up.subscribe(upstream_spec_key_subject(o.node_id), cb=on_spec)
         self.up_connected.set()
         self.m_up.set(1)
-        self.log.info("connected upstream", url=o.upstream_url, user=user)
+        self._upstream_ok()
+        self.log.info("connected upstream", url=o.upstream_url, user=user, tls=self.tls.describe())
 
     def _waiting_for(self, what: str) -> None:
         if what not in self.waiting:
@@ -1073,17 +1180,20 @@ class BridgeApp(ServiceApp):
 
     async def run(self, ctx: ServiceContext) -> None:
         depth = asyncio.create_task(self.depth_loop(), name="bridge.depth")
+        watch = asyncio.create_task(self.tls_loop(), name="bridge.tls")
         try:
             await self._connect_upstream()
         finally:
             if self.up is None:
-                depth.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await depth
+                for t in (depth, watch):
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
         if self.up is None:
             return
         tasks = [
             depth,
+            watch,
             asyncio.create_task(self.specs_loop(), name="bridge.specs"),
             asyncio.create_task(self.records_loop(), name="bridge.records"),
             asyncio.create_task(self.outbox_loop(), name="bridge.outbox"),

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import nats
@@ -887,3 +887,212 @@ async def test_a_gpu_event_costs_no_state_write_and_is_still_deduplicated_across
         await node1.publish("gpu", gpu, None)
         await eventually(lambda: len(third.events()) == 1, what="line restored")
     assert third.events()[0].event_id == gpu_id and third.duplicates() == []
+
+
+# ----------------------------------------------------------------------------- over TLS (issue 31)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TlsFleet:
+    """A fleet made by `bcd fleet init` (mutual TLS, the control plane an nkey user) and its upstream."""
+
+    dir: Path
+    url: str
+    server: NatsServer
+
+    @property
+    def pki(self) -> Path:
+        return self.dir / "pki"
+
+    def tls(self, **override: object):  # noqa: ANN201 - shared.tlsconfig.UpstreamTls
+        from shared.tlsconfig import upstream_tls
+
+        files: dict[str, object] = {"ca": self.pki / "ca.crt", "cert": self.pki / "controlplane.crt", "key": self.pki / "controlplane.key"}
+        files.update(override)
+        return upstream_tls(self.url, **files)  # type: ignore[arg-type]
+
+    @property
+    def nkey(self) -> Path:
+        return self.dir / "upstream" / "controlplane.nk"
+
+    def env(self, state: Path, **override: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
+        env.update(
+            BCD_CP_NATS_URL=self.url, BCD_CP_NKEY_FILE=str(self.nkey), BCD_CP_CA_FILE=str(self.pki / "ca.crt"),
+            BCD_CP_CERT_FILE=str(self.pki / "controlplane.crt"), BCD_CP_KEY_FILE=str(self.pki / "controlplane.key"),
+            BCD_CP_STATE_DIR=str(state),
+        )
+        env.update(override)
+        return {k: v for k, v in env.items() if v}
+
+
+def _fleet_init(root: Path, *flags: str) -> tuple[Path, int]:
+    port = _free_port()
+    done = subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "bcd.cli", "fleet", "init", str(root), "--port", str(port), *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return root, port
+
+
+@pytest.fixture
+def tls_fleet(tmp_path):
+    root, port = _fleet_init(tmp_path / "fleet")
+    server = NatsServer(root / "upstream" / "nats.conf", tmp_path / "upstream.log").start()
+    try:
+        yield TlsFleet(root, f"tls://127.0.0.1:{port}", server)
+    finally:
+        server.stop()
+
+
+def _put_cmd(env: dict[str, str], spec_file: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "bcd.controlplane", "put", str(spec_file), "--force"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_put_over_mutual_tls_as_an_nkey_user(tls_fleet: TlsFleet, tmp_path):
+    from bcd.controlplane import connect_upstream, put_spec_file
+
+    state = tmp_path / "cpstate"
+    data = json.dumps(spec("node-1", WHOLE)).encode()
+    result = await put_spec_file(tls_fleet.url, CONTROLPLANE_USER, None, state, data, nkey_file=tls_fleet.nkey, tls=tls_fleet.tls())
+    assert result.generation == 1
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_bytes(data)
+    done = await asyncio.to_thread(_put_cmd, tls_fleet.env(state), spec_file)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr
+    # the connection is TLS, verified both ways: the server's monitoring is off, the client says it
+    nc = await connect_upstream(tls_fleet.url, CONTROLPLANE_USER, None, nkey_file=tls_fleet.nkey, tls=tls_fleet.tls(), reconnect=False)
+    try:
+        assert nc._transport._io_writer.get_extra_info("ssl_object") is not None  # type: ignore[union-attr]
+        assert nc.connected_url is not None and nc.connected_url.scheme == "tls"
+    finally:
+        await nc.close()
+    # --tls-required with nats:// (a CA given) is TLS all the same
+    env = tls_fleet.env(state, BCD_CP_NATS_URL=tls_fleet.url.replace("tls://", "nats://"), BCD_CP_TLS="required")
+    done = await asyncio.to_thread(_put_cmd, env, spec_file)
+    assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr
+
+
+async def _put_fails(url: str, state: Path, tls, nkey: Path | None) -> str:  # noqa: ANN001
+    from bcd.controlplane import put_spec_file
+
+    with pytest.raises(ConnectionError) as err:
+        await put_spec_file(url, CONTROLPLANE_USER, None, state, json.dumps(spec("node-1", WHOLE)).encode(), nkey_file=nkey, tls=tls, connect_timeout=5)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"upstream {url} not reachable ("), text
+    return text
+
+
+async def test_put_refusals_are_one_line_each(tls_fleet: TlsFleet, tmp_path):
+    """Another CA, no client certificate against `verify: true`, an expired server certificate,
+    a plain-text server: each a ConnectionError with explain()'s line, nothing put; the command
+    says it in one line on stderr."""
+    from shared import pki
+
+    state = tmp_path / "cpstate"
+    other = pki.make_ca(tmp_path / "other" / "ca.crt", tmp_path / "other" / "ca.key", name="not the fleet's CA")
+    text = await _put_fails(tls_fleet.url, state, tls_fleet.tls(ca=other.cert), tls_fleet.nkey)
+    assert "certificate is not signed by the configured CA" in text, text
+    text = await _put_fails(tls_fleet.url, state, tls_fleet.tls(cert=None, key=None), tls_fleet.nkey)
+    assert "requires a client certificate (mutual TLS)" in text, text
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec("node-1", WHOLE)))
+    env = tls_fleet.env(state, BCD_CP_CERT_FILE="", BCD_CP_KEY_FILE="")
+    done = await asyncio.to_thread(_put_cmd, env, spec_file)
+    assert done.returncode == 2 and done.stdout == "", done
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("bcd-controlplane put: put failed: ConnectionError: upstream tls://") and "requires a client certificate" in line, line
+    half = await asyncio.to_thread(_put_cmd, tls_fleet.env(state, BCD_CP_KEY_FILE=""), spec_file)
+    assert half.returncode == 2 and "needs its key" in half.stderr and len(half.stderr.strip().splitlines()) == 1, half.stderr
+
+    # the upstream's certificate expired (re-issued in the past, the server restarted on it)
+    now = datetime.now(timezone.utc)
+    ca = pki.Issued(tls_fleet.pki / "ca.crt", tls_fleet.pki / "ca.key")
+    pki.issue(
+        ca, tls_fleet.pki / "upstream.crt", tls_fleet.pki / "upstream.key", common_name="127.0.0.1", names=["127.0.0.1", "localhost"],
+        server=True, not_before=now - timedelta(days=30), not_after=now - timedelta(days=1),
+    )
+    tls_fleet.server.stop()
+    tls_fleet.server.start()
+    text = await _put_fails(tls_fleet.url, state, tls_fleet.tls(), tls_fleet.nkey)
+    assert "certificate has expired" in text, text
+    tls_fleet.server.stop()
+
+    # a plain-text server where TLS is configured: refused before CONNECT (the nkey's signature not sent)
+    plain, port = _fleet_init(tmp_path / "plain", "--no-tls")
+    server = NatsServer(plain / "upstream" / "nats.conf", tmp_path / "plain.log").start()
+    try:
+        text = await _put_fails(f"nats://127.0.0.1:{port}", state, tls_fleet.tls(), plain / "upstream" / "controlplane.nk")
+        assert "offers no TLS (plain text) but TLS is configured" in text, text
+    finally:
+        server.stop()
+    assert not (state / STATE_FILE).exists() or json.loads((state / STATE_FILE).read_text())["nodes"] == {}
+
+
+async def test_serve_says_a_tls_failure_once_while_it_retries(tls_fleet: TlsFleet, tmp_path):
+    """Another CA: `serve` keeps trying (every second) and logs the reason once, not each time;
+    SIGTERM ends it cleanly although it never connected."""
+    from shared import pki
+
+    other = pki.make_ca(tmp_path / "other" / "ca.crt", tmp_path / "other" / "ca.key", name="not the fleet's CA")
+    env = tls_fleet.env(tmp_path / "cpstate", BCD_CP_CA_FILE=str(other.cert), BCD_CP_LOG_FORMAT="text")
+    err_path = tmp_path / "serve.err"
+    with open(tmp_path / "serve.out", "wb") as outf, open(err_path, "wb") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
+    try:
+        await eventually(lambda: "not signed by the configured CA" in err_path.read_text(), timeout=30, what=f"the reason; {err_path.read_text()[-2000:]}")
+        tries = (tmp_path / "upstream.log").read_text().count("TLS handshake error")
+        await asyncio.sleep(4)  # more tries, about one a second
+        assert (tmp_path / "upstream.log").read_text().count("TLS handshake error") >= tries + 2
+        text = err_path.read_text()
+        assert proc.poll() is None, text
+        lines = [line for line in text.splitlines() if "not signed by the configured CA" in line]
+        assert len(lines) == 1, text
+        assert "upstream connection failed; retrying" in lines[0] and "Traceback" not in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 15)
+    assert code == 0, err_path.read_text()[-3000:]
+
+
+async def test_serve_takes_a_renewed_certificate_at_the_next_reconnect(tls_fleet: TlsFleet, tmp_path):
+    """`bcd fleet renew DIR controlplane` while serve runs: the renewal is loaded at the next
+    look (BCD_CP_TLS_CHECK) and used when the upstream restarts; a renewal that does not load
+    is said once and the files in use are kept."""
+    env = tls_fleet.env(tmp_path / "cpstate", BCD_CP_LOG_FORMAT="text", BCD_CP_TLS_CHECK="0.3")
+    err_path = tmp_path / "serve.err"
+    with open(tmp_path / "serve.out", "wb") as outf, open(err_path, "wb") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
+    try:
+        await eventually(lambda: "started" in err_path.read_text(), timeout=30, what=f"started; {err_path.read_text()[-2000:]}")
+        assert "auth=nkey" in err_path.read_text()
+        renew = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "bcd.cli", "fleet", "renew", str(tls_fleet.dir), "controlplane"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+        assert renew.returncode == 0, renew.stderr
+        await eventually(lambda: "upstream TLS files renewed" in err_path.read_text(), timeout=15, what=f"renewal; {err_path.read_text()[-2000:]}")
+        # the upstream restarts: the reconnect is made with the renewed certificate
+        tls_fleet.server.stop()
+        tls_fleet.server.start()
+        await eventually(lambda: "reconnected to upstream" in err_path.read_text(), timeout=30, what=f"reconnect; {err_path.read_text()[-2000:]}")
+        # a key that is not the certificate's: kept out, said once
+        key = tls_fleet.pki / "controlplane.key"
+        key.write_bytes((tls_fleet.pki / "upstream.key").read_bytes())
+        await eventually(lambda: "renewal does not load" in err_path.read_text(), timeout=15, what=f"refused renewal; {err_path.read_text()[-2000:]}")
+        await asyncio.sleep(1.0)
+        assert err_path.read_text().count("renewal does not load") == 1
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 15)
+    assert code == 0, err_path.read_text()[-3000:]

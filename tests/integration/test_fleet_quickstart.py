@@ -1,7 +1,8 @@
 """The README's fleet quick start, run as written: an upstream nats-server with JetStream
 (`bcd fleet upstream`), the control plane as its own program (`bcd-controlplane serve`),
-two nodes each with its own upstream nkey (`bcd fleet add-node`, `bcd up --upstream ...`),
-a spec put for each (`bcd-controlplane put`) and the fleet's verified events
+two nodes each with its own upstream nkey and client certificate (`bcd fleet add-node`,
+`bcd up --upstream tls://... --upstream-ca ...`), all of it over mutual TLS with the fleet's
+own CA (`bcd fleet init`), a spec put for each (`bcd-controlplane put`) and the fleet's verified events
 (`bcd fleet events`).
 
 The commands are read from the README block between `<!-- fleet-quickstart:begin -->`
@@ -143,8 +144,27 @@ def test_the_readme_fleet_quick_start_works_as_written(tmp_path: Path) -> None:
             runner.run(line)
 
         fleet = tmp_path / "fleet"
-        # each node has its own upstream user, exactly its permissions (docs/upstream.md section 8)
+        # over TLS, the nodes' and the control plane's certificates verified (mutual TLS: verify)
         conf = json.loads((fleet / "upstream" / "nats.conf").read_text())
+        assert conf["tls"]["verify"] is True and conf["tls"]["ca_file"] == str((fleet / "pki" / "ca.crt").resolve())
+        for key in ["ca.key", "upstream.key", "controlplane.key", "nodes/node-a.key", "nodes/node-b.key"]:
+            assert oct((fleet / "pki" / key).stat().st_mode & 0o777) == "0o600", key
+        assert oct((fleet / "upstream" / "controlplane.nk").stat().st_mode & 0o777) == "0o600"
+        assert not (fleet / "upstream" / "controlplane.password").exists()
+        # what the README says is what the commands print: init's export line, add-node's `bcd up` flags
+        (init_out,) = [out for line, out in runner.outputs.items() if " fleet init " in line]
+        (export,) = [line for line in lines if line.startswith("export ")]
+        assert " ".join(runner.words(export)) in init_out.replace("  export", "export"), init_out
+        for node in ("node-a", "node-b"):
+            (added,) = [out for line, out in runner.outputs.items() if runner.words(line)[1:5] == ["fleet", "add-node", "fleet", node]]
+            printed = shlex.split(added.splitlines()[1])
+            (up_line,) = [line for line in lines if f" up --node-id {node} " in line]
+            up_words = runner.words(up_line)
+            for flag in ("--upstream", "--cp-key", "--upstream-nkey-file", "--upstream-ca", "--upstream-cert", "--upstream-key"):
+                assert up_words[up_words.index(flag) + 1] == printed[printed.index(flag) + 1], (flag, added)
+        log = (fleet / "controlplane.log").read_text()
+        assert "auth=nkey" in log and "tls=on (CA fleet/pki/ca.crt, client certificate fleet/pki/controlplane.crt)" in log, log[-2000:]
+        # each node has its own upstream user, exactly its permissions (docs/upstream.md section 8)
         users = {u.get("nkey", u.get("user")): u for u in conf["accounts"]["UPSTREAM"]["users"]}
         nodes = json.loads((fleet / "upstream" / "nodes.json").read_text())
         assert set(nodes) == {"node-a", "node-b"}

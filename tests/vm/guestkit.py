@@ -183,7 +183,7 @@ from bcd.controlplane import ControlPlane, connect_upstream, load_or_create_cp_k
 from shared.subjects import CONTROLPLANE_USER
 
 async def main(node):
-    nc = await connect_upstream("nats://127.0.0.1:%d", CONTROLPLANE_USER, "%s/upstream/controlplane.password", reconnect=False)
+    nc = await connect_upstream("nats://127.0.0.1:%d", CONTROLPLANE_USER, None, nkey_file="%s/upstream/controlplane.nk", reconnect=False)
     try:
         key, _ = load_or_create_cp_key("%s/controlplane")
         hello = await ControlPlane(nc, key, "%s/controlplane", out=None).node_hello(node)
@@ -198,20 +198,20 @@ asyncio.run(main(sys.argv[1]))
 class GuestControlPlane:
     """An upstream nats-server and the reference control plane, in the guest, started at boot.
 
-    README "A fleet": `bcd fleet init` (upstream config, the control plane's key and password),
+    README "A fleet": `bcd fleet init --no-tls` (upstream config on loopback, the control plane's key and nkey),
     `bcd fleet upstream` and `bcd-controlplane serve` as units of their own, `bcd fleet add-node`
     for the node's nkey. The node's side (the nkey and cp.pub in /etc/bcd) is install_bcd's."""
 
     def __init__(self, vm: Guest) -> None:
         self.vm = vm
         self.env = (
-            f"BCD_CP_NATS_URL=nats://127.0.0.1:{CP_PORT} BCD_CP_PASSWORD_FILE={CP_DIR}/upstream/controlplane.password "
+            f"BCD_CP_NATS_URL=nats://127.0.0.1:{CP_PORT} BCD_CP_NKEY_FILE={CP_DIR}/upstream/controlplane.nk "
             f"BCD_CP_STATE_DIR={CP_DIR}/controlplane"
         )
 
     def start(self) -> GuestControlPlane:
         vm = self.vm
-        vm.sh(f"{BCD} fleet init {CP_DIR} --port {CP_PORT}", timeout=120)
+        vm.sh(f"{BCD} fleet init {CP_DIR} --port {CP_PORT} --no-tls", timeout=120)
         common = "[Unit]\nAfter=network.target\n[Install]\nWantedBy=multi-user.target\n"
         vm.put_file(
             "/etc/systemd/system/bcd-vm-upstream.service",
