@@ -222,11 +222,15 @@ async def test_mutual_tls_and_each_refusal_is_one_line_while_holds_and_outbox_ar
         assert cp.rejected_count() == 0
         assert "a1" in node.holds()
     finally:
-        stopping.set()
-        await runner
-        await cp_nc.close()
+        # the node first: a failed step must not leave it running; the upstream last, so the
+        # control plane's client closes without a reconnect under way
         node.stop()
-        upstream.stop()
+        try:
+            stopping.set()
+            await runner
+            await cp_nc.close()
+        finally:
+            upstream.stop()
 
 
 async def test_renewed_ca_and_certificates_are_used_at_the_next_reconnect_while_specs_change(tmp_path):
@@ -290,8 +294,12 @@ async def test_renewed_ca_and_certificates_are_used_at_the_next_reconnect_while_
         assert node.holds() == {"a2"}
         assert cp.rejected_count() == 0
     finally:
-        stopping.set()
-        await runner
-        await cp_nc.close()
+        # the node first: a failed step must not leave it running; the upstream last, so the
+        # control plane's client closes without a reconnect under way
         node.stop()
-        upstream.stop()
+        try:
+            stopping.set()
+            await runner
+            await cp_nc.close()
+        finally:
+            upstream.stop()
