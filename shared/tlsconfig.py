@@ -22,6 +22,8 @@ this module is how they do it with TLS (docs/install.md, "TLS to the upstream"):
   cut, three missed pings) uses the new files. A renewal that does not load
   (a key that does not match its certificate, half a file) keeps the old
   context and is said once.
+- A connection given up (three unanswered pings over a stalled link) is dropped
+  without TLS's goodbye, which would hold the reconnect back 30 s.
 """
 
 from __future__ import annotations
@@ -243,6 +245,15 @@ class TlsClient(Client):
         except BaseException:
             self._drop_dead_writer()
             raise
+
+    async def _attempt_reconnect(self) -> None:
+        # the connection is given up (stale pings, EOF, an error): nats-py closes it before
+        # dialling again, and a TLS close waits for the peer's close_notify - 30 s (asyncio's
+        # shutdown timeout) over a stalled link that will never carry it. Dropped at once.
+        writer = getattr(self._transport, "_io_writer", None)
+        if writer is not None:
+            writer.transport.abort()
+        await super()._attempt_reconnect()
 
     def _drop_dead_writer(self) -> None:
         # asyncio's start_tls hands the TCP transport to its SSL protocol and, when the handshake

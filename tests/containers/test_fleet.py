@@ -3,6 +3,16 @@ in one cluster with JetStream (BCD_EVENTS and the upstream buckets replicated 3
 times), the reference control plane, and four bcd nodes (`bcd up --upstream`, one
 container each, each with its own upstream user and password).
 
+Everything upstream is TLS, verified both ways: a private CA (shared/pki.py) signs each
+server's certificate (for its container name, and 127.0.0.1 for the test's published
+ports), which the routes use too (`cluster { tls { verify } }`; routes are gossiped by
+name, `advertise`), and a client certificate for each node and the control plane
+(`tls { verify }`: mutual TLS on the client port). The nodes dial `tls://nats-1:4222,...`
+with `--upstream-ca/-cert/-key`. The cluster does not advertise its servers' addresses to
+clients (`no_advertise`): a discovered address is an IP no certificate names. The
+refusals (a wrong CA, an impostor, expired and not yet valid certificates, a name
+mismatch, plain text) are tests/containers/test_fleet_tls.py.
+
 While specs change, the faults come one after another: kill -9 one NATS server;
 cut one node off the network for 30 s; restart every node in turn; stop the
 control plane for 30 s. After each, every node converges on its last spec and the
@@ -18,7 +28,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -30,9 +39,11 @@ from testcontainers.core.network import Network
 
 from bcd.controlplane import load_or_create_cp_key, put_spec_file
 from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, ensure_passwords
-from shared.subjects import CONTROLPLANE_USER, inbox_prefix, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
+from shared.pki import make_ca
+from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
+from shared.tlsconfig import UpstreamTls, upstream_tls
 
-from .conftest import ROOT, free_port
+from .conftest import BCD_GID, NATS_UID, ROOT, TLS_CA, TLS_CERT, TLS_KEY, TLS_MOUNT, docker, free_port, nats_tls_block, says_info, tls_dir, wait_jetstream
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1500)]
 
@@ -52,11 +63,20 @@ def server_config(name: str, passwords: dict[str, str]) -> dict:
         "port": 4222,
         "max_payload": 1024 * 1024,
         "jetstream": {"store_dir": "/data", "sync_interval": "always"},
+        # mutual TLS on the client port: a client without a certificate of the fleet's CA is refused
+        "tls": nats_tls_block(verify=True),
         "cluster": {
             "name": "bcd-fleet",
             "host": "0.0.0.0",
             "port": 6222,
+            # a route dials nats-N and checks that name; each side shows its certificate. The
+            # routes a server learns from its peers are dialled as gossiped: by name too
+            # (`advertise`), not by an address no certificate names
             "routes": [f"nats://{s}:6222" for s in SERVERS if s != name],
+            "advertise": f"{name}:6222",
+            "tls": nats_tls_block(verify=True),
+            # nor are clients told of the servers' addresses (they dial the names they were given)
+            "no_advertise": True,
         },
         "accounts": {UPSTREAM_ACCOUNT: {"jetstream": "enabled", "users": users}},
     }
@@ -85,6 +105,8 @@ class Fleet:
         self.moves: dict[str, int] = {}
         self.cp_dir = root / "controlplane"
         self.creds = root / "creds"
+        #: each container's TLS directory (conftest.tls_dir), mounted at TLS_MOUNT
+        self.tls_dirs: dict[str, Path] = {}
 
     # ---------------------------------------------------------------- set-up
 
@@ -92,11 +114,23 @@ class Fleet:
         users = [CONTROLPLANE_USER, *(upstream_node_user(n) for n in NODES)]
         creds = ensure_passwords(self.creds, users)
         self.passwords = {u: p.read_text().strip() for u, p in creds.items()}
+        self.ca = make_ca(self.root / "pki" / "ca.pem", self.root / "pki" / "ca.key", name="bcd fleet test CA")
         for s in SERVERS:
             d = self.root / s
             (d / "data").mkdir(parents=True)
             (d / "nats.conf").write_text(json.dumps(server_config(s, self.passwords)))
-            os.chown(d / "data", 10001, 10000)
+            os.chown(d / "data", NATS_UID, BCD_GID)
+            # a route is a client of the server it dials: the certificate serves both ways
+            self.tls_dirs[s] = tls_dir(
+                self.ca, d / "tls", common_name=s, names=[s, "localhost", "127.0.0.1"], server=True, client=True, owner=(NATS_UID, BCD_GID)
+            )
+        # the control plane's and each node's client certificates (those containers run as root)
+        self.tls_dirs["controlplane"] = tls_dir(self.ca, self.root / "controlplane-tls", common_name=CONTROLPLANE_USER, client=True)
+        for n in NODES:
+            self.tls_dirs[n] = tls_dir(self.ca, self.root / n / "tls", common_name=upstream_node_user(n), client=True)
+        #: the test's own puts dial the published ports as the control plane
+        cp = self.tls_dirs["controlplane"]
+        self.tls: UpstreamTls = upstream_tls(self.urls(), ca=cp / "ca.pem", cert=cp / "cert.pem", key=cp / "key.pem")
         load_or_create_cp_key(self.cp_dir)
         for n in NODES:
             (self.root / n / "state").mkdir(parents=True)
@@ -113,7 +147,8 @@ class Fleet:
             .with_bind_ports(4222, self.ports.setdefault(name, free_port()))
             .with_volume_mapping(str(self.root / name / "nats.conf"), "/etc/bcd/nats.conf", "ro")
             .with_volume_mapping(str(self.root / name / "data"), "/data", "rw")
-            .with_kwargs(user="10001:10000", read_only=True, cap_drop=["ALL"], init=True)
+            .with_volume_mapping(str(self.tls_dirs[name]), TLS_MOUNT, "ro")
+            .with_kwargs(user=f"{NATS_UID}:{BCD_GID}", read_only=True, cap_drop=["ALL"], init=True)
             .with_command(["nats-server", "-c", "/etc/bcd/nats.conf"])
         )
         self.servers[name] = c.start()
@@ -125,9 +160,13 @@ class Fleet:
             .with_network(self.network)
             .with_volume_mapping(str(self.cp_dir), "/var/lib/bcd/controlplane", "rw")
             .with_volume_mapping(str(self.creds), "/creds", "ro")
+            .with_volume_mapping(str(self.tls_dirs["controlplane"]), TLS_MOUNT, "ro")
             .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=16m")
             .with_envs(
-                BCD_CP_NATS_URL=",".join(f"nats://{s}:4222" for s in SERVERS),
+                BCD_CP_NATS_URL=",".join(f"tls://{s}:4222" for s in SERVERS),
+                BCD_CP_CA_FILE=TLS_CA,
+                BCD_CP_CERT_FILE=TLS_CERT,
+                BCD_CP_KEY_FILE=TLS_KEY,
                 BCD_CP_USER=CONTROLPLANE_USER,
                 BCD_CP_PASSWORD_FILE=f"/creds/{CONTROLPLANE_USER}.password",
                 BCD_CP_STATE_DIR="/var/lib/bcd/controlplane",
@@ -146,12 +185,14 @@ class Fleet:
             .with_volume_mapping(str(self.root / node / "host"), "/host", "rw")
             .with_volume_mapping(str(self.creds / f"{upstream_node_user(node)}.password"), "/run/upstream.password", "ro")
             .with_volume_mapping(str(self.cp_dir / "cp.pub"), "/etc/bcd/cp.pub", "ro")
+            .with_volume_mapping(str(self.tls_dirs[node]), TLS_MOUNT, "ro")
             .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=64m")
             .with_command(
                 [
                     "bcd", "up", "--state-dir", "/state", "--node-id", node, "--fake-host", "/host/host.json",
-                    "--upstream", ",".join(f"nats://{s}:4222" for s in SERVERS), "--cp-key", "/etc/bcd/cp.pub",
+                    "--upstream", ",".join(f"tls://{s}:4222" for s in SERVERS), "--cp-key", "/etc/bcd/cp.pub",
                     "--upstream-user", upstream_node_user(node), "--upstream-password-file", "/run/upstream.password",
+                    "--upstream-ca", TLS_CA, "--upstream-cert", TLS_CERT, "--upstream-key", TLS_KEY,
                     "--http-port", "0",
                 ]
             )
@@ -159,7 +200,8 @@ class Fleet:
         self.nodes[node] = c.start()
 
     def urls(self) -> str:
-        return ",".join(f"nats://127.0.0.1:{self.ports[s]}" for s in SERVERS)
+        """The published client ports, as the test dials them (the servers' certificates name 127.0.0.1)."""
+        return ",".join(f"tls://127.0.0.1:{self.ports.setdefault(s, free_port())}" for s in SERVERS)
 
     async def put(self, node: str) -> int:
         """A new spec for `node` (its moving hold renamed), put as an operator would: again
@@ -170,7 +212,7 @@ class Fleet:
             try:
                 result = await put_spec_file(
                     self.urls(), CONTROLPLANE_USER, self.creds / f"{CONTROLPLANE_USER}.password", self.cp_dir,
-                    spec(node, self.generation[node] + 1, n), replicas=3, connect_timeout=10,
+                    spec(node, self.generation[node] + 1, n), replicas=3, connect_timeout=10, tls=self.tls,
                 )  # fmt: skip
                 break
             except ConnectionError:
@@ -270,47 +312,14 @@ class Fleet:
             pass
 
 
-def docker(*args: str, timeout: float = 60) -> None:
-    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, (args, r.stderr)
-
-
-def says_info(port: int) -> bool:
-    """The server behind a published port answers with its INFO line. Docker's proxy accepts
-    a connection before the container listens; a NATS client that meets that EOF leaves its
-    socket unclosed (a ResourceWarning in some later test), so a plain socket asks first."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-            sock.settimeout(2)
-            return sock.recv(5) == b"INFO "
-    except OSError:
-        return False
-
-
 async def wait_cluster(fleet: Fleet, timeout: float = 60) -> None:
     """JetStream's meta leader is elected (an account info answers through the cluster)."""
-    import nats
-
     deadline = time.monotonic() + timeout
     while not all(says_info(fleet.ports[s]) for s in SERVERS):
         if time.monotonic() > deadline:
             raise AssertionError("the nats-servers never answered on their published ports")
         await asyncio.sleep(0.5)
-    while True:
-        try:
-            nc = await nats.connect(
-                fleet.urls().split(","), user=CONTROLPLANE_USER, password=fleet.passwords[CONTROLPLANE_USER], connect_timeout=2,
-                allow_reconnect=False, inbox_prefix=inbox_prefix(CONTROLPLANE_USER).encode(),
-            )  # fmt: skip
-            try:
-                await nc.jetstream(timeout=2).account_info()
-                return
-            finally:
-                await nc.close()
-        except Exception:  # noqa: BLE001 - not yet
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(1)
+    await wait_jetstream(fleet.urls().split(","), fleet.passwords[CONTROLPLANE_USER], fleet.tls, deadline, 1.0)
 
 
 @pytest.fixture

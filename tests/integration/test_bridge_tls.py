@@ -26,7 +26,6 @@ import socket
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import nats
 import pytest
 
 from bcd.controlplane import ControlPlane, load_or_create_cp_key
