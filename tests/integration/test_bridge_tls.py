@@ -101,6 +101,15 @@ async def cp_connect(url: str, password_file: Path, ca: Path, cert: pki.Issued):
     return nc
 
 
+async def start_cp(url: str, password_file: Path, ca: Path, cert: pki.Issued, key, cp_dir: Path):
+    """The control plane on the upstream: its client, its objects, its event loop running."""
+    nc = await cp_connect(url, password_file, ca, cert)
+    cp = ControlPlane(nc, key, cp_dir, out=None)
+    await cp.ensure_upstream()
+    stopping = asyncio.Event()
+    return nc, cp, stopping, asyncio.create_task(cp.run(stopping))
+
+
 def spec(generation_note: str, *allocs: tuple[str, str]) -> dict:
     return {
         "node_id": NODE,
@@ -155,11 +164,7 @@ async def test_mutual_tls_and_each_refusal_is_one_line_while_holds_and_outbox_ar
     url = f"tls://127.0.0.1:{port}"
     upstream = NatsServer(upstream_config(tmp_path, port, passwords, cert=good.server, client_ca=good.ca.cert), tmp_path / "up.log").start()
     key, cp_pub = load_or_create_cp_key(tmp_path / "cp")
-    cp_nc = await cp_connect(url, passwords[CONTROLPLANE_USER], good.ca.cert, good.cp)
-    cp = ControlPlane(cp_nc, key, tmp_path / "cp", out=None)
-    await cp.ensure_upstream()
-    stopping = asyncio.Event()
-    runner = asyncio.create_task(cp.run(stopping))
+    cp_nc, cp, stopping, runner = await start_cp(url, passwords[CONTROLPLANE_USER], good.ca.cert, good.cp, key, tmp_path / "cp")
     node = Node(tmp_path, *node_args(url, cp_pub, passwords, good.ca.cert, good.node))
     try:
         await asyncio.to_thread(node.start)
@@ -209,10 +214,7 @@ async def test_mutual_tls_and_each_refusal_is_one_line_while_holds_and_outbox_ar
                 assert (st.get("outbox") or {}).get("messages", 0) >= 1, st.get("outbox")
 
         upstream = NatsServer(upstream_config(tmp_path, port, passwords, cert=good.server, client_ca=good.ca.cert), tmp_path / "up.log").start()
-        cp_nc = await cp_connect(url, passwords[CONTROLPLANE_USER], good.ca.cert, good.cp)
-        cp = ControlPlane(cp_nc, key, tmp_path / "cp", out=None)
-        stopping = asyncio.Event()
-        runner = asyncio.create_task(cp.run(stopping))
+        cp_nc, cp, stopping, runner = await start_cp(url, passwords[CONTROLPLANE_USER], good.ca.cert, good.cp, key, tmp_path / "cp")
         await asyncio.to_thread(wait_for, lambda: doctor_upstream(node).get("level") == "ok", 60, "the bridge back on the real upstream")
         await asyncio.to_thread(wait_for, lambda: (node.status().get("outbox") or {}).get("messages") == 0, 60, "the outbox drained")
         await asyncio.to_thread(
@@ -246,11 +248,7 @@ async def test_renewed_ca_and_certificates_are_used_at_the_next_reconnect_while_
     url = f"tls://127.0.0.1:{port}"
     upstream = NatsServer(upstream_config(tmp_path, port, passwords, cert=old.server, client_ca=old.ca.cert), tmp_path / "up.log").start()
     key, cp_pub = load_or_create_cp_key(tmp_path / "cp")
-    cp_nc = await cp_connect(url, passwords[CONTROLPLANE_USER], old.ca.cert, old.cp)
-    cp = ControlPlane(cp_nc, key, tmp_path / "cp", out=None)
-    await cp.ensure_upstream()
-    stopping = asyncio.Event()
-    runner = asyncio.create_task(cp.run(stopping))
+    cp_nc, cp, stopping, runner = await start_cp(url, passwords[CONTROLPLANE_USER], old.ca.cert, old.cp, key, tmp_path / "cp")
     live_cert = pki.Issued(live / "node.crt", live / "node.key")
     node = Node(tmp_path, *node_args(url, cp_pub, passwords, live / "ca.crt", live_cert), env={"BCD_UPSTREAM_TLS_CHECK": "0.5"})
     try:
@@ -280,10 +278,7 @@ async def test_renewed_ca_and_certificates_are_used_at_the_next_reconnect_while_
         await cp_nc.close()
         upstream.stop()
         upstream = NatsServer(upstream_config(tmp_path, port, passwords, cert=new.server, client_ca=new.ca.cert), tmp_path / "up.log").start()
-        cp_nc = await cp_connect(url, passwords[CONTROLPLANE_USER], new.ca.cert, new.cp)
-        cp = ControlPlane(cp_nc, key, tmp_path / "cp", out=None)
-        stopping = asyncio.Event()
-        runner = asyncio.create_task(cp.run(stopping))
+        cp_nc, cp, stopping, runner = await start_cp(url, passwords[CONTROLPLANE_USER], new.ca.cert, new.cp, key, tmp_path / "cp")
         await cp.put_spec(spec("three", ("a2", GPU[1])))
         await asyncio.to_thread(wait_for, lambda: doctor_upstream(node).get("level") == "ok", 60, "the bridge reconnected on the renewed files")
         await asyncio.to_thread(
