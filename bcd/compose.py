@@ -15,11 +15,21 @@ with its own NATS user. This writes, under DIR:
 - with the `upstream` profile's parts: `upstream/nats.conf` (a separate upstream
   nats-server with the control plane's user and this node's, each limited to its
   subjects), `controlplane/` (its signing key, owned by its user) and `bus/cp.pub`;
+- `pki/`, the upstream's mutual TLS: a private CA (`pki/ca/`, root's alone) and one
+  directory per reader, `pki/<reader>/` holding `ca.crt`, `tls.crt` and `tls.key` (the
+  key 0400, its reader's): the upstream server's certificate (for `upstream`, the name
+  the containers dial, and 127.0.0.1, its published port) and a client certificate for
+  this node's bridge and for the control plane. Each container mounts its directory,
+  not the files, so a renewed certificate written beside them (atomically, a new
+  inode) is what it sees; the bridge and the control plane take it at their next
+  reconnect;
 - `.env`, the variables compose.yaml reads, and `node.json`, so `bcd status
   --state-dir DIR` on the host finds the bus on its published loopback port.
 
 Kept across runs: passwords, keys and state are reused when present, so `init`
-again (a new image, `make compose-up`) changes no credential.
+again (a new image, `make compose-up`) changes no credential; a certificate is
+issued again only when it is missing, unusable, within RENEW_BEFORE of its end, or
+its CA was made anew.
 """
 
 from __future__ import annotations
@@ -29,12 +39,13 @@ import os
 import re
 import shutil
 import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
 
 from .client import NodeInfo, write_node_info
-from .nodebus import BusConfig, ensure_passwords, node_bus_users, upstream_users, write_private
+from .nodebus import BusConfig, ensure_passwords, node_bus_users, server_tls_block, upstream_users, write_private
 
 #: the image's users (deploy/compose/Dockerfile), all in group bcd.
 GROUP_ID = 10000
@@ -59,6 +70,12 @@ STATEFUL = ("signer", "inventory", "converger", "dra_plugin")
 EXAMPLE_HOST = Path(__file__).resolve().parent.parent / "examples" / "hosts" / "h200x8.json"
 #: where the containers see what this writes (compose.yaml mounts DIR's parts there).
 IN_CONTAINER_STORE = "/data"
+#: where a container sees its pki/<reader>/ directory (compose.yaml)
+IN_CONTAINER_TLS = "/etc/bcd/tls"
+#: the name the containers dial the upstream by (its compose service), on its certificate
+UPSTREAM_HOST = "upstream"
+#: a certificate this close to its end is issued again by `init`
+RENEW_BEFORE = timedelta(days=30)
 
 
 #: a value every Compose reads the same from an env file when written bare
@@ -154,6 +171,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     write_private(conf, node_cfg.render())
     _own(conf, UIDS["nats"], 0o400)
 
+    _ensure_tls(d, node_id, node_user)
     up = _dir(d / "upstream", 0, 0o755, 0)
     up_cfg = BusConfig(
         store_dir=Path(IN_CONTAINER_STORE),
@@ -161,6 +179,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         port=4222,
         server_name="bcd-upstream",
         upstream_users=upstream_users([node_id], passwords),
+        tls=server_tls_block(f"{IN_CONTAINER_TLS}/tls.crt", f"{IN_CONTAINER_TLS}/tls.key", f"{IN_CONTAINER_TLS}/ca.crt"),
     )
     up_conf = up / "nats.conf"
     write_private(up_conf, up_cfg.render())
@@ -221,10 +240,46 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         controlplane_dir=str(cp),
         # its key is the control plane container's (uid 10008): the container signs and puts
         put_command=f"deploy/compose/node.sh apply {d} SPEC",
-        upstream_url=f"nats://127.0.0.1:{upstream_port}",
+        upstream_url=f"tls://127.0.0.1:{upstream_port}",
     )
     write_node_info(d, info)
     return d / "node.json"
+
+
+def _needs_issue(cert: Path, key: Path) -> bool:
+    from shared import pki
+
+    if not key.is_file() or pki.certificate_problem(cert, "certificate") is not None:
+        return True
+    end = pki.expires(cert)
+    return end is None or end - datetime.now(timezone.utc) < RENEW_BEFORE
+
+
+def _ensure_tls(d: Path, node_id: str, node_user: str) -> None:
+    """pki/ (the module docstring): the CA, then each reader's directory; see RENEW_BEFORE."""
+    from shared import pki
+
+    root = _dir(d / "pki", 0, 0o755, 0)
+    ca_dir = _dir(root / "ca", 0, 0o700, 0)
+    ca = pki.Issued(ca_dir / "ca.crt", ca_dir / "ca.key")
+    fresh_ca = _needs_issue(ca.cert, ca.key)
+    if fresh_ca:
+        pki.make_ca(ca.cert, ca.key, name=f"bcd compose CA ({node_id})")
+    leaves = (
+        # reader dir, its uid, common name, server names (a server certificate) or none (a client's)
+        ("upstream", UIDS["nats"], UPSTREAM_HOST, [UPSTREAM_HOST, "127.0.0.1", "localhost"]),
+        ("gateway_bridge", UIDS["gateway_bridge"], node_user, []),
+        ("controlplane", UIDS["controlplane"], CONTROLPLANE_USER, []),
+    )
+    for reader, uid, common_name, names in leaves:
+        where = _dir(root / reader, uid, 0o500)
+        cert, key = where / "tls.crt", where / "tls.key"
+        if fresh_ca or _needs_issue(cert, key):
+            pki.issue(ca, cert, key, common_name=common_name, names=names, server=bool(names), client=not names)
+        shutil.copyfile(ca.cert, where / "ca.crt")
+        _own(where / "ca.crt", uid, 0o444)
+        _own(cert, uid, 0o444)
+        _own(key, uid, 0o400)
 
 
 def cmd_init(args: argparse.Namespace) -> int:

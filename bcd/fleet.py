@@ -52,12 +52,10 @@ from pathlib import Path
 from shared.fsutil import atomic_write
 from shared.subjects import CONTROLPLANE_USER, NodeSubjects, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 
-from .nodebus import UPSTREAM_ACCOUNT, BusUser, find_nats_server, write_private
+from .nodebus import UPSTREAM_ACCOUNT, BusUser, find_nats_server, server_tls_block, write_private
 
 FLEET_FILE = "fleet.json"
 DEFAULT_PORT = 4222
-#: how long nats-server waits for a client's TLS handshake (seconds)
-TLS_TIMEOUT = 2
 #: the leaf certificates `renew` knows by name besides the nodes'
 UPSTREAM_LEAF = "upstream"
 CONTROLPLANE_LEAF = CONTROLPLANE_USER
@@ -175,13 +173,7 @@ def render_upstream_config(
         "accounts": {UPSTREAM_ACCOUNT: {"jetstream": "enabled", "users": users}},
     }
     if tls:
-        conf["tls"] = {
-            "cert_file": str(fleet.server_cert.resolve()),
-            "key_file": str(fleet.server_key.resolve()),
-            "ca_file": str(fleet.ca_cert.resolve()),
-            "verify": True,
-            "timeout": TLS_TIMEOUT,
-        }
+        conf["tls"] = server_tls_block(str(fleet.server_cert.resolve()), str(fleet.server_key.resolve()), str(fleet.ca_cert.resolve()))
     if http_port:
         conf["http"] = f"127.0.0.1:{http_port}"
     return json.dumps(conf, indent=2) + "\n"

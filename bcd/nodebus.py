@@ -124,6 +124,8 @@ class BusConfig:
     upstream_users: list[BusUser] = field(default_factory=list)
     server_name: str = "bcd-node-bus"
     max_payload: int = 1024 * 1024
+    #: the client port's `tls` block (server_tls_block), or none: plain text
+    tls: dict[str, object] | None = None
 
     def render(self) -> str:
         """nats-server reads JSON as its config syntax."""
@@ -140,9 +142,22 @@ class BusConfig:
             "jetstream": {"store_dir": str(self.store_dir), "sync_interval": "always"},
             "accounts": accounts,
         }
+        if self.tls:
+            conf["tls"] = self.tls
         if self.http_port:
             conf["http"] = f"{self.host}:{self.http_port}"
         return json.dumps(conf, indent=2) + "\n"
+
+
+#: seconds a client has to finish the TLS handshake (nats-server's default, 0.5 s, is
+#: tight for a loaded node or a slow link)
+TLS_TIMEOUT = 2
+
+
+def server_tls_block(cert: str, key: str, ca: str) -> dict[str, object]:
+    """nats-server's `tls` block for mutual TLS: its certificate and key, and `verify`: a
+    client must present a certificate signed by `ca`, or it gets no connection."""
+    return {"cert_file": cert, "key_file": key, "ca_file": ca, "verify": True, "timeout": TLS_TIMEOUT}
 
 
 def node_bus_users(node_id: str, passwords: Mapping[str, str], *, admin_password: str | None = None) -> list[BusUser]:
@@ -349,6 +364,8 @@ __all__ = [
     "BusConfig",
     "node_bus_users",
     "upstream_users",
+    "server_tls_block",
+    "TLS_TIMEOUT",
     "NODE_ACCOUNT",
     "UPSTREAM_ACCOUNT",
     "NatsServer",

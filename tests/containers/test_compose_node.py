@@ -391,3 +391,40 @@ def test_a_spec_is_applied_through_node_sh_and_a_second_up_keeps_it(compose_node
     st = json.loads(node.bcd("status", "--json").stdout)
     assert "mine" in {h["allocation_id"] for h in st["converger"]["holds"]}
     assert not [e for e in node.events() if e["type"] == "released" and e["allocation_id"] == "mine"]
+
+
+async def _try_upstream(node: ComposeNode, *, cert: bool) -> str:
+    """Connect from the host to the upstream's published port as this node's upstream user,
+    verifying the server against the compose CA; with or without the bridge's client
+    certificate. "" when connected, else shared.tlsconfig's one line."""
+    from shared.tlsconfig import client_context, connect_options, explain, new_client, upstream_tls
+
+    url = f"tls://127.0.0.1:{node.env['BCD_UPSTREAM_PORT']}"
+    bridge = node.dir / "pki" / "gateway_bridge"
+    tls = upstream_tls(url, ca=bridge / "ca.crt", cert=bridge / "tls.crt" if cert else None, key=bridge / "tls.key" if cert else None)
+    nc = new_client(tls)
+    user = f"node-{NODE_ID}"
+    password = (node.dir / "bus" / "creds" / f"{user}.password").read_text().strip()
+    try:
+        await nc.connect(url, user=user, password=password, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0, **connect_options(tls, client_context(tls)))
+    except Exception as exc:  # noqa: BLE001 - what the handshake raised is the answer
+        return explain(exc, server=url) or repr(exc)
+    await nc.close()
+    return ""
+
+
+async def test_the_bridge_and_the_control_plane_reach_the_upstream_over_verified_mutual_tls(compose_node):
+    """Issue 31: compose.yaml's bridge and control plane dial `tls://upstream:4222` with the CA and
+    the client certificates `bcd compose init` made (pki/); the upstream verifies clients, so the
+    certificate is needed besides the password, and a client without one is refused."""
+    node = compose_node
+    st = await asyncio.to_thread(node.bcd, "status")
+    line = next((ln for ln in st.stdout.splitlines() if ln.startswith("upstream ")), "")
+    assert line == "upstream tls://upstream:4222 (TLS): connected", st.stdout
+    # the control plane verified the demo's events (the first test): it is connected over TLS too
+    assert node.events()
+    assert await _try_upstream(node, cert=True) == ""
+    refused = await _try_upstream(node, cert=False)
+    assert "client certificate" in refused, refused
+    conf = json.loads((node.dir / "upstream" / "nats.conf").read_text())
+    assert conf["tls"]["verify"] is True

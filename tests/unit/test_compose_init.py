@@ -6,12 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import stat
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+
+from cryptography import x509
 
 import pytest
 
 from bcd.compose import GROUP_ID, UIDS, cmd_init, init
+from shared import pki
 from shared.subjects import NodeSubjects
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bcd compose init chowns files to the image's users: it runs as root")
@@ -70,7 +75,7 @@ def test_env_and_node_json_point_the_host_at_the_published_ports(tmp_path: Path)
     assert env["BCD_DIR"] == str(d.resolve()) and env["BCD_NODE_ID"] == "node-7" and env["BCD_NODE_UPSTREAM_USER"] == "node-node-7"
     assert (env["BCD_BUS_PORT"], env["BCD_BUS_HTTP_PORT"], env["BCD_UPSTREAM_PORT"]) == ("14000", "18000", "14001")
     info = json.loads((d / "node.json").read_text())
-    assert info["nats_url"] == "nats://127.0.0.1:14000" and info["upstream_url"] == "nats://127.0.0.1:14001"
+    assert info["nats_url"] == "nats://127.0.0.1:14000" and info["upstream_url"] == "tls://127.0.0.1:14001"
     assert info["controlplane_dir"] == str(d.resolve() / "controlplane")
     assert json.loads((d / "host" / "host.json").read_text()) == json.loads(EXAMPLE.read_text())
 
@@ -95,3 +100,55 @@ def test_a_bad_node_id_or_a_missing_host_file_is_refused_with_a_reason(tmp_path:
     args.fake_host, args.node_id = EXAMPLE, "a b"
     assert cmd_init(args) == 2
     assert "bcd compose init:" in capsys.readouterr().err
+
+
+def _names(cert: Path) -> list[str]:
+    san = pki.load_certificate(cert).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [*san.get_values_for_type(x509.DNSName), *(str(a) for a in san.get_values_for_type(x509.IPAddress))]
+
+
+def test_the_upstream_speaks_mutual_tls_with_one_directory_per_reader(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    pkidir = d / "pki"
+    assert owner_mode(pkidir / "ca")[0::2] == (0, 0o700) and owner_mode(pkidir / "ca" / "ca.key")[0::2] == (0, 0o600)
+    ca = pki.load_certificate(pkidir / "ca" / "ca.crt")
+    for reader, uid in (("upstream", UIDS["nats"]), ("gateway_bridge", UIDS["gateway_bridge"]), ("controlplane", UIDS["controlplane"])):
+        where = pkidir / reader
+        assert owner_mode(where) == (uid, GROUP_ID, 0o500), reader
+        assert owner_mode(where / "tls.key") == (uid, GROUP_ID, 0o400), reader
+        assert owner_mode(where / "tls.crt")[0::2] == (uid, 0o444) and owner_mode(where / "ca.crt")[0::2] == (uid, 0o444)
+        assert (where / "ca.crt").read_bytes() == (pkidir / "ca" / "ca.crt").read_bytes()
+        pki.load_certificate(where / "tls.crt").verify_directly_issued_by(ca)
+        # OpenSSL takes each pair: the key is the certificate's
+        ssl.create_default_context().load_cert_chain(where / "tls.crt", where / "tls.key")
+    assert {"upstream", "127.0.0.1"} <= set(_names(pkidir / "upstream" / "tls.crt"))
+    cn = pki.load_certificate(pkidir / "gateway_bridge" / "tls.crt").subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value
+    assert cn == "node-node-7"
+    up = json.loads((d / "upstream" / "nats.conf").read_text())
+    assert up["tls"] == {"cert_file": "/etc/bcd/tls/tls.crt", "key_file": "/etc/bcd/tls/tls.key", "ca_file": "/etc/bcd/tls/ca.crt", "verify": True, "timeout": 2}
+    assert "tls" not in json.loads((d / "bus" / "nats.conf").read_text())  # the node bus stays on its private network
+
+
+def test_init_again_keeps_the_certificates_and_renews_one_near_its_end(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    files = sorted(p for p in (d / "pki").rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert {p: p.read_bytes() for p in files} == before
+    # the bridge's certificate ends in a week: issued again, the others kept
+    bridge = d / "pki" / "gateway_bridge"
+    soon = datetime.now(timezone.utc) + timedelta(days=7)
+    pki.issue(pki.Issued(d / "pki" / "ca" / "ca.crt", d / "pki" / "ca" / "ca.key"), bridge / "tls.crt", bridge / "tls.key", common_name="node-node-7", client=True, not_after=soon)
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert pki.expires(bridge / "tls.crt") > soon + timedelta(days=300)  # type: ignore[operator]
+    assert owner_mode(bridge / "tls.key") == (UIDS["gateway_bridge"], GROUP_ID, 0o400)
+    assert (d / "pki" / "upstream" / "tls.crt").read_bytes() == before[d / "pki" / "upstream" / "tls.crt"]
+    # a CA made anew (its key lost) re-issues every certificate under it
+    (d / "pki" / "ca" / "ca.key").unlink()
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    ca = pki.load_certificate(d / "pki" / "ca" / "ca.crt")
+    for reader in ("upstream", "gateway_bridge", "controlplane"):
+        pki.load_certificate(d / "pki" / reader / "tls.crt").verify_directly_issued_by(ca)
+        assert (d / "pki" / reader / "ca.crt").read_bytes() == (d / "pki" / "ca" / "ca.crt").read_bytes()
