@@ -22,13 +22,15 @@ venv: $(STAMP)
 
 # bytecode of bcd's own modules, so no process of a node compiles them at start (~1 MiB each)
 bytecode: $(STAMP)
-	$(BIN)/python -m compileall -q -j 0 shared services bcd > /dev/null
+	$(BIN)/python -m compileall -q -j 0 shared services bcd controlplane > /dev/null
 
 run: $(STAMP) bytecode
 	$(BIN)/bcd up --any-ports-if-taken --log-format text --apply examples/specs/demo.json $(ARGS)
 
+# the import layering first (pyproject.toml [tool.importlinter]: seconds), then the tests;
 # the VM suites run beside the rest, in a lane of their own (tests/lanes.py)
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tests/lanes.py $(PYTEST_ARGS)
 
 schema: $(STAMP)

@@ -18,26 +18,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from controlplane.keys import KeyFileError
+from controlplane.ledger import EVENTS_FILE
+from controlplane.specs import PutResult, UnknownNode, check_spec
+from controlplane.state import STATE_DECODER, STATE_FILE, STATE_MAX_BYTES, ControlPlaneState, StateError, next_generation
 from shared.fsutil import read_regular
 from shared.schemas import BadMessage
 from shared.schemas.strict import UnknownFieldsError
 
 from .applywait import Follower, events_offset, follow
 from .client import node_info
-from .controlplane import (
-    _STATE_DECODER,
-    EVENTS_FILE,
-    STATE_FILE,
-    STATE_MAX_BYTES,
-    ControlPlaneState,
-    KeyFileError,
-    PutResult,
-    StateError,
-    UnknownNode,
-    check_spec,
-    next_generation,
-    put_through_node,
-)
+from .putspec import put_through_node
 
 #: a spec file larger than this is not read (the control plane takes at most 4 MiB of JSON).
 SPEC_FILE_MAX_BYTES = 4 * 1024 * 1024
@@ -122,7 +113,7 @@ def _unknown(args: argparse.Namespace, exc: UnknownFieldsError) -> int:
 def _cp_state(cp_dir: Path) -> ControlPlaneState:
     """The control plane's record, read-only (a fresh one when there is none or it does not read)."""
     try:
-        return _STATE_DECODER.decode(read_regular(cp_dir / STATE_FILE, max_bytes=STATE_MAX_BYTES))
+        return STATE_DECODER.decode(read_regular(cp_dir / STATE_FILE, max_bytes=STATE_MAX_BYTES))
     except (OSError, ValueError):
         return ControlPlaneState()
 

@@ -28,11 +28,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from controlplane.ledger import EventRecord, short_atom
+from controlplane.state import Reservation
 from shared.schemas import NodeSpec
 from shared.schemas.codec import BoundedDecoder
 from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 
-from .controlplane import EventRecord, Reservation, short_atom
 
 #: a spec with more assignments than this gets progress lines instead of one line per hold.
 PER_HOLD_LINES = 20

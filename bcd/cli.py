@@ -42,7 +42,8 @@ from shared.subjects import NodeSubjects
 
 from .client import DEFAULT_CONNECT_TIMEOUT, NodeInfo, NodeUnreachable, connect, node_info, ping_all, request, set_connect_timeout
 from .exits import UsageError, exit_codes_text, run_command
-from .up import NODE_SERVICES, cmd_up
+from .roster import NODE_SERVICES
+from .up import cmd_up
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FAKE_HOST = REPO_ROOT / "examples" / "hosts" / "h200x8.json"

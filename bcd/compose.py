@@ -46,6 +46,7 @@ from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upst
 
 from .client import NodeInfo, write_node_info
 from .nodebus import BusConfig, ensure_passwords, node_bus_users, server_tls_block, upstream_users, write_private
+from .roster import HELPER, NODE_SERVICES
 
 #: the image's users (deploy/compose/Dockerfile), all in group bcd.
 GROUP_ID = 10000
@@ -61,10 +62,9 @@ UIDS: dict[str, int] = {
     "device_plugin": 10009,
     "dra_plugin": 10010,
 }
-SERVICES = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher")
-#: the root helper: the one container that runs as uid 0 (with no capability). It
-#: writes the hold files; the converger, an ordinary user, asks it over the bus.
-HELPER = "helper"
+#: a container each (the root helper, roster.HELPER, is the one container that runs as
+#: uid 0, with no capability: it writes the hold files the converger asks for over the bus)
+SERVICES = NODE_SERVICES
 #: the services that keep state under /var/lib/bcd/<name>.
 STATEFUL = ("signer", "inventory", "converger", "dra_plugin")
 EXAMPLE_HOST = Path(__file__).resolve().parent.parent / "examples" / "hosts" / "h200x8.json"
@@ -212,7 +212,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         shutil.copyfile(fake_host, host_file)
     _own(host_file, 0, 0o664)
 
-    from .controlplane import load_or_create_cp_key
+    from controlplane.keys import load_or_create_cp_key
 
     cp = d / "controlplane"
     pub = cp / "cp.pub"
@@ -289,7 +289,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     if not args.fake_host.is_file():
         print(f"bcd compose init: fake host file {args.fake_host} does not exist", file=sys.stderr)
         return 2
-    from .controlplane import KeyFileError
+    from controlplane.keys import KeyFileError
 
     try:
         path = init(args.dir, args.node_id, args.fake_host, bus_port=args.bus_port, http_port=args.http_port, upstream_port=args.upstream_port)

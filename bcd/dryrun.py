@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from controlplane.ledger import short_atom
 from services.converger.domains import NoDomains
 from services.converger.model import (
     BindHold,
@@ -42,7 +43,6 @@ from shared.slices import FakeSlices
 from shared.subjects import NodeSubjects
 
 from .client import NodeInfo, connect
-from .controlplane import short_atom
 
 _STATE = BoundedDecoder(ConvergerState, max_bytes=64 * 1024 * 1024, what="converger state")
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import msgspec
 
+from controlplane.ledger import EventRecord, format_line
 from shared.schemas.codec import BoundedDecoder
-
-from .controlplane import EventRecord, format_line
 
 _DECODER = BoundedDecoder(EventRecord, max_bytes=4 * 1024 * 1024, what="event record")
 

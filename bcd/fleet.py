@@ -321,7 +321,7 @@ def _node_tls_flags(fleet: Fleet, node_id: str) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from .controlplane import load_or_create_cp_key
+    from controlplane.keys import load_or_create_cp_key
 
     fleet = Fleet(args.dir)
     fleet.upstream.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -446,7 +446,7 @@ def cmd_renew(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from .controlplane import EVENTS_FILE
+    from controlplane.ledger import EVENTS_FILE
     from .events import follow_events
 
     fleet = Fleet(args.dir)

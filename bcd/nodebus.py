@@ -287,7 +287,7 @@ def write_config_main(argv: Sequence[str] | None = None) -> int:
     from shared.runtime import METRICS_PORTS
 
     from .client import NodeInfo, write_node_info
-    from .up import NODE_SERVICES
+    from .roster import NODE_SERVICES
 
     parser = argparse.ArgumentParser(prog="python -m bcd.nodebus", description="node bus config for a host install")
     sub = parser.add_subparsers(dest="command", required=True)

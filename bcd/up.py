@@ -29,10 +29,7 @@ from .client import NodeInfo, NodeUnreachable, connect, ping_all, write_node_inf
 from .nodebus import NatsServer, prepare_node_bus
 from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
 
-#: the services `bcd up` runs, in start order.
 EXAMPLE_HOSTS_DIR = Path(__file__).resolve().parent.parent / "examples" / "hosts"
-
-NODE_SERVICES: tuple[str, ...] = ("signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher")
 
 
 def layout(state: Path) -> dict[str, Path]:
@@ -50,7 +47,7 @@ def layout(state: Path) -> dict[str, Path]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .controlplane import load_or_create_cp_key
+    from controlplane.keys import load_or_create_cp_key
 
     logs.configure("supervisor", args.log_level, args.log_format)
     log = logs.get_logger("bcd.up")
@@ -206,7 +203,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         specs.append(
             ProcessSpec(
                 "controlplane",
-                [sys.executable, "-m", "bcd.controlplane", "serve"],
+                [sys.executable, "-m", "controlplane", "serve"],
                 {
                     "BCD_CP_NATS_URL": bus.url,
                     "BCD_CP_USER": CONTROLPLANE_USER,
@@ -370,7 +367,7 @@ def demo_already_put(cp_dir: Path, node_id: str) -> int:
 async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[str]) -> None:
     """make run: apply the example spec (only on a state dir whose node never got a spec: a second
     `make run` keeps what the user made), show the status table and the verified events, then follow."""
-    from .controlplane import apply_spec_file
+    from .putspec import apply_spec_file
     from .events import follow_events
     from .status import gather, render_status
 
@@ -405,4 +402,4 @@ async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[
     await follow_events(Path(info.controlplane_dir) / "events.jsonl", follow=True, last=50)
 
 
-__all__ = ["NODE_SERVICES", "layout", "cmd_up", "look_lines", "wait_ready", "run_demo"]
+__all__ = ["layout", "cmd_up", "look_lines", "wait_ready", "run_demo"]

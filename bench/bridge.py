@@ -7,7 +7,7 @@ production users and permissions, `sync_interval: always`) with the outbox
 stream as the converger makes it, the real signer, a stand-in converger, and
 the real gateway_bridge as an OS process, forwarding to a separate upstream
 nats-server (also syncing every write) with `BCD_EVENTS` made by
-`bcd.controlplane.ControlPlane.ensure_upstream`. The bench journals into the
+`controlplane.serve.ControlPlane.ensure_upstream`. The bench journals into the
 outbox as the admin user and watches `BCD_EVENTS` through its own push
 consumer (no acks, no flow control) as the control-plane user; "stored
 upstream" is when that consumer delivers the event, which stands in for the

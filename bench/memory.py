@@ -100,7 +100,7 @@ def process_name(pid: int) -> str:
         module = argv[argv.index("-m") + 1]
         if module == "bcd.cli":
             return "supervisor"
-        return {"bcd.controlplane": "controlplane"}.get(module, module.removeprefix("services.").removesuffix(".service"))
+        return {"controlplane": "controlplane"}.get(module, module.removeprefix("services.").removesuffix(".service"))
     return Path(argv[0]).name if argv else "?"
 
 

@@ -84,7 +84,7 @@ class Permissions:
     allow_responses: bool = True
 
 
-#: the control plane's user on upstream (the reference control plane, `bcd controlplane`).
+#: the control plane's user on upstream (the reference control plane, `python -m controlplane`).
 CONTROLPLANE_USER = "controlplane"
 UPSTREAM_BUCKETS: tuple[str, ...] = (UPSTREAM_NODESPECS_BUCKET, UPSTREAM_NODES_BUCKET, UPSTREAM_INVENTORY_BUCKET)
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import msgspec
 from shared.signing import Ed25519PrivateKey
 
-from services.converger.apply import Applier, ApplyResult
+from services.converger.apply import Applier
+from services.converger.applyrun import ApplyResult
 from services.converger.domains import FakeDomains
 from services.converger.hostwriter import HostWriteError, LocalHostWriter
 from services.converger.model import ConvergerState, Observed, Plan, PlanConfig

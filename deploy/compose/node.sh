@@ -77,7 +77,7 @@ put_spec() {  # $1 the spec file, $2 what to say before the generation
     name="$(basename "$1")"
     cp "$1" "$DIR/spec/$name"
     for i in $(seq 1 30); do
-        if gen="$(compose exec -T controlplane python3 -m bcd.controlplane put "/spec/$name" 2>"$DIR/spec/.put-error")"; then
+        if gen="$(compose exec -T controlplane python3 -m controlplane put "/spec/$name" 2>"$DIR/spec/.put-error")"; then
             echo "$2: generation $gen"
             return 0
         fi

@@ -25,7 +25,6 @@ DisruptionRequired marks the card stuck for this boot (no retries).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import msgspec
@@ -58,7 +57,8 @@ from .model import (
     WriteConsumer,
     WriteEnv,
 )
-from .batch import Batch, GroupCommit, PassRun
+from .applyrun import ApplyResult, PassRun
+from .batch import Batch, GroupCommit
 from .outbox import Outbox, OutboxError, Signer
 from .consumers import KubeConsumers, NoKubeConsumers
 from .reaper import NoReaper, Reaper
@@ -67,21 +67,6 @@ from .switcher import NoSwitcher, Switcher, SwitchUnavailable
 from .vfio import NATIVE, VFIO_DRIVER
 
 log = logs.get_logger("bcd.converger.apply")
-
-
-@dataclass
-class ApplyResult:
-    errors: list[str] = field(default_factory=list)
-    done: int = 0
-    section: SectionStatus | None = None
-    #: a driver switch is to be asked for again (refused, failed, switcher unreachable).
-    vfio_retry: bool = False
-    #: switch requests sent in this pass.
-    switch_requests: int = 0
-
-    @property
-    def retry(self) -> bool:
-        return bool(self.errors)
 
 
 class Applier:
@@ -371,4 +356,4 @@ def _alloc(step: Step) -> str:
     return getattr(step, "allocation_id", getattr(step, "path", "?"))
 
 
-__all__ = ["Applier", "ApplyResult"]
+__all__ = ["Applier"]

@@ -41,37 +41,18 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shared import logs
 from shared.eventorder import gpus_of, shares_gpu
 from shared.holdfiles import HoldContent
 from shared.schemas import AllocationBound, AttestedEvent, encode
 
+from .applyrun import ApplyResult, CommitTools, PassRun
 from .hostwriter import HostWriteError
 from .model import BindHold, ConvergerState, Intent, Refusal, ReleaseHold, ReportBound, ReportFailed
 from .outbox import OutboxError
 
-if TYPE_CHECKING:
-    from .apply import Applier, ApplyResult
-
 log = logs.get_logger("bcd.converger.apply")
-
-
-@dataclass
-class PassRun:
-    """What one apply() has learnt so far, shared by its batches and its single steps."""
-
-    #: a reported release failed: no bind (and no switch to vfio-pci) in this pass.
-    release_failed: bool = False
-    #: a release, or the undo of an unreported bind, failed: no switch to vfio-pci.
-    switch_held: bool = False
-    #: allocations whose Bound could not be reported in this pass.
-    unreported: set[str] = field(default_factory=set)
-    #: kept holds whose slice or env file could not be put back: no Bound for them yet.
-    incomplete: set[str] = field(default_factory=set)
-    #: the outbox has room for new binds.
-    room: bool = True
 
 
 @dataclass
@@ -99,9 +80,9 @@ class Batch:
 
 
 class GroupCommit:
-    """Runs a Batch for an Applier (its writer, signer, outbox, journal and crash points)."""
+    """Runs a Batch with an Applier's tools (its writer, signer, outbox, journal and crash points)."""
 
-    def __init__(self, applier: Applier) -> None:
+    def __init__(self, applier: CommitTools) -> None:
         self.a = applier
 
     def _intent(self, op: str, alloc: str, event: AttestedEvent, event_id: str, *, cgroup_parent: str = "", sliced: bool = False) -> Intent:
@@ -459,4 +440,4 @@ def _held_back(step: ReportBound, run: PassRun, result: ApplyResult) -> bool:
     return False
 
 
-__all__ = ["PassRun", "Batch", "GroupCommit"]
+__all__ = ["Batch", "GroupCommit"]

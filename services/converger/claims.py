@@ -19,6 +19,8 @@ and a prepared one from an earlier boot whose MIG instance is gone is dropped
 Claims are Kubernetes' business: nothing here goes upstream. They are in the
 node's card claims (kind "claim"), so VMs, resets, diagnostics, MIG layouts and
 new holds see them, and a pass never releases them.
+
+claimdesk.py runs each prepare and unprepare under the pass lock.
 """
 
 from __future__ import annotations

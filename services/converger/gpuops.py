@@ -17,6 +17,8 @@ intent, a pending Kubernetes release, an instance spec, a running domain)
 for a reset and for a diagnostic from level 2; a level-1 diagnostic is
 non-disruptive and runs beside them. An operation already running on the
 card holds it against any other.
+
+maintenance.py runs the operations by these rules.
 """
 
 from __future__ import annotations

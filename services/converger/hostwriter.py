@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import re
 import threading
@@ -65,7 +64,6 @@ from shared.holdfiles import (
     hold_to_wire,
     limits_to_wire,
 )
-from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     HELPER_INFO_CODEC,
     HELPER_REPLY_CODEC,
@@ -615,44 +613,6 @@ def helper_connector(opts: Any) -> Callable[[], Awaitable[Client]]:
     return connect
 
 
-@dataclasses.dataclass(frozen=True)
-class HelperWatch:
-    """What the converger last knew of its root helper (`--writer auto`): whether holds bind
-    through it (privileged) and since when (monotonic seconds) it has not answered."""
-
-    privileged: bool
-    gone_since: float | None = None
-
-
-def watch_helper(watch: HelperWatch, *, answered: bool, now: float, lost_after: float) -> tuple[HelperWatch, str]:
-    """One look at the helper -> (the new watch, what to do: "promote", "demote" or "").
-
-    A helper that answers makes the node privileged at once. One that stops answering is given
-    ``lost_after`` seconds (a `systemctl restart` of it, a bus blip) before the node counts as
-    unprivileged again (seed: no helper, no holds): its Hello then claims no host capability and
-    a new plain hold fails with node-unprivileged instead of waiting, retried, for a helper that
-    may never come back. ``lost_after`` <= 0: never demoted."""
-    if answered:
-        return HelperWatch(privileged=True), "" if watch.privileged else "promote"
-    if not watch.privileged:
-        return watch, ""
-    since = watch.gone_since if watch.gone_since is not None else now
-    if lost_after > 0 and now - since >= lost_after:
-        return HelperWatch(privileged=False), "demote"
-    return HelperWatch(privileged=True, gone_since=since), ""
-
-
-async def find_helper(nc: Client, subjects: NodeSubjects, timeout: float = 2.0) -> tuple[HelperInfo | None, str]:
-    """Ask the root helper's `info` on the converger's own connection: (info, "") or (None, why not)."""
-    try:
-        return await call(nc, subjects.helper_info, Empty(), HELPER_INFO_CODEC, timeout=timeout), ""
-    except nats.errors.NoRespondersError:
-        return None, "no root helper answers"
-    except (nats.errors.TimeoutError, asyncio.TimeoutError):
-        return None, f"the root helper did not answer within {timeout:g}s"
-    except (ServiceCallError, BadMessage, nats.errors.Error) as exc:
-        return None, f"the root helper's info failed: {exc or type(exc).__name__}"
-
 __all__ = [
     "HostWriteError",
     "HoldFileKind",
@@ -665,9 +625,6 @@ __all__ = [
     "BusHelperTransport",
     "HelperHostWriter",
     "helper_mismatch",
-    "find_helper",
-    "HelperWatch",
-    "watch_helper",
     "helper_connector",
     "writer_kind",
 ]

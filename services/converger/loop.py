@@ -3,6 +3,7 @@
 
 The timing rule is the pure `next_deadline`; the loop waits on a `Clock`, so
 tests drive it on fake time (`FakeClock.advance(30)`) instead of sleeping.
+What a pass does is passes.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ it can. The helper accepts no path, device node, mount or hook from the wire:
 requests carry typed fields only (unknown fields refused), and it builds every
 path from a validated allocation id and its own directories, and the CDI
 content from those fields plus the vendor spec on its own disk, with the same
-function the in-process writer uses (shared/holdfiles.py).
+function the in-process writer uses (shared/holdfiles/files.py, hold_file_bytes).
 
 - `ops.py`: the four operations and `info`, with their checks (no bus).
 - `safefs.py`: writes and removals that never follow a symlink.

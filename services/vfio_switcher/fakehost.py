@@ -78,7 +78,7 @@ class FakeHostError(Exception):
 
 
 # --------------------------------------------------------------------------- the file, as far as it concerns us
-# Defaults are the inventory's (services/inventory/adapters/fakehw.py HostGpu);
+# Defaults are the inventory's (services/inventory/adapters/fakehost.py HostGpu);
 # unknown fields are ignored here, the inventory's own decoder judges them.
 
 

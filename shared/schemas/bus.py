@@ -782,7 +782,7 @@ class HelperLimits(HelperStruct, frozen=True, kw_only=True):
 
 
 class HelperHold(HelperStruct, frozen=True, kw_only=True):
-    """What a hold's two files say, as typed fields (shared/holdfiles.py maps it to HoldContent)."""
+    """What a hold's two files say, as typed fields (shared/holdfiles/wire.py maps it to HoldContent)."""
 
     allocation_id: _HelperId
     reservation_id: _HelperId

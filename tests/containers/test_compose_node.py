@@ -329,7 +329,7 @@ async def test_the_device_plugin_container_registers_with_a_kubelet_on_the_host(
         spec = json.loads((ROOT / "examples" / "specs" / "demo.json").read_text())
         spec["devices"].append({"allocation_id": "pods-01", "reservation_id": "rsv-pods-01", "binding": "BINDING_KUBERNETES", "devices": [gpu]})
         (node.dir / "spec" / "kube.json").write_text(json.dumps(spec))
-        put = await asyncio.to_thread(node.compose, "exec", "-T", "controlplane", "python3", "-m", "bcd.controlplane", "put", "/spec/kube.json")
+        put = await asyncio.to_thread(node.compose, "exec", "-T", "controlplane", "python3", "-m", "controlplane", "put", "/spec/kube.json")
         assert put.returncode == 0, put.stderr[-2000:]
         await kubelet.wait_devices("bcd.dev/gpu", lambda d: set(d) == {gpu}, timeout=90)
         response = await kubelet.allocate("bcd.dev/gpu", [[gpu]])

@@ -37,8 +37,9 @@ import pytest
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
-from bcd.controlplane import load_or_create_cp_key, put_spec_file
 from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, ensure_passwords
+from controlplane.keys import load_or_create_cp_key
+from controlplane.put import put_spec_file
 from shared.pki import make_ca
 from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 from shared.tlsconfig import UpstreamTls, upstream_tls
@@ -172,7 +173,7 @@ class Fleet:
                 BCD_CP_STATE_DIR="/var/lib/bcd/controlplane",
                 BCD_CP_REPLICAS="3",
             )
-            .with_command(["python3", "-m", "bcd.controlplane", "serve"])
+            .with_command(["python3", "-m", "controlplane", "serve"])
         )
         self.cp = c.start()
 

@@ -42,8 +42,9 @@ import pytest
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
-from bcd.controlplane import load_or_create_cp_key, put_spec_file
 from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, ensure_passwords
+from controlplane.keys import load_or_create_cp_key
+from controlplane.put import put_spec_file
 from shared.pki import Issued, make_ca
 from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 from shared.tlsconfig import UpstreamTls, upstream_tls
@@ -247,7 +248,7 @@ class Rig:
                 BCD_CP_PASSWORD_FILE=f"/creds/{CONTROLPLANE_USER}.password",
                 BCD_CP_STATE_DIR="/var/lib/bcd/controlplane",
             )
-            .with_command(["python3", "-m", "bcd.controlplane", "serve"])
+            .with_command(["python3", "-m", "controlplane", "serve"])
         )
         self.cp = c.start()
 

@@ -127,7 +127,7 @@ def test_strict_specs_unknown_nodes_and_the_unknown_fields_condition(node: Node)
     info = node_info(node.state)
     put = subprocess.run(
         [
-            sys.executable, "-m", "bcd.controlplane", "put", str(path), "--state-dir", str(cp),
+            sys.executable, "-m", "controlplane", "put", str(path), "--state-dir", str(cp),
             "--nats-url", info.upstream_url or info.nats_url, "--password-file", str(Path(info.creds_dir) / "controlplane.password"),
         ],
         capture_output=True, text=True, timeout=30, cwd=REPO,

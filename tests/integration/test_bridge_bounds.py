@@ -25,8 +25,9 @@ import pytest
 from nats.micro.service import Service, ServiceConfig
 from prometheus_client import CollectorRegistry
 
-from bcd.controlplane import ControlPlane, load_or_create_cp_key
 from bcd.nodebus import NatsServer, prepare_node_bus
+from controlplane.keys import load_or_create_cp_key
+from controlplane.serve import ControlPlane
 from shared import logs
 from shared.runtime import ServiceCallError, ServiceContext, _metrics, call
 from shared.schemas import (

@@ -18,8 +18,9 @@ import nats.js.errors
 import nkeys
 import pytest
 
-from bcd.controlplane import ControlPlane, load_or_create_cp_key
 from bcd.nodebus import BusConfig, BusUser, NatsServer, ensure_passwords, prepare_node_bus, write_private
+from controlplane.keys import load_or_create_cp_key
+from controlplane.serve import ControlPlane
 from shared.schemas import AllocationBound, ReportBody, encode
 from shared.subjects import (
     CONTROLPLANE_USER,

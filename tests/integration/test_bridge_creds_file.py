@@ -12,8 +12,8 @@ import nats
 import nkeys
 import pytest
 
-from bcd.controlplane import load_or_create_cp_key
 from bcd.nodebus import NatsServer, write_private
+from controlplane.keys import load_or_create_cp_key
 from shared.schemas import AllocationBound, ReportBody, encode
 from shared.subjects import (
     CONTROLPLANE_USER,

@@ -25,8 +25,9 @@ import nats
 import nats.errors
 import pytest
 
-from bcd.controlplane import ControlPlane, load_or_create_cp_key
 from bcd.nodebus import NatsServer, prepare_node_bus
+from controlplane.keys import load_or_create_cp_key
+from controlplane.serve import ControlPlane
 from services.converger.outbox import JetStreamOutbox
 from shared.eventorder import gpus_header
 from shared.schemas import ConvergerStatus, Inventory, encode

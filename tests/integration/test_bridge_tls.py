@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from bcd.controlplane import ControlPlane, load_or_create_cp_key
 from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, NatsServer, ensure_passwords, write_private
+from controlplane.keys import load_or_create_cp_key
+from controlplane.serve import ControlPlane
 from shared import pki
 from shared.subjects import CONTROLPLANE_USER, inbox_prefix, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 from shared.tlsconfig import client_context, connect_options, new_client, upstream_tls

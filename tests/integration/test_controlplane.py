@@ -30,14 +30,11 @@ from shared.signing import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.js.api import StorageType
 
-from bcd.controlplane import (
-    CONSUMER_NAME,
-    EVENTS_FILE,
-    STATE_FILE,
-    ControlPlane,
-    load_or_create_cp_key,
-)
 from bcd.nodebus import NatsServer, prepare_node_bus
+from controlplane.keys import load_or_create_cp_key
+from controlplane.ledger import EVENTS_FILE
+from controlplane.serve import CONSUMER_NAME, ControlPlane
+from controlplane.state import STATE_FILE
 from shared.schemas import (
     SIGNED_NODE_SPEC_CODEC,
     AllocationBound,
@@ -552,7 +549,7 @@ async def test_command_put_and_serve(upstream, tmp_path):
 
     def put(*flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(  # noqa: S603
-            [sys.executable, "-m", "bcd.controlplane", "put", str(spec_file), *(flags or ("--force",))],
+            [sys.executable, "-m", "controlplane", "put", str(spec_file), *(flags or ("--force",))],
             env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
         )
 
@@ -572,7 +569,7 @@ async def test_command_put_and_serve(upstream, tmp_path):
     log_path = tmp_path / "serve.out"
     with open(log_path, "wb") as outf, open(tmp_path / "serve.err", "wb") as errf:
         proc = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf
+            [sys.executable, "-m", "controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf
         )
     try:
         node = SimNode("node-1", await upstream.connect(upstream_node_user("node-1")))
@@ -606,7 +603,7 @@ async def test_serve_waits_for_a_cluster_that_cannot_place_its_replicas_and_take
     env["BCD_CP_NATS_URL"] = f"{dead},{upstream.url}"
     err_path = tmp_path / "serve.err"
     with open(tmp_path / "serve.out", "wb") as outf, open(err_path, "wb") as errf:
-        proc = subprocess.Popen([sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
+        proc = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
     try:
 
         def retrying() -> bool:
@@ -626,7 +623,7 @@ async def test_serve_waits_for_a_cluster_that_cannot_place_its_replicas_and_take
 async def test_apply_spec_file_through_node_json(upstream, tmp_path):
     """`bcd apply` path: node.json names the bus, the creds and the control plane's state dir."""
     from bcd.client import NodeInfo, write_node_info
-    from bcd.controlplane import apply_spec_file
+    from bcd.putspec import apply_spec_file
 
     state = tmp_path / "node"
     state.mkdir()
@@ -637,7 +634,7 @@ async def test_apply_spec_file_through_node_json(upstream, tmp_path):
     )
     spec_file = tmp_path / "spec.json"
     # a node that never put a Hello is refused (bcd apply --force overrides), nothing is put
-    from bcd.controlplane import UnknownNode
+    from controlplane.specs import UnknownNode
 
     spec_file.write_text(json.dumps(spec("node-2", WHOLE)))
     with pytest.raises(UnknownNode, match="node-2 has never announced itself"):
@@ -756,8 +753,9 @@ async def test_a_control_plane_killed_mid_batch_applies_every_event_once_in_orde
     upstream, cp_env, node1, tmp_path, monkeypatch, crash, duplicates
 ):
     """The real consumer, killed at each point of a batch of three while three more queue behind it."""
-    import bcd.controlplane as cpmod
     from nats.aio.msg import Msg
+
+    import controlplane.state as cpmod
 
     cp, _ = cp_env
     events = _ordered_events()
@@ -818,7 +816,8 @@ async def test_a_control_plane_killed_mid_batch_applies_every_event_once_in_orde
 async def test_queued_events_are_one_batch_one_state_write(upstream, cp_env, node1, tmp_path, monkeypatch):
     """Events waiting when the consumer looks are judged together: one state.json write, then the acks;
     a second copy of an event in the same batch is a duplicate, not a second applied line."""
-    import bcd.controlplane as cpmod
+    import controlplane.serve as cpserve
+    import controlplane.state as cpmod
 
     cp, out = cp_env
     events = _ordered_events()
@@ -845,7 +844,7 @@ async def test_queued_events_are_one_batch_one_state_write(upstream, cp_env, nod
     assert cp.duplicates()[0].event_id == eid
     assert [line.split()[2] for line in out.getvalue().splitlines()[1:]] == [t for t, _, _ in events] + ["bound"]
     consumer = await cp.js.consumer_info(UPSTREAM_EVENTS_STREAM, CONSUMER_NAME)
-    assert consumer.num_ack_pending == 0 and consumer.config.max_ack_pending == cpmod.EVENT_BATCH
+    assert consumer.num_ack_pending == 0 and consumer.config.max_ack_pending == cpserve.EVENT_BATCH
 
 
 async def test_a_gpu_event_costs_no_state_write_and_is_still_deduplicated_across_a_restart(upstream, cp_env, node1, tmp_path):
@@ -954,12 +953,13 @@ def tls_fleet(tmp_path):
 
 def _put_cmd(env: dict[str, str], spec_file: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "bcd.controlplane", "put", str(spec_file), "--force"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "controlplane", "put", str(spec_file), "--force"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
     )
 
 
 async def test_put_over_mutual_tls_as_an_nkey_user(tls_fleet: TlsFleet, tmp_path):
-    from bcd.controlplane import connect_upstream, put_spec_file
+    from controlplane.put import put_spec_file
+    from controlplane.upstream import connect_upstream
 
     state = tmp_path / "cpstate"
     data = json.dumps(spec("node-1", WHOLE)).encode()
@@ -983,7 +983,7 @@ async def test_put_over_mutual_tls_as_an_nkey_user(tls_fleet: TlsFleet, tmp_path
 
 
 async def _put_fails(url: str, state: Path, tls, nkey: Path | None) -> str:  # noqa: ANN001
-    from bcd.controlplane import put_spec_file
+    from controlplane.put import put_spec_file
 
     with pytest.raises(ConnectionError) as err:
         await put_spec_file(url, CONTROLPLANE_USER, None, state, json.dumps(spec("node-1", WHOLE)).encode(), nkey_file=nkey, tls=tls, connect_timeout=5)
@@ -1047,7 +1047,7 @@ async def test_serve_says_a_tls_failure_once_while_it_retries(tls_fleet: TlsFlee
     env = tls_fleet.env(tmp_path / "cpstate", BCD_CP_CA_FILE=str(other.cert), BCD_CP_LOG_FORMAT="text")
     err_path = tmp_path / "serve.err"
     with open(tmp_path / "serve.out", "wb") as outf, open(err_path, "wb") as errf:
-        proc = subprocess.Popen([sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
+        proc = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
     try:
         await eventually(lambda: "not signed by the configured CA" in err_path.read_text(), timeout=30, what=f"the reason; {err_path.read_text()[-2000:]}")
         tries = (tmp_path / "upstream.log").read_text().count("TLS handshake error")
@@ -1071,7 +1071,7 @@ async def test_serve_takes_a_renewed_certificate_at_the_next_reconnect(tls_fleet
     env = tls_fleet.env(tmp_path / "cpstate", BCD_CP_LOG_FORMAT="text", BCD_CP_TLS_CHECK="0.3")
     err_path = tmp_path / "serve.err"
     with open(tmp_path / "serve.out", "wb") as outf, open(err_path, "wb") as errf:
-        proc = subprocess.Popen([sys.executable, "-m", "bcd.controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
+        proc = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env, cwd=REPO, stdout=outf, stderr=errf)  # noqa: S603
     try:
         await eventually(lambda: "started" in err_path.read_text(), timeout=30, what=f"started; {err_path.read_text()[-2000:]}")
         assert "auth=nkey" in err_path.read_text()

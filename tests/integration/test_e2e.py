@@ -24,8 +24,8 @@ import nats
 import pytest
 from shared.signing import Ed25519PrivateKey
 
-from bcd.controlplane import EventRecord
 from bcd.nodebus import NatsServer, prepare_node_bus
+from controlplane.ledger import EventRecord
 from shared.schemas import AllocationBound, ReportBody, encode
 from shared.signing import sign_node_spec, sign_report
 from shared.subjects import CONTROLPLANE_USER, inbox_prefix, upstream_node_user
@@ -124,7 +124,7 @@ def kill(node: Node, victim: str) -> None:
         pid = int(subprocess.run(["pgrep", "-f", str(node.state / "bus" / "nats.conf")], capture_output=True, text=True).stdout.split()[0])
     elif victim == "controlplane":
         assert node.proc is not None
-        pid = int(subprocess.run(["pgrep", "-P", str(node.proc.pid), "-f", "bcd.controlplane serve"], capture_output=True, text=True).stdout.split()[0])
+        pid = int(subprocess.run(["pgrep", "-P", str(node.proc.pid), "-f", "controlplane serve"], capture_output=True, text=True).stdout.split()[0])
     else:
         pids = wait_for(lambda: node.pids().get(victim), 60, f"{victim} to answer")
         pid = pids
@@ -159,7 +159,7 @@ def test_forged_older_and_foreign_specs_are_refused_and_the_last_good_stays(node
     cond = wait_for(raised, 30, "NodeSpecRejected raised")
     assert "configured control-plane key" in cond.message
 
-    from bcd.controlplane import load_or_create_cp_key
+    from controlplane.keys import load_or_create_cp_key
 
     key, _ = load_or_create_cp_key(node.cp_dir)
     older = sign_node_spec(key, NodeSpec(node_id="node-1", generation=gen - 1))
@@ -229,7 +229,7 @@ def test_upstream_outage_grows_the_outbox_and_loses_nothing(tmp_path):
     cp_state = tmp_path / "cp"
     cp_log = open(tmp_path / "cp.log", "ab")  # noqa: SIM115
     cp = subprocess.Popen(
-        [sys.executable, "-m", "bcd.controlplane", "serve", "--nats-url", upstream.url, "--user", CONTROLPLANE_USER,
+        [sys.executable, "-m", "controlplane", "serve", "--nats-url", upstream.url, "--user", CONTROLPLANE_USER,
          "--password-file", str(creds[CONTROLPLANE_USER]), "--state-dir", str(cp_state)],
         stdout=cp_log, stderr=cp_log, cwd=REPO,
     )
@@ -248,7 +248,7 @@ def test_upstream_outage_grows_the_outbox_and_loses_nothing(tmp_path):
             path = tmp_path / f"spec-{time.monotonic_ns()}.json"
             path.write_text(json.dumps({"node_id": "node-1", "devices": devices}))
             out = subprocess.run(
-                [sys.executable, "-m", "bcd.controlplane", "put", str(path), "--nats-url", upstream.url, "--user", CONTROLPLANE_USER,
+                [sys.executable, "-m", "controlplane", "put", str(path), "--nats-url", upstream.url, "--user", CONTROLPLANE_USER,
                  "--password-file", str(creds[CONTROLPLANE_USER]), "--state-dir", str(cp_state)],
                 capture_output=True, text=True, cwd=REPO, timeout=30,
             )
@@ -266,7 +266,8 @@ def test_upstream_outage_grows_the_outbox_and_loses_nothing(tmp_path):
         async def put_then_stall(devices: list[dict]) -> int:
             """Put the spec, then stall upstream at once (SIGSTOP): the bridge has the
             spec's KV message, but nothing it forwards can be acknowledged."""
-            from bcd.controlplane import ControlPlane, load_or_create_cp_key
+            from controlplane.keys import load_or_create_cp_key
+            from controlplane.serve import ControlPlane
 
             key, _ = load_or_create_cp_key(cp_state)
             nc = await nats.connect(upstream.url, user=CONTROLPLANE_USER, password=creds[CONTROLPLANE_USER].read_text().strip(),

@@ -49,7 +49,8 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from bcd.client import NodeInfo, node_info
-from bcd.controlplane import connect_upstream, load_or_create_cp_key
+from controlplane.keys import load_or_create_cp_key
+from controlplane.upstream import connect_upstream
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
     CLAIM_PREPARE_REPLY_CODEC,

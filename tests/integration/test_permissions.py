@@ -287,7 +287,7 @@ async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embe
     nothing upstream: on one server the two accounts share no subject."""
     from shared.signing import Ed25519PrivateKey
 
-    from bcd.controlplane import ControlPlane
+    from controlplane.serve import ControlPlane
 
     server, passwords = embedded_bus
     cp_nc = await _connect(server.url, CONTROLPLANE_USER, passwords[CONTROLPLANE_USER])
@@ -341,7 +341,8 @@ async def test_the_bridge_drains_the_outbox_with_exactly_its_permissions(embedde
     deleted, the forwarded stretch purged, without one permission violation; the server
     refuses it a durable consumer on the one create subject it may use."""
     from services.converger.outbox import JetStreamOutbox
-    from services.gateway_bridge.service import OutboxPurger, OutboxReader
+    from services.gateway_bridge.outbox import OutboxReader
+    from services.gateway_bridge.purge import OutboxPurger
     from shared import logs
     from shared.subjects import MSG_ID_HEADER
 

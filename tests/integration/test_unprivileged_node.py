@@ -10,7 +10,7 @@ own, where it sees itself as uid 65534 (see RunAs); not as root, as the test
 user. The inventory stays on the fakehw host file (the GPUs
 must come from somewhere) and the signer, bridge and helper run as the test
 user. Upstream is the reference control plane's account on the same
-nats-server, read and written through `bcd.controlplane.ControlPlane`.
+nats-server, read and written through `controlplane.serve.ControlPlane`.
 
 Without a helper the node claims none of cdi / devices.limits /
 binding.kubernetes, a plain hold fails at once with node-unprivileged and
@@ -45,8 +45,10 @@ import msgspec
 import pytest
 
 from bcd.client import NodeInfo, write_node_info
-from bcd.controlplane import ControlPlane, connect_upstream, load_or_create_cp_key
 from bcd.nodebus import NatsServer, prepare_node_bus
+from controlplane.keys import load_or_create_cp_key
+from controlplane.serve import ControlPlane
+from controlplane.upstream import connect_upstream
 from shared.runtime import call
 from shared.schemas import CONVERGER_STATUS_CODEC, ConvergerStatus, DeviceAssignment, Empty, Hello, Limits, NodeSpec
 from shared.subjects import CONTROLPLANE_USER, UPSTREAM_EVENTS_STREAM, NodeSubjects, upstream_node_user

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import msgspec
 
-from bcd.controlplane import ControlPlaneState, EventRecord
+from controlplane.ledger import EventRecord
+from controlplane.state import ControlPlaneState
 
 from .harness import EXAMPLE_HOSTS, REPO
 

@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from bcd.applywait import EXIT_CONVERGED, EXIT_FAILED, EXIT_TIMEOUT, Follower, follow
-from bcd.controlplane import EventRecord, Reservation
+from controlplane.ledger import EventRecord
+from controlplane.state import Reservation
 from shared.schemas import AllocationBound, AllocationFailed, AllocationReleased, Condition, DeviceAssignment, NodeCondition, NodeSpec, SectionStatus, encode
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
@@ -25,7 +26,7 @@ def spec(*assignments: DeviceAssignment, generation: int = 5) -> NodeSpec:
 
 
 def record(event: object, *, node: str = "node-1", outcome: str = "applied") -> EventRecord:
-    from bcd.controlplane import describe
+    from controlplane.ledger import describe
 
     alloc, rsv, _what, gen, detail = describe(event)
     etype = event.__struct_config__.tag  # type: ignore[attr-defined]

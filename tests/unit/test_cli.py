@@ -306,7 +306,7 @@ def _event_log(path: Path, n: int) -> None:
 
     import msgspec
 
-    from bcd.controlplane import EventRecord
+    from controlplane.ledger import EventRecord
 
     now = datetime(2026, 1, 1, tzinfo=timezone.utc)
     lines = [

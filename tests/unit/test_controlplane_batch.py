@@ -12,8 +12,11 @@ from types import SimpleNamespace
 import pytest
 from nats.aio.msg import Msg
 
-import bcd.controlplane as cpmod
-from bcd.controlplane import EVENTS_FILE, STATE_FILE, ControlPlane, StateStore
+import controlplane.serve as cpserve
+import controlplane.state as cpmod
+from controlplane.ledger import EVENTS_FILE
+from controlplane.serve import ControlPlane
+from controlplane.state import STATE_FILE, StateStore
 from shared.schemas import Condition, GpuChanged, NodeCondition, PhysicalGPUStatus, SectionStatus, encode
 from shared.signing import Ed25519PrivateKey
 from shared.subjects import MSG_ID_HEADER
@@ -122,7 +125,7 @@ def test_a_failed_state_write_keeps_nothing_and_is_retried_in_place(cp, monkeypa
         return None
 
     monkeypatch.setattr(cpmod, "atomic_write", flaky)
-    monkeypatch.setattr(cpmod, "_sleep_unless", no_sleep)
+    monkeypatch.setattr(cpserve, "sleep_unless", no_sleep)
     batch = msgs(cp, journal, ("section", section(1), "s1"), ("condition", condition(), "c1"))
     records = asyncio.run(cp._consume(batch, asyncio.Event()))
     # the batch held (in_progress) while retried, applied once, acked after its lines

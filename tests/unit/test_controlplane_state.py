@@ -8,20 +8,17 @@ from datetime import datetime, timezone
 import msgspec
 import pytest
 
-from bcd.controlplane import (
+from controlplane.keys import KeyFileError, load_or_create_cp_key
+from controlplane.ledger import EventRecord, format_line, short_atom
+from controlplane.state import (
     ControlPlaneState,
-    EventRecord,
-    KeyFileError,
     StateError,
     StateStore,
     apply_event,
     apply_spec,
-    format_line,
-    load_or_create_cp_key,
     next_generation,
     remember_boot,
     remember_processed,
-    short_atom,
 )
 from shared.schemas import (
     AllocationBound,
@@ -204,7 +201,7 @@ def test_store_drops_a_failed_transaction(tmp_path):
 
 def test_store_drops_a_change_it_could_not_write(tmp_path, monkeypatch):
     """A full disk at the write: the change is not kept in memory either (a retry must not take it for saved)."""
-    import bcd.controlplane as cpmod
+    import controlplane.state as cpmod
 
     store = StateStore(tmp_path)
     with store.transaction() as st:

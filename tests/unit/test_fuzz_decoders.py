@@ -35,7 +35,7 @@ from services.converger.model import ConvergerState
 from services.converger.observe import DiskView, read_disk
 from services.converger.releases import RELEASES_FILE, ReleasesStore
 from services.converger.state import StateStore
-from services.inventory.adapters.fakehw import FakeHost, HostFileError, load_host_file
+from services.inventory.adapters.fakehost import FakeHost, HostFileError, load_host_file
 from services.inventory.gpustate import GpuState, decode_state, encode_state
 from shared.holdfiles import HoldOnDisk, NotAHold, hold_file_bytes, parse_hold
 from shared.schemas import BadMessage, Codec, NodeSpec, SignedNodeSpec

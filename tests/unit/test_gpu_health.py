@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from services.inventory.adapters.base import AdapterError, HealthCheck, HealthEvent, HealthWatcher
-from services.inventory.adapters.fakehw import FakeHwAdapter, HostFileError, load_host_file
+from services.inventory.adapters.fakehost import HostFileError, load_host_file
+from services.inventory.adapters.fakehw import FakeHwAdapter
 from services.inventory.build import build_inventory
 from services.inventory.gpustate import GpuTracker, decode_state, encode_state
 from services.inventory.health import (

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from services.converger import gpuops
-from services.inventory.dcgm import judge, run_dcgmi
+from services.inventory.adapters.dcgm import judge, run_dcgmi
 from shared.schemas import GpuClaim, GpuOpRequest
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)

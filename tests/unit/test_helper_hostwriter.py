@@ -20,7 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.converger.hostwriter import HelperHostWriter, HelperWatch, HostWriteError, helper_mismatch, watch_helper, writer_kind
+from services.converger.helperwatch import HelperWatch, watch_helper
+from services.converger.hostwriter import HelperHostWriter, HostWriteError, helper_mismatch, writer_kind
 from services.helper.ops import HelperOps
 from shared.holdfiles import HoldContent, HoldDevice, hold_from_wire, hold_to_wire, limits_from_wire, limits_to_wire
 from shared.schemas import HELPER_FILE_REMOVE_CODEC, HelperInfo, HelperReply, HugePages, Limits, encode

@@ -1,7 +1,7 @@
 """The root helper's operations without the bus (services/helper/ops.py).
 
 Good requests write exactly the bytes the converger's in-process writer
-writes (one content function, shared/holdfiles.py). Malicious ones are
+writes (one content function, shared/holdfiles/files.py). Malicious ones are
 refused with a reason and write nothing: path traversal in the id, a hook,
 device node or mount smuggled in as an unknown field, a foreign slice name,
 an oversized or malformed cpulist, limits out of bounds, an env key bcd sets

@@ -132,10 +132,10 @@ def test_the_supervisor_loads_no_service_library(tmp_path: Path) -> None:
 
 
 def test_the_control_plane_loads_no_service_library() -> None:
-    code = "import json, sys\nimport bcd.controlplane as cp\ncp._parser().parse_args(['serve'])\nprint(json.dumps(sorted(sys.modules)))\n"
+    code = "import json, sys\nimport controlplane.cli as cp\ncp._parser().parse_args(['serve'])\nprint(json.dumps(sorted(sys.modules)))\n"
     modules = loaded(["-c", code])
     bad = heavy(modules, NEVER + ("prometheus_client",))
-    assert not bad, f"bcd.controlplane loads {bad}"
+    assert not bad, f"controlplane loads {bad}"
 
 
 def test_nats_websocket_transport_still_works_after_aiohttp_was_deferred() -> None:

@@ -30,7 +30,7 @@ import shared.schemas.common
 import shared.schemas.events
 import shared.schemas.inventory
 import shared.schemas.nodespec
-from bcd.controlplane import ControlPlaneState, next_generation
+from controlplane.state import ControlPlaneState, next_generation
 from shared.holdfiles import HoldContent, HoldDevice, NotAHold, build_cdi_spec, hold_from_wire, hold_to_wire, parse_hold, render_cdi_spec
 from shared.schemas import (
     HELPER_FILE_WRITE_CODEC,

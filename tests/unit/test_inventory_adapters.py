@@ -36,7 +36,7 @@ from services.inventory.adapters import (
     load_adapter,
 )
 from services.inventory.adapters.base import DomainLister, GpuFacts, HostScan, VendorCdi, read_vendor_cdi
-from services.inventory.adapters.fakehw import FakeHost, HostGpuFaults, gpu_instances_of, load_host_file
+from services.inventory.adapters.fakehost import FakeHost, HostGpuFaults, gpu_instances_of, load_host_file
 from services.inventory.adapters.nvidia import (
     NvmlError,
     NvmlGiProfile,

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from services.inventory.adapters.base import GpuSharer, MigStepError, SharingStepError, mps_dirs
-from services.inventory.adapters.fakehw import MPS_CONTROL_FIFO, FakeHwAdapter, HostFileError, load_host_file
+from services.inventory.adapters.fakehost import HostFileError, load_host_file
+from services.inventory.adapters.fakehw import MPS_CONTROL_FIFO, FakeHwAdapter
 from services.inventory.build import build_inventory
 from services.inventory.service import InventoryApp
 from shared.schemas import MpsDaemonSpec, SharingStepRequest

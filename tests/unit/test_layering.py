@@ -1,4 +1,5 @@
-"""Layering, enforced: shared knows no service; services know no other service and not the CLI.
+"""Layering, enforced: shared knows no service; services know no other service and not the CLI;
+the reference control plane (controlplane/) knows neither the CLI nor any service.
 
 Each service is its own process and talks to the others only over the node
 bus, so an import across services would be a hidden second channel.
@@ -46,6 +47,13 @@ def test_services_import_only_themselves_and_shared(path):
             bad.add(m)
         if parts[0] == "services" and len(parts) > 1 and parts[1] != own:
             bad.add(m)
+    assert not bad, f"{path.relative_to(REPO)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", modules("controlplane"), ids=lambda p: str(p.relative_to(REPO)))
+def test_the_control_plane_imports_only_itself_and_shared(path):
+    """A program of its own (issue 32): what `bcd` needs of it, it imports from it, never the other way."""
+    bad = {m for m in imports_of(path) if m.split(".")[0] in {"services", "bcd"}}
     assert not bad, f"{path.relative_to(REPO)} imports {bad}"
 
 

@@ -18,7 +18,8 @@ import pynvml
 import pytest
 
 from services.inventory.adapters.base import MigCapable, MigInstancer, MigStepError
-from services.inventory.adapters.fakehw import FakeHwAdapter, HostFileError, load_host_file
+from services.inventory.adapters.fakehost import HostFileError, load_host_file
+from services.inventory.adapters.fakehw import FakeHwAdapter
 from services.inventory.adapters.nvidia import NvidiaAdapter, PynvmlNvml
 from services.inventory.build import build_inventory, mig_atom_id
 from shared.runtime import call

@@ -13,7 +13,8 @@ import pytest
 from services.converger import gpuops
 from services.converger.model import MigLayoutRecord
 from services.inventory.adapters.base import MigPartitioner
-from services.inventory.adapters.fakehw import FakeHwAdapter, gpu_instances_of, load_host_file
+from services.inventory.adapters.fakehost import gpu_instances_of, load_host_file
+from services.inventory.adapters.fakehw import FakeHwAdapter
 from services.inventory.adapters.nvidia import NvidiaAdapter, NvmlError, NvmlGpuInstance, NvmlMigDevice
 from services.inventory.build import build_inventory
 from shared.schemas import GpuClaim

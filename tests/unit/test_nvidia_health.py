@@ -22,7 +22,7 @@ import pytest
 
 from services.inventory.adapters import nvidia
 from services.inventory.adapters.base import AdapterError, HealthCheck, HealthWatcher
-from services.inventory.adapters.fakehw import load_host_file
+from services.inventory.adapters.fakehost import load_host_file
 from services.inventory.adapters.nvidia import NvidiaAdapter, NvmlError, NvmlEvent, NvmlPort, PynvmlNvml
 from tests.unit.test_inventory_adapters import H200, FakeNvml, materialize
 

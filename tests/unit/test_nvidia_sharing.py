@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from services.inventory.adapters.base import GpuSharer, SharingStepError, mps_dirs
-from services.inventory.adapters.fakehw import load_host_file
+from services.inventory.adapters.fakehost import load_host_file
 from services.inventory.adapters.nvidia import NvidiaAdapter
 from services.inventory import sharing_unit
 from services.inventory.adapters.nvidia_sharing import MPS_UNIT, OUTPUT_MAX, SPEC_FILE, NvidiaSharing, SubprocessRunner

@@ -17,8 +17,9 @@ import pytest
 
 from bcd.applycmd import apply_command
 from bcd.client import NodeInfo, write_node_info
-from bcd.controlplane import KeyFileError, StateError, load_or_create_cp_key
 from bcd.exits import run_command
+from controlplane.keys import KeyFileError, load_or_create_cp_key
+from controlplane.state import StateError
 
 
 @pytest.mark.parametrize("exc", [KeyFileError("cp.key: owned by uid 10008, not by this control plane (uid 0)"), StateError("state.json: not JSON")])

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import msgspec
 import pytest
 
-from bcd.controlplane import check_spec
+from controlplane.specs import check_spec
 from services.converger.model import ConvergerState, Observed, PlanConfig, SetCondition
 from services.converger.plan import plan
 from shared.schemas import BadMessage, NodeSpec

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inventory.adapters.fakehw import load_host_file
+from services.inventory.adapters.fakehost import load_host_file
 from services.vfio_switcher.driver import VFIO_DRIVER, DeviceVanished, DriverBusy, DriverError, DriverPort, DriverTimeout, FakeDriver
 from services.vfio_switcher.fakehost import GPU_PCI_CLASS, FakeHostDriver, FakeHostError
 from services.vfio_switcher.service import holder_of

@@ -179,7 +179,9 @@ CP_UNITS = ("bcd-vm-upstream.service", "bcd-vm-controlplane.service")
 _HELLO_SCRIPT = """
 import asyncio, json, sys
 import msgspec
-from bcd.controlplane import ControlPlane, connect_upstream, load_or_create_cp_key
+from controlplane.keys import load_or_create_cp_key
+from controlplane.serve import ControlPlane
+from controlplane.upstream import connect_upstream
 from shared.subjects import CONTROLPLANE_USER
 
 async def main(node):

@@ -28,7 +28,8 @@ from .base import (
     VfioCapable,
     read_vendor_cdi,
 )
-from .fakehw import FakeHwAdapter, HostFileError, load_host_file
+from .fakehost import HostFileError, load_host_file
+from .fakehw import FakeHwAdapter
 
 if TYPE_CHECKING:
     from .nvidia import NvidiaAdapter, NvmlError, NvmlPort, PynvmlNvml

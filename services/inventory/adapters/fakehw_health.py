@@ -1,6 +1,6 @@
 """The fake host's health watch: NVML's event set and health checks, played back from the host file.
 
-Each card's `health` in the host file (fakehw.HostGpuHealth) is what NVML would say. The watch
+Each card's `health` in the host file (fakehost.HostGpuHealth) is what NVML would say. The watch
 behaves as NVML's does: it reports what happens after it opened (an XID added to `xids`, a
 rise of an ECC counter, `gone` turning true) and nothing from before, so a restarted inventory
 knows an earlier XID only from its own gpus.json. A host file that cannot be read is
@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .base import AdapterError, HealthCheck, HealthEvent, HealthNotRead
-from .fakehw import NVML_GONE, FakeHost, HostFileError, HostGpu, load_host_file
+from .fakehost import NVML_GONE, FakeHost, HostFileError, HostGpu, load_host_file
 
 #: how often the watch looks at the host file while it waits
 POLL_SECONDS = 0.1

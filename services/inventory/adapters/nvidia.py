@@ -686,7 +686,7 @@ class NvidiaAdapter:
 
     def run_diag(self, pci_address: str, level: int, timeout: float) -> DiagResult:
         """DCGM's `dcgmi diag` on the card NVML listed at that address in the last scan."""
-        from ..dcgm import run_dcgmi
+        from .dcgm import run_dcgmi
 
         facts = self._last.get(pci_address)
         if facts is None or not facts.readable:

@@ -264,7 +264,7 @@ async def test_an_unreadable_vendor_spec_keeps_new_holds_retryable_and_says_why(
 def test_status_problems_stay_within_their_bound() -> None:
     import msgspec
 
-    from services.converger.service import bounded_problems
+    from services.converger.endpoints import bounded_problems
     from shared.schemas import CONVERGER_STATUS_CODEC, BadMessage, ConvergerStatus
     from shared.schemas.bus import PROBLEMS_MAX
     from shared.schemas.common import TEXT_MAX

@@ -19,6 +19,7 @@ import pytest
 import shared.holddisk as observe_mod
 import shared.fsutil as fsutil
 import shared.holdfiles as holdfiles
+import shared.holdfiles.files as holdfiles_files
 from services.converger.observe import read_disk, vendor_cache
 from shared.holdfiles import VendorCache
 from shared.vendorcdi import VENDOR_CDI_FILE
@@ -132,8 +133,8 @@ def test_the_vendor_spec_is_decoded_again_only_when_it_changed_and_always_seen(r
     two = one.replace(b'"0"', b'"1"')
     path.write_bytes(one)
     decoded = []
-    real = holdfiles.vendor_cdi_from_json
-    monkeypatch.setattr(holdfiles, "vendor_cdi_from_json", lambda data, p: decoded.append(p) or real(data, p))
+    real = holdfiles_files.vendor_cdi_from_json
+    monkeypatch.setattr(holdfiles_files, "vendor_cdi_from_json", lambda data, p: decoded.append(p) or real(data, p))
     cache = VendorCache(cdi)
     assert set(cache.get().devices) == {"0"}
     assert set(cache.get().devices) == {"0"} and len(decoded) == 1  # young: read, not decoded again
@@ -143,8 +144,8 @@ def test_the_vendor_spec_is_decoded_again_only_when_it_changed_and_always_seen(r
     monkeypatch.setattr(fsutil, "SETTLED_S", 0.0)
     cache.get()  # settled now
     reads = []
-    real_read = holdfiles.read_vendor_cdi_bytes
-    monkeypatch.setattr(holdfiles, "read_vendor_cdi_bytes", lambda d: reads.append(d) or real_read(d))
+    real_read = holdfiles_files.read_vendor_cdi_bytes
+    monkeypatch.setattr(holdfiles_files, "read_vendor_cdi_bytes", lambda d: reads.append(d) or real_read(d))
     assert set(cache.get().devices) == {"1"} and reads == []
     rewrite_in_place(path, two, one)
     assert set(cache.get().devices) == {"0"} and len(reads) == 1

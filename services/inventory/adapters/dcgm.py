@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from .adapters.base import DiagResult
+from .base import DiagResult
 
 #: what is kept of the tool's output in a message.
 OUTPUT_MAX = 2000

@@ -1,0 +1,58 @@
+"""A spec put through the control plane embedded in this node (`bcd apply`, `bcd up --apply`).
+
+This module owns the node's side of a put. It finds the upstream URL, the
+control plane's password and its state dir in `<state>/node.json` (written by
+`bcd up`), then puts through controlplane.put. The put is strict: a spec for a
+node that never said Hello is refused unless forced, and for this state dir's
+own node a Hello is waited for a little, since it may be starting. It lives in
+`bcd` because it reads the node's files. The control plane package knows
+nothing of a node's layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from controlplane.put import LOCAL_HELLO_WAIT_S, put_spec_file
+from controlplane.specs import PutResult
+from shared.subjects import CONTROLPLANE_USER
+
+from .client import node_info
+
+
+async def put_through_node(
+    state: Path, spec: Path | bytes, *, allow_unknown_fields: bool = False, force: bool = False, connect_timeout: float = 5.0
+) -> PutResult:
+    """`bcd apply`: put one spec through the embedded control plane of the node at `state`.
+
+    Finds the upstream URL, the control plane's password and its state dir in
+    `<state>/node.json` (written by `bcd up`). Unless `force`, a spec for a
+    node that never put a Hello is refused (UnknownNode); for the node of this
+    state dir, a Hello is waited for a little (it may be starting).
+    """
+    info = node_info(Path(state))
+    if not info.controlplane_dir:
+        raise ValueError("this node joined an existing upstream: apply specs through that control plane")
+    return await put_spec_file(
+        info.upstream_url or info.nats_url,
+        CONTROLPLANE_USER,
+        Path(info.creds_dir) / f"{CONTROLPLANE_USER}.password",
+        Path(info.controlplane_dir),
+        spec,
+        allow_unknown_fields=allow_unknown_fields,
+        require_known_node=not force,
+        hello_wait=lambda node_id: LOCAL_HELLO_WAIT_S if node_id == info.node_id else 0.0,
+        connect_timeout=connect_timeout,
+    )
+
+
+async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
+    """Put one spec file through the node's embedded control plane (strictly); return its generation."""
+    result = await put_through_node(Path(state), Path(spec_file))
+    if result.note:
+        print(f"note: {result.note}", file=sys.stderr)
+    return result.generation
+
+
+__all__ = ["put_through_node", "apply_spec_file"]
