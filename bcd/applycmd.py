@@ -21,7 +21,7 @@ from typing import Any
 from controlplane.keys import KeyFileError
 from controlplane.ledger import EVENTS_FILE
 from controlplane.specs import PutResult, UnknownNode, check_spec
-from controlplane.state import STATE_DECODER, STATE_FILE, STATE_MAX_BYTES, ControlPlaneState, StateError, next_generation
+from controlplane.state import StateError, next_generation, peek_state
 from shared.fsutil import read_regular
 from shared.schemas import BadMessage
 from shared.schemas.strict import UnknownFieldsError
@@ -110,14 +110,6 @@ def _unknown(args: argparse.Namespace, exc: UnknownFieldsError) -> int:
     return EXIT_REFUSED
 
 
-def _cp_state(cp_dir: Path) -> ControlPlaneState:
-    """The control plane's record, read-only (a fresh one when there is none or it does not read)."""
-    try:
-        return STATE_DECODER.decode(read_regular(cp_dir / STATE_FILE, max_bytes=STATE_MAX_BYTES))
-    except (OSError, ValueError):
-        return ControlPlaneState()
-
-
 def apply_command(args: argparse.Namespace) -> int:
     state_dir = args.state_dir.resolve()
     try:
@@ -175,7 +167,7 @@ def apply_command(args: argparse.Namespace) -> int:
         return 0
     _say(applied + "; waiting for the node's outcome...", json_mode=args.json)
     assert events is not None  # put_through_node refuses a node without an embedded control plane
-    follower = Follower.for_spec(result.spec, result.generation, _cp_state(Path(info.controlplane_dir)).reservations)
+    follower = Follower.for_spec(result.spec, result.generation, peek_state(Path(info.controlplane_dir)).reservations)
     for line in follower.start_lines():
         _say(line, json_mode=args.json)
     try:
@@ -209,7 +201,7 @@ def _dry_run(args: argparse.Namespace, info: Any, checked: Any) -> int:
     spec = checked.draft
     if spec.node_id != info.node_id:
         return _refused(args, f"the spec names node {spec.node_id}; {args.state_dir} is node {info.node_id}: a dry run plans against this node only")
-    generation, _ = next_generation(_cp_state(Path(info.controlplane_dir)), spec.node_id, checked.requested) if info.controlplane_dir else (
+    generation, _ = next_generation(peek_state(Path(info.controlplane_dir)), spec.node_id, checked.requested) if info.controlplane_dir else (
         checked.requested if checked.requested is not None else 0,
         "",
     )

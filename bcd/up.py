@@ -358,9 +358,9 @@ async def record_metrics(state: Path, info: NodeInfo, services: list[str]) -> No
 
 def demo_already_put(cp_dir: Path, node_id: str) -> int:
     """The generation the embedded control plane last put for the node (0: none yet, the demo goes)."""
-    from .applycmd import _cp_state
+    from controlplane.state import peek_state
 
-    rec = _cp_state(cp_dir).nodes.get(node_id)
+    rec = peek_state(cp_dir).nodes.get(node_id)
     return rec.last_generation if rec is not None else 0
 
 

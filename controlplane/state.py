@@ -7,7 +7,7 @@ written, StateStore: atomic writes under a file lock, so `bcd apply` in another
 process and the running consumer never lose each other's updates. The transitions
 (next_generation, apply_spec, apply_event, remember_*) are pure functions of the
 state. The serve loop and a put call them inside one transaction, and
-`bcd apply` reads the file with STATE_DECODER.
+`bcd apply` and `bcd up` read it as it stands with peek_state.
 
 The reservation state machine:
 
@@ -235,6 +235,16 @@ def remember_boot(state: ControlPlaneState, hello: Hello) -> bool:
         return False
     rec.boot_ids.append(hello.boot_id)
     return True
+
+
+def peek_state(state_dir: Path) -> ControlPlaneState:
+    """The state as it is on disk now, read-only and without the lock (what `bcd apply` and
+    `bcd up` look at beside a running control plane); a fresh one when there is none or it
+    does not read."""
+    try:
+        return STATE_DECODER.decode(read_regular(Path(state_dir) / STATE_FILE, max_bytes=STATE_MAX_BYTES))
+    except (OSError, ValueError):
+        return ControlPlaneState()
 
 
 class StateError(Exception):
