@@ -136,7 +136,11 @@ fi
 # built from a copy of the sources: pip and setuptools write build/ and *.egg-info there
 SRC="$(mktemp -d "$CACHE/src.XXXXXX")"
 trap 'rm -rf "$SRC"' EXIT
-tar -C "$ROOT" --exclude=__pycache__ --exclude='*.pyc' -cf - pyproject.toml README.md bcd shared services | tar -C "$SRC" -xf -
+# the packages the wheel holds, as pyproject.toml lists them (one list: a package added there
+# is copied here too; the VM image once lacked controlplane/, which only this copy missed)
+read -r -a PACKAGES <<<"$("$PY" -c 'import tomllib; c = tomllib.load(open("pyproject.toml", "rb")); print(" ".join(p.rstrip("*") for p in c["tool"]["setuptools"]["packages"]["find"]["include"]))')"
+[ "${#PACKAGES[@]}" -gt 0 ] || cannot "no packages in pyproject.toml [tool.setuptools.packages.find] include"
+tar -C "$ROOT" --exclude=__pycache__ --exclude='*.pyc' -cf - pyproject.toml README.md "${PACKAGES[@]}" | tar -C "$SRC" -xf -
 EXTRA=""
 pkg-config --exists libsystemd 2>/dev/null && EXTRA="[systemd]"   # pystemd builds against libsystemd
 DEPS_KEY="$( { cat pyproject.toml; "$PY" -c 'import sys; print(sys.version_info[:2])'; echo "$EXTRA"; } | hash_of)"
