@@ -16,6 +16,7 @@ a missing one fails instead.
 from __future__ import annotations
 
 import functools
+import json
 import importlib.metadata
 import os
 import shutil
@@ -208,3 +209,94 @@ async def wait_jetstream(urls: list[str], password: str, tls: object, deadline: 
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(pause)
+
+
+# ------------------------------------------------------------------ the fleet suites' parts
+# test_fleet.py (a 3-server cluster) and test_fleet_tls.py (one server and its impostors) run
+# the same control plane and node containers; only the URL they dial and a setting differ.
+
+
+def controlplane_container(image: str, network, cp_dir: Path, creds: Path, tls_dir: Path, url: str, **env: str):  # noqa: ANN001, ANN201
+    """The reference control plane (not started), dialing `url` over mutual TLS as CONTROLPLANE_USER."""
+    from testcontainers.core.container import DockerContainer
+
+    from shared.subjects import CONTROLPLANE_USER
+
+    return (
+        DockerContainer(image)
+        .with_name(f"{network.name}-controlplane")
+        .with_network(network)
+        .with_volume_mapping(str(cp_dir), "/var/lib/bcd/controlplane", "rw")
+        .with_volume_mapping(str(creds), "/creds", "ro")
+        .with_volume_mapping(str(tls_dir), TLS_MOUNT, "ro")
+        .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=16m")
+        .with_envs(
+            BCD_CP_NATS_URL=url,
+            BCD_CP_CA_FILE=TLS_CA,
+            BCD_CP_CERT_FILE=TLS_CERT,
+            BCD_CP_KEY_FILE=TLS_KEY,
+            BCD_CP_USER=CONTROLPLANE_USER,
+            BCD_CP_PASSWORD_FILE=f"/creds/{CONTROLPLANE_USER}.password",
+            BCD_CP_STATE_DIR="/var/lib/bcd/controlplane",
+            **env,
+        )
+        .with_command(["python3", "-m", "controlplane", "serve"])
+    )
+
+
+def node_container(image: str, network, node: str, state: Path, host_dir: Path, creds: Path, cp_dir: Path, tls_dir: Path, url: str):  # noqa: ANN001, ANN201
+    """A whole node (`bcd up`, not started) dialing `url` over mutual TLS as its upstream user.
+    Its TLS directory is mounted, not the files: a renewal (a rename) shows inside."""
+    from testcontainers.core.container import DockerContainer
+
+    from shared.subjects import upstream_node_user
+
+    return (
+        DockerContainer(image)
+        .with_name(f"{network.name}-{node}")
+        .with_network(network)
+        .with_volume_mapping(str(state), "/state", "rw")
+        .with_volume_mapping(str(host_dir), "/host", "rw")
+        .with_volume_mapping(str(creds / f"{upstream_node_user(node)}.password"), "/run/upstream.password", "ro")
+        .with_volume_mapping(str(cp_dir / "cp.pub"), "/etc/bcd/cp.pub", "ro")
+        .with_volume_mapping(str(tls_dir), TLS_MOUNT, "ro")
+        .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=64m")
+        .with_command(
+            [
+                "bcd", "up", "--state-dir", "/state", "--node-id", node, "--fake-host", "/host/host.json",
+                "--upstream", url, "--cp-key", "/etc/bcd/cp.pub",
+                "--upstream-user", upstream_node_user(node), "--upstream-password-file", "/run/upstream.password",
+                "--upstream-ca", TLS_CA, "--upstream-cert", TLS_CERT, "--upstream-key", TLS_KEY,
+                "--http-port", "0",
+            ]
+        )
+    )  # fmt: skip
+
+
+def read_events(path: Path) -> list[dict]:
+    """The control plane's events.jsonl as it stands (a line still being written is left out)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def stop_containers(containers: Sequence, network) -> None:  # noqa: ANN001
+    """Stop each, remove whatever a failed start left on the network (created, never started), then it."""
+    for c in containers:
+        try:
+            c.stop()
+        except Exception:  # noqa: BLE001 - gone already (killed by a test)
+            pass
+    left = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={network.name}-"], capture_output=True, text=True).stdout.split()
+    if left:
+        subprocess.run(["docker", "rm", "-f", *left], capture_output=True)
+    try:
+        network.remove()
+    except Exception:  # noqa: BLE001
+        pass

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,7 +43,10 @@ from shared.pki import make_ca
 from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 from shared.tlsconfig import UpstreamTls, upstream_tls
 
-from .conftest import BCD_GID, NATS_UID, ROOT, TLS_CA, TLS_CERT, TLS_KEY, TLS_MOUNT, docker, free_port, nats_tls_block, says_info, tls_dir, wait_jetstream
+from .conftest import (
+    BCD_GID, NATS_UID, ROOT, TLS_MOUNT, controlplane_container, docker, free_port, nats_tls_block, node_container, read_events, says_info,
+    stop_containers, tls_dir, wait_jetstream,
+)  # fmt: skip
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1500)]
 
@@ -155,50 +157,14 @@ class Fleet:
         self.servers[name] = c.start()
 
     def start_cp(self) -> None:
-        c = (
-            DockerContainer(self.image)
-            .with_name(f"{self.network.name}-controlplane")
-            .with_network(self.network)
-            .with_volume_mapping(str(self.cp_dir), "/var/lib/bcd/controlplane", "rw")
-            .with_volume_mapping(str(self.creds), "/creds", "ro")
-            .with_volume_mapping(str(self.tls_dirs["controlplane"]), TLS_MOUNT, "ro")
-            .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=16m")
-            .with_envs(
-                BCD_CP_NATS_URL=",".join(f"tls://{s}:4222" for s in SERVERS),
-                BCD_CP_CA_FILE=TLS_CA,
-                BCD_CP_CERT_FILE=TLS_CERT,
-                BCD_CP_KEY_FILE=TLS_KEY,
-                BCD_CP_USER=CONTROLPLANE_USER,
-                BCD_CP_PASSWORD_FILE=f"/creds/{CONTROLPLANE_USER}.password",
-                BCD_CP_STATE_DIR="/var/lib/bcd/controlplane",
-                BCD_CP_REPLICAS="3",
-            )
-            .with_command(["python3", "-m", "controlplane", "serve"])
-        )
-        self.cp = c.start()
+        url = ",".join(f"tls://{s}:4222" for s in SERVERS)
+        self.cp = controlplane_container(self.image, self.network, self.cp_dir, self.creds, self.tls_dirs["controlplane"], url, BCD_CP_REPLICAS="3").start()
 
     def start_node(self, node: str) -> None:
-        c = (
-            DockerContainer(self.image)
-            .with_name(f"{self.network.name}-{node}")
-            .with_network(self.network)
-            .with_volume_mapping(str(self.root / node / "state"), "/state", "rw")
-            .with_volume_mapping(str(self.root / node / "host"), "/host", "rw")
-            .with_volume_mapping(str(self.creds / f"{upstream_node_user(node)}.password"), "/run/upstream.password", "ro")
-            .with_volume_mapping(str(self.cp_dir / "cp.pub"), "/etc/bcd/cp.pub", "ro")
-            .with_volume_mapping(str(self.tls_dirs[node]), TLS_MOUNT, "ro")
-            .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=64m")
-            .with_command(
-                [
-                    "bcd", "up", "--state-dir", "/state", "--node-id", node, "--fake-host", "/host/host.json",
-                    "--upstream", ",".join(f"tls://{s}:4222" for s in SERVERS), "--cp-key", "/etc/bcd/cp.pub",
-                    "--upstream-user", upstream_node_user(node), "--upstream-password-file", "/run/upstream.password",
-                    "--upstream-ca", TLS_CA, "--upstream-cert", TLS_CERT, "--upstream-key", TLS_KEY,
-                    "--http-port", "0",
-                ]
-            )
-        )  # fmt: skip
-        self.nodes[node] = c.start()
+        url = ",".join(f"tls://{s}:4222" for s in SERVERS)
+        self.nodes[node] = node_container(
+            self.image, self.network, node, self.root / node / "state", self.root / node / "host", self.creds, self.cp_dir, self.tls_dirs[node], url
+        ).start()
 
     def urls(self) -> str:
         """The published client ports, as the test dials them (the servers' certificates name 127.0.0.1)."""
@@ -228,16 +194,7 @@ class Fleet:
     # ---------------------------------------------------------------- what upstream holds
 
     def events(self) -> list[dict]:
-        path = self.cp_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line being written
-        return out
+        return read_events(self.cp_dir / "events.jsonl")
 
     def converged(self, events: list[dict]) -> list[str]:
         """The nodes not yet converged on their last spec, by the control plane's log."""
@@ -298,20 +255,7 @@ class Fleet:
                 print(f"--- {n} {log.name}\n" + log.read_text(errors="replace")[-1200:])
 
     def stop_all(self) -> None:
-        for c in [*self.nodes.values(), *( [self.cp] if self.cp else []), *self.servers.values()]:
-            try:
-                c.stop()
-            except Exception:  # noqa: BLE001 - gone already (killed by a test)
-                pass
-        # whatever a failed start left behind (created, never started) goes too
-        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={self.network.name}-"], capture_output=True, text=True).stdout.split()
-        if left:
-            subprocess.run(["docker", "rm", "-f", *left], capture_output=True)
-        try:
-            self.network.remove()
-        except Exception:  # noqa: BLE001
-            pass
-
+        stop_containers([*self.nodes.values(), *([self.cp] if self.cp else []), *self.servers.values()], self.network)
 
 async def wait_cluster(fleet: Fleet, timeout: float = 60) -> None:
     """JetStream's meta leader is elected (an account info answers through the cluster)."""

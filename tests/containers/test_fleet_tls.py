@@ -49,7 +49,10 @@ from shared.pki import Issued, make_ca
 from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 from shared.tlsconfig import UpstreamTls, upstream_tls
 
-from .conftest import BCD_GID, NATS_UID, ROOT, TLS_CA, TLS_CERT, TLS_KEY, TLS_MOUNT, docker, free_port, nats_tls_block, says_info, tls_dir, wait_jetstream
+from .conftest import (
+    BCD_GID, NATS_UID, ROOT, TLS_MOUNT, controlplane_container, docker, free_port, nats_tls_block, node_container, read_events, says_info,
+    stop_containers, tls_dir, wait_jetstream,
+)  # fmt: skip
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(300)]
 
@@ -231,52 +234,12 @@ class Rig:
         return started
 
     def start_cp(self) -> None:
-        c = (
-            DockerContainer(self.image)
-            .with_name(f"{self.network.name}-controlplane")
-            .with_network(self.network)
-            .with_volume_mapping(str(self.cp_dir), "/var/lib/bcd/controlplane", "rw")
-            .with_volume_mapping(str(self.creds), "/creds", "ro")
-            .with_volume_mapping(str(self.tls["controlplane"]), TLS_MOUNT, "ro")
-            .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=16m")
-            .with_envs(
-                BCD_CP_NATS_URL=f"tls://{GOOD}:4222",
-                BCD_CP_CA_FILE=TLS_CA,
-                BCD_CP_CERT_FILE=TLS_CERT,
-                BCD_CP_KEY_FILE=TLS_KEY,
-                BCD_CP_USER=CONTROLPLANE_USER,
-                BCD_CP_PASSWORD_FILE=f"/creds/{CONTROLPLANE_USER}.password",
-                BCD_CP_STATE_DIR="/var/lib/bcd/controlplane",
-            )
-            .with_command(["python3", "-m", "controlplane", "serve"])
-        )
-        self.cp = c.start()
+        self.cp = controlplane_container(self.image, self.network, self.cp_dir, self.creds, self.tls["controlplane"], f"tls://{GOOD}:4222").start()
 
     def start_node(self) -> None:
-        c = (
-            DockerContainer(self.image)
-            .with_name(f"{self.network.name}-{NODE}")
-            .with_network(self.network)
-            .with_volume_mapping(str(self.root / "node" / "state"), "/state", "rw")
-            .with_volume_mapping(str(self.host.parent), "/host", "rw")
-            .with_volume_mapping(str(self.creds / f"{upstream_node_user(NODE)}.password"), "/run/upstream.password", "ro")
-            .with_volume_mapping(str(self.cp_dir / "cp.pub"), "/etc/bcd/cp.pub", "ro")
-            # the directory, not the files: a renewal (a rename) shows inside
-            .with_volume_mapping(str(self.tls["node"]), TLS_MOUNT, "ro")
-            .with_kwargs(user="0:0", read_only=True, cap_drop=["ALL"], init=True).with_tmpfs_mount("/tmp", "size=64m")
-            # the bridge looks at its TLS files each second (default 10 s): the wrong-CA test waits less
-            .with_env("BCD_UPSTREAM_TLS_CHECK", "1")
-            .with_command(
-                [
-                    "bcd", "up", "--state-dir", "/state", "--node-id", NODE, "--fake-host", "/host/host.json",
-                    "--upstream", f"tls://{DIAL}:4222", "--cp-key", "/etc/bcd/cp.pub",
-                    "--upstream-user", upstream_node_user(NODE), "--upstream-password-file", "/run/upstream.password",
-                    "--upstream-ca", TLS_CA, "--upstream-cert", TLS_CERT, "--upstream-key", TLS_KEY,
-                    "--http-port", "0",
-                ]
-            )
-        )  # fmt: skip
-        self.node = c.start()
+        c = node_container(self.image, self.network, NODE, self.root / "node" / "state", self.host.parent, self.creds, self.cp_dir, self.tls["node"], f"tls://{DIAL}:4222")
+        # the bridge looks at its TLS files each second (default 10 s): the wrong-CA test waits less
+        self.node = c.with_env("BCD_UPSTREAM_TLS_CHECK", "1").start()
 
     async def wait_good(self, timeout: float = 60) -> None:
         """The right server answers over TLS with JetStream (the test dials it as the control plane)."""
@@ -313,16 +276,7 @@ class Rig:
         return {c["check"]: (c["level"], c["message"]) for c in checks}
 
     def events(self) -> list[dict]:
-        path = self.cp_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line being written
-        return out
+        return read_events(self.cp_dir / "events.jsonl")
 
     def applied(self, kind: str) -> list[dict]:
         return [e for e in self.events() if e["type"] == kind and e["outcome"] == "applied" and e.get("node_id") == NODE]
@@ -344,20 +298,7 @@ class Rig:
                 print(f"--- {NODE} {log.name}\n" + log.read_text(errors="replace")[-2000:])
 
     def stop_all(self) -> None:
-        for c in [*self.impostors, self.node, self.cp, self.good]:
-            if c is None:
-                continue
-            try:
-                c.stop()
-            except Exception:  # noqa: BLE001 - gone already
-                pass
-        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={self.network.name}-"], capture_output=True, text=True).stdout.split()
-        if left:
-            subprocess.run(["docker", "rm", "-f", *left], capture_output=True)
-        try:
-            self.network.remove()
-        except Exception:  # noqa: BLE001
-            pass
+        stop_containers([c for c in [*self.impostors, self.node, self.cp, self.good] if c is not None], self.network)
 
     # ---------------------------------------------------------------- the checks each test makes
 
