@@ -42,6 +42,7 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from shared.fsutil import atomic_write
 from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
 
 from .client import NodeInfo, write_node_info
@@ -276,7 +277,11 @@ def _ensure_tls(d: Path, node_id: str, node_user: str) -> None:
         cert, key = where / "tls.crt", where / "tls.key"
         if fresh_ca or _needs_issue(cert, key):
             pki.issue(ca, cert, key, common_name=common_name, names=names, server=bool(names), client=not names)
-        shutil.copyfile(ca.cert, where / "ca.crt")
+        # written only when it differs, and atomically: a reader mid-read never sees half a bundle,
+        # and an unchanged one keeps its identity (the bridge reloads on a change of it)
+        bundle = ca.cert.read_bytes()
+        if not (where / "ca.crt").is_file() or (where / "ca.crt").read_bytes() != bundle:
+            atomic_write(where / "ca.crt", bundle, 0o444)
         _own(where / "ca.crt", uid, 0o444)
         _own(cert, uid, 0o444)
         _own(key, uid, 0o400)
