@@ -29,11 +29,13 @@ from typing import Any
 import nats.errors
 
 from shared.schemas.codec import bounded_json_loads
-from shared.subjects import NodeSubjects
+from shared.subjects import NODE_BUS_USERS, NODE_STORE_ACCOUNT, NodeSubjects, node_account
 
 from .client import NodeInfo, NodeUnreachable, connect
-from .nodebus import NODE_ACCOUNT
 from .status import OUTBOX_STALE_S
+
+#: the node bus's JetStream account (the outbox, the inventory's bucket)
+NODE_ACCOUNT = NODE_STORE_ACCOUNT
 MONITOR_PATHS: dict[str, str] = {
     "varz": "varz",
     "connz": "connz?auth=true&limit=4096",
@@ -146,7 +148,10 @@ class MonitorStats:
     jetstream: JetStreamTotals | None = None
     streams: tuple[StreamStats, ...] = ()
 
-    def user(self, user: str, account: str = NODE_ACCOUNT) -> UserConnections | None:
+    def user(self, user: str, account: str | None = None) -> UserConnections | None:
+        """One user's connections; a node-bus identity is looked for in its own account."""
+        if account is None:
+            account = node_account(user) if user in NODE_BUS_USERS else NODE_ACCOUNT
         return next((u for u in self.users or () if u.user == user and u.account == account), None)
 
     def stream(self, name: str, account: str = NODE_ACCOUNT) -> StreamStats | None:
@@ -449,10 +454,10 @@ def render_bus(report: BusReport) -> str:
         if mon.error:
             lines.append(f"monitoring: {mon.error}")
         lines.append(f"CONNECTIONS {mon.connections} (connz)  SUBSCRIPTIONS {mon.subscriptions if mon.subscriptions is not None else '?'} (subsz)")
-        lines.append(f"{'ACCOUNT':<9} {'USER':<16} {'CONNS':>5} {'SUBS':>5} {'MSGS IN':>9} {'MSGS OUT':>9} {'PENDING':>9}  NAME")
+        lines.append(f"{'ACCOUNT':<20} {'USER':<16} {'CONNS':>5} {'SUBS':>5} {'MSGS IN':>9} {'MSGS OUT':>9} {'PENDING':>9}  NAME")
         for u in mon.users or ():
             lines.append(
-                f"{u.account:<9} {u.user or '(none)':<16} {u.connections:>5} {u.subscriptions:>5} {u.in_msgs:>9} {u.out_msgs:>9} "
+                f"{u.account:<20} {u.user or '(none)':<16} {u.connections:>5} {u.subscriptions:>5} {u.in_msgs:>9} {u.out_msgs:>9} "
                 f"{fmt_bytes(u.pending_bytes):>9}  {', '.join(u.names)}".rstrip()
             )
         js = mon.jetstream

@@ -37,6 +37,7 @@ from shared.schemas import (
     Inventory,
     SignerKey,
 )
+from shared.busstreams import DEFAULT_OUTBOX_MAX_BYTES
 from shared.schemas.codec import BoundedDecoder
 from shared.subjects import NodeSubjects
 
@@ -707,6 +708,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(NODE_SERVICES),
         metavar="NAME[,NAME...]",
         help=f"the services to run, comma-separated (default all: {', '.join(NODE_SERVICES)})",
+    )
+    up.add_argument(
+        "--outbox-max-bytes",
+        type=int,
+        default=int(_env_default("BCD_OUTBOX_MAX_BYTES", str(DEFAULT_OUTBOX_MAX_BYTES))),
+        help="bytes the outbox keeps while upstream is away (default 256 MiB; smaller where the bus's store has no room) [env BCD_OUTBOX_MAX_BYTES]",
     )
     up.add_argument("--upstream", default=_env_default("BCD_UPSTREAM_URL", ""), help="join this upstream NATS instead of the embedded control plane [env BCD_UPSTREAM_URL]")
     _path(up.add_argument("--cp-key", default=_env_default("BCD_CP_KEY", ""), help="control-plane public key file(s), comma-separated (with --upstream) [env BCD_CP_KEY]"), _FILE)

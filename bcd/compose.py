@@ -43,10 +43,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from shared.fsutil import atomic_write
-from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
+from shared.subjects import BUS_ADMIN_USER, CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
 
 from .client import NodeInfo, write_node_info
-from .nodebus import BusConfig, ensure_passwords, node_bus_users, server_tls_block, upstream_users, write_private
+from .nodebus import BusConfig, ensure_passwords, node_bus_accounts, server_tls_block, upstream_accounts, upstream_password_users, write_private
 from .roster import HELPER, NODE_SERVICES
 
 #: the image's users (deploy/compose/Dockerfile), all in group bcd.
@@ -154,10 +154,11 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     os.chmod(d, 0o755)
     bus = _dir(d / "bus", 0, 0o755, 0)
     creds_dir = _dir(bus / "creds", 0, 0o755, 0)
-    users = [*SERVICES, HELPER, OPERATOR_USER, CONTROLPLANE_USER, node_user]
+    users = [*SERVICES, HELPER, OPERATOR_USER, BUS_ADMIN_USER, CONTROLPLANE_USER, node_user]
     creds = ensure_passwords(creds_dir, users)
     passwords = {u: p.read_text().strip() for u, p in creds.items()}
-    readers = {**{s: UIDS[s] for s in SERVICES}, CONTROLPLANE_USER: UIDS["controlplane"], node_user: UIDS["gateway_bridge"]}
+    # the bus setup (its `bus-setup` container) runs as the bus's own uid: no service's
+    readers = {**{s: UIDS[s] for s in SERVICES}, CONTROLPLANE_USER: UIDS["controlplane"], node_user: UIDS["gateway_bridge"], BUS_ADMIN_USER: UIDS["nats"]}
     for user, path in creds.items():
         _own(path, readers.get(user, 0), 0o400, GROUP_ID if user in readers else 0)
 
@@ -166,7 +167,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         host="0.0.0.0",  # noqa: S104 - the compose network; the host publishes it on loopback only
         port=4222,
         http_port=8222,
-        users=node_bus_users(node_id, {u: passwords[u] for u in (*SERVICES, HELPER, OPERATOR_USER)}),
+        accounts=node_bus_accounts(node_id, {u: passwords[u] for u in (*SERVICES, HELPER, OPERATOR_USER, BUS_ADMIN_USER)}),
     )
     conf = bus / "nats.conf"
     write_private(conf, node_cfg.render())
@@ -179,7 +180,7 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         host="0.0.0.0",  # noqa: S104 - the compose network
         port=4222,
         server_name="bcd-upstream",
-        upstream_users=upstream_users([node_id], passwords),
+        accounts=upstream_accounts([node_id], upstream_password_users([node_id], passwords)),
         tls=server_tls_block(f"{IN_CONTAINER_TLS}/tls.crt", f"{IN_CONTAINER_TLS}/tls.key", f"{IN_CONTAINER_TLS}/ca.crt"),
     )
     up_conf = up / "nats.conf"

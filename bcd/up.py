@@ -23,10 +23,11 @@ import msgspec
 
 from shared import logs
 from shared.runtime import METRICS_PORTS
-from shared.subjects import CONTROLPLANE_USER, OPERATOR_USER, upstream_node_user
+from shared.busstreams import StreamSetupError
+from shared.subjects import BUS_ADMIN_USER, CONTROLPLANE_USER, OPERATOR_USER, upstream_node_user
 
 from .client import NodeInfo, NodeUnreachable, connect, ping_all, write_node_info
-from .nodebus import NatsServer, prepare_node_bus
+from .nodebus import NatsServer, prepare_node_bus, setup_streams
 from .supervisor import ProcessSpec, Supervisor, die_with_parent, service_argv
 
 EXAMPLE_HOSTS_DIR = Path(__file__).resolve().parent.parent / "examples" / "hosts"
@@ -116,6 +117,25 @@ def cmd_up(args: argparse.Namespace) -> int:
             http_port=bus.http_port,
             upstream_nodes=[args.node_id] if embedded else (),
         )
+    # the node's streams, made before any service starts by the one identity that may
+    # (BUS_ADMIN_USER; no service holds it): an outbox refused for storage is said here and
+    # by the converger, and the node runs on without one (every event waits)
+    try:
+        made = asyncio.run(
+            setup_streams(
+                bus.url, creds[BUS_ADMIN_USER].read_text().strip(), args.node_id,
+                outbox_max_bytes=args.outbox_max_bytes, store_dir=paths["data"] / "nats",
+            )
+        )
+    except StreamSetupError as exc:
+        print(f"bcd up: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - a bus that does not answer its admin: stop, naming it
+        print(f"bcd up: the node bus's streams could not be made: {exc or type(exc).__name__}", file=sys.stderr)
+        bus.stop()
+        return 1
+    else:
+        if made.warning:
+            print(f"bcd up: {made.warning}", file=sys.stderr)
 
     common = {
         "BCD_NODE_ID": args.node_id,

@@ -79,7 +79,7 @@ if str(ROOT) not in sys.path:
 import nats  # noqa: E402
 from nats.js.api import StorageType, StreamConfig  # noqa: E402
 
-from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, find_nats_server  # noqa: E402
+from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, find_nats_server, upstream_accounts  # noqa: E402
 from controlplane.keys import load_or_create_cp_key  # noqa: E402
 from controlplane.ledger import EVENTS_FILE  # noqa: E402
 from services.gateway_bridge.forward import send, settle  # noqa: E402
@@ -174,10 +174,12 @@ class Cluster:
         ports = free_ports(2 * SERVERS)
         self.client_ports, self.route_ports = ports[:SERVERS], ports[SERVERS:]
         self.procs: list[subprocess.Popen[bytes]] = []
-        users = [BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions()).render()]
-        # the bench's own user (no limits): the floor's stream and the placement probe
-        users.append(BusUser(BENCH_USER, passwords[BENCH_USER], None).render())
-        users += [BusUser(upstream_node_user(n), passwords[n], upstream_node_permissions(n)).render() for n in nodes]
+        # the fleet's layout (bcd fleet): the control plane's account, one account per node
+        users = {CONTROLPLANE_USER: BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions())}
+        users.update({upstream_node_user(n): BusUser(upstream_node_user(n), passwords[n], upstream_node_permissions(n)) for n in nodes})
+        accounts = {a.name: a.render() for a in upstream_accounts(nodes, users)}
+        # the bench's own user (no limits), beside the control plane: the floor's stream and the placement probe
+        accounts[UPSTREAM_ACCOUNT]["users"].append(BusUser(BENCH_USER, passwords[BENCH_USER], None).render())  # type: ignore[attr-defined]
         self.confs = []
         for i in range(SERVERS):
             d = tmp / f"nats-{i + 1}"
@@ -194,7 +196,7 @@ class Cluster:
                     "port": self.route_ports[i],
                     "routes": [f"nats://127.0.0.1:{p}" for j, p in enumerate(self.route_ports) if j != i],
                 },
-                "accounts": {UPSTREAM_ACCOUNT: {"jetstream": "enabled", "users": users}},
+                "accounts": accounts,
             }
             if pki is not None:
                 # mutual TLS on the client port and on the routes (a route's certificate is both server and client)

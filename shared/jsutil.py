@@ -1,4 +1,8 @@
-"""Small JetStream reads nats-py does not expose in full (the stream's first timestamp)."""
+"""Small JetStream reads nats-py does not expose in full, or not without stream or consumer rights.
+
+The stream's first timestamp (`stream_depth`), and the last value of one KV key by direct get
+(`last_value`): a service reads its bucket with the one direct-get subject its account
+imports, never through nats-py's KeyValue (which asks for the stream's info first)."""
 
 from __future__ import annotations
 
@@ -39,4 +43,22 @@ async def stream_depth(nc: Client, stream: str, timeout: float = 3.0) -> StreamD
     return StreamDepth(messages=int(state.get("messages", 0)), bytes=int(state.get("bytes", 0)), oldest=oldest)
 
 
-__all__ = ["StreamDepth", "StreamMissing", "stream_depth"]
+async def last_value(nc: Client, get_subject: str, timeout: float = 3.0) -> bytes | None:
+    """The last value of one KV key through its direct-get subject; None when it has none (or
+    was deleted). StreamMissing when the bucket is not there (nobody answers)."""
+    import nats.errors
+
+    try:
+        msg = await nc.request(get_subject, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise StreamMissing(f"no bucket answers {get_subject}") from None
+    headers = msg.headers or {}
+    status = headers.get("Status") or headers.get("Nats-Status")
+    if status == "404" or headers.get("KV-Operation") in ("DEL", "PURGE"):
+        return None
+    if status:
+        raise StreamMissing(f"{get_subject}: status {status}")
+    return msg.data
+
+
+__all__ = ["StreamDepth", "StreamMissing", "stream_depth", "last_value"]

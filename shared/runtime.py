@@ -12,13 +12,14 @@ on SIGTERM or SIGINT.
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -31,7 +32,7 @@ from nats.micro.request import Request, ServiceError
 from shared import logs
 from shared.schemas import BadMessage, Codec, encode
 from shared.schemas.codec import SchemaViolation
-from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix
+from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix, node_account
 
 if TYPE_CHECKING:
     # imported where a service starts (`serve`): the CLI and the supervisor, which
@@ -213,6 +214,8 @@ class ServiceContext(Generic[T]):
         """
         assert self._requests is not None and self._latency is not None
         requests, latency, log = self._requests, self._latency, self.log
+        callers = self.subjects.callers(subject)
+        allowed = {node_account(c) for c in callers} if callers is not None else set()
 
         def refuse_body(exc: Exception) -> ServiceError:
             text = str(exc) if isinstance(exc, BadMessage) else f"message: not readable ({type(exc).__name__})"
@@ -234,6 +237,13 @@ class ServiceContext(Generic[T]):
             started = time.perf_counter()
             outcome = "ok"
             try:
+                # each hop checks who asks: the server names the caller's account on a request
+                # that came through an import (a client cannot set it there), and nothing else
+                # reaches an endpoint (docs/security.md)
+                who = caller_account(req.headers)
+                if who not in allowed:
+                    outcome = "forbidden"
+                    raise forbidden(name, subject, who, callers)
                 if request is None:
                     arg: Any = req.data
                 else:
@@ -273,6 +283,31 @@ class ServiceContext(Generic[T]):
                 latency.labels(endpoint=name).observe(time.perf_counter() - started)
 
         await self.service.add_endpoint(name=name, subject=subject, handler=handle)
+
+
+#: the header nats-server puts on a request that crossed from another account (ClientInfoHdr)
+REQUEST_INFO_HEADER = "Nats-Request-Info"
+
+
+def caller_account(headers: Mapping[str, str] | None) -> str:
+    """The account a request came from, as the server wrote it when the request crossed an
+    import ("" when it did not: then it came from inside the endpoint's own account)."""
+    raw = (headers or {}).get(REQUEST_INFO_HEADER, "")
+    if not raw or len(raw) > 4096:
+        return ""
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return ""
+    acc = info.get("acc") if isinstance(info, dict) else None
+    return acc if isinstance(acc, str) else ""
+
+
+def forbidden(name: str, subject: str, who: str, callers: tuple[str, ...] | None) -> ServiceError:
+    """403 for a request from an account the endpoint's route does not name."""
+    logs.get_logger("bcd.runtime").warning("request from a caller the route does not name refused", endpoint=name, caller_account=who or "(own account)")
+    whom = ", ".join(callers) if callers else "nobody (no route names it)"
+    return ServiceError("403", f"{subject}: refused: the caller ({who or 'not through an import'}) may not ask this; only {whom} may")
 
 
 # --------------------------------------------------------------------------- surviving one bad message

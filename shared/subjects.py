@@ -1,9 +1,11 @@
-"""Every NATS subject, KV bucket, stream and permission set of bcd, in one place.
+"""Every NATS subject, KV bucket, stream, route and permission set of bcd, in one place.
 
 Node-bus subjects are `bcd.<node_id>.<service>.<verb>`; upstream names are the
-contract of DESIGN section 3. The NATS users and their permissions are derived
-from the same table (`PERMISSIONS`), so a subject cannot be added to a service
-without deciding who may publish and subscribe to it.
+contract of DESIGN section 3. Who reaches whom is one table of routes
+(`NodeSubjects.routes()`, `upstream_routes()`): the NATS users' permissions, each
+identity's server account with its exports and imports (bcd.nodebus renders them) and
+the caller check of every endpoint derive from it, so a subject cannot be added to a
+service without deciding who may ask it or listen to it. Why accounts: docs/security.md.
 """
 
 from __future__ import annotations
@@ -84,6 +86,58 @@ class Permissions:
     allow_responses: bool = True
 
 
+#: the owner of the routes the node bus's JetStream answers (its streams live in the store
+#: account, NODE_STORE_ACCOUNT, with no service in it)
+BUS_STORE = "bus"
+#: the identity that makes the node's streams and buckets at bus start; no service holds it
+BUS_ADMIN_USER = "bus_admin"
+#: the node bus account that holds JetStream (the outbox, the inventory's bucket). Its name is
+#: the one every node had before each identity got an account of its own: a node upgraded in
+#: place finds its outbox where it was.
+NODE_STORE_ACCOUNT = "NODE"
+#: the upstream account that holds the control plane and the upstream's JetStream
+UPSTREAM_ACCOUNT = "UPSTREAM"
+
+
+def node_account(user: str) -> str:
+    """The node-bus account of one identity: every service, the operator, alone in its own."""
+    return NODE_STORE_ACCOUNT if user in (BUS_STORE, BUS_ADMIN_USER) else f"NODE_{user}"
+
+
+def upstream_node_account(node_id: str) -> str:
+    """Each node's upstream user is alone in an account of its own (docs/security.md)."""
+    return f"UPSTREAM_{upstream_node_user(node_id)}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way an identity reaches another's subject, the unit every permission derives from.
+
+    A service route (`notice` False): `owner` answers requests on `subject`, `callers` may
+    send them. A notice: `owner` publishes `subject`, `callers` may listen. Each identity has a
+    server account of its own; a route is an export of the owner's account to exactly the
+    callers' accounts and an import in each of theirs. Nothing else crosses between accounts:
+    not a reply sent to a subject the requester chose, not a message the server's JetStream
+    delivers or republishes, since the server routes a reply back to the requester's account.
+    """
+
+    subject: str
+    owner: str
+    callers: tuple[str, ...]
+    notice: bool = False
+    #: a request answered by several messages (a batched direct get)
+    stream_reply: bool = False
+
+    @classmethod
+    def service(cls, subject: str, owner: str, *callers: str) -> "Route":
+        return cls(subject, owner, tuple(callers))
+
+    @classmethod
+    def notice_of(cls, subject: str, owner: str, *listeners: str) -> "Route":
+        return cls(subject, owner, tuple(listeners), notice=True)
+
+
+
 #: the control plane's user on upstream (the reference control plane, `python -m controlplane`).
 CONTROLPLANE_USER = "controlplane"
 UPSTREAM_BUCKETS: tuple[str, ...] = (UPSTREAM_NODESPECS_BUCKET, UPSTREAM_NODES_BUCKET, UPSTREAM_INVENTORY_BUCKET)
@@ -129,6 +183,21 @@ def upstream_controlplane_permissions() -> Permissions:
         publish=("$JS.API.>", f"$KV.{UPSTREAM_NODESPECS_BUCKET}.>", f"$JS.ACK.{UPSTREAM_EVENTS_STREAM}.>"),
         subscribe=(f"{inbox_prefix(CONTROLPLANE_USER)}.>", f"$KV.{UPSTREAM_NODES_BUCKET}.>", f"$KV.{UPSTREAM_INVENTORY_BUCKET}.>"),
         allow_responses=False,
+    )
+
+
+def upstream_routes(node_id: str) -> tuple[Route, ...]:
+    """What one node's upstream account imports from the control plane's: its own keys and
+    event subjects (JetStream publishes, answered with a PubAck), the direct get of its spec
+    and the live puts of its spec. The control plane's account holds every bucket and stream."""
+    node = upstream_node_user(node_id)
+    cp = CONTROLPLANE_USER
+    return (
+        Route.service(f"$KV.{UPSTREAM_NODES_BUCKET}.{node_id}", cp, node),
+        Route.service(f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{node_id}", cp, node),
+        Route.service(f"bcd.events.{node_id}.>", cp, node),
+        Route.service(upstream_spec_get_subject(node_id), cp, node),
+        Route.notice_of(upstream_spec_key_subject(node_id), cp, node),
     )
 
 
@@ -365,156 +434,155 @@ class NodeSubjects:
     def outbox_filter(self) -> str:
         return f"{self.prefix}.outbox.>"
 
-    def stream_subjects(self, stream: str, *, create: bool) -> tuple[str, ...]:
-        return (
-            f"$JS.API.STREAM.INFO.{stream}",
-            *((f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}") if create else ()),
-            "$JS.API.INFO",
-        )
+    # notices a writer of the outbox publishes after it journaled: the bridge reads the outbox then
+    @property
+    def converger_journaled(self) -> str:
+        """Published (plain, empty) by the converger after it journaled events in the outbox."""
+        return self.subject("converger", "journaled")
 
-    def kv_read_subjects(self, bucket: str) -> tuple[str, ...]:
-        """What a client needs to read and watch one KV bucket."""
-        stream = f"KV_{bucket}"
-        return (
-            f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.CONSUMER.CREATE.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DELETE.{stream}.>",
-            "$JS.API.INFO",
-        )
+    @property
+    def inventory_journaled(self) -> str:
+        """Published (plain, empty) by the inventory after it journaled GPU events in the outbox."""
+        return self.subject("inventory", "journaled")
 
-    def kv_subjects(self, bucket: str) -> tuple[str, ...]:
-        """What a client needs to create, read and write one KV bucket."""
-        stream = f"KV_{bucket}"
-        return (
-            f"$KV.{bucket}.>",
-            f"$JS.API.STREAM.CREATE.{stream}",
-            f"$JS.API.STREAM.UPDATE.{stream}",
-            *self.kv_read_subjects(bucket),
-        )
+    # what the node bus's JetStream (the store account) answers
+    @property
+    def outbox_direct_get(self) -> str:
+        """Batched direct get of the outbox by sequence: how the bridge reads it (no consumer)."""
+        return f"$JS.API.DIRECT.GET.{self.outbox_stream}"
+
+    @property
+    def outbox_info(self) -> str:
+        return f"$JS.API.STREAM.INFO.{self.outbox_stream}"
+
+    @property
+    def outbox_purge(self) -> str:
+        return f"$JS.API.STREAM.PURGE.{self.outbox_stream}"
+
+    @property
+    def inventory_key(self) -> str:
+        """The inventory's one key in its KV bucket (a put is a JetStream publish here)."""
+        return f"$KV.{self.inventory_bucket}.{self.node_id}"
+
+    @property
+    def inventory_key_get(self) -> str:
+        """Direct get of the last value of the inventory's key (the bucket allows direct gets)."""
+        return f"$JS.API.DIRECT.GET.KV_{self.inventory_bucket}.{self.inventory_key}"
+
+    @property
+    def inventory_bucket_info(self) -> str:
+        return f"$JS.API.STREAM.INFO.KV_{self.inventory_bucket}"
+
+    def routes(self) -> tuple[Route, ...]:
+        """Every way one node-bus identity reaches another: the one table the permissions,
+        the accounts' exports and imports and the endpoints' caller checks derive from."""
+        ask = Route.service
+        tell = Route.notice_of
+        cli = OPERATOR_USER
+        routes: list[Route] = [
+            # inventory
+            ask(self.inventory_get, "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", cli),
+            ask(self.inventory_rescan, "inventory", cli),
+            ask(self.inventory_gpu, "inventory", cli),
+            # maintenance and DRA steps run where the vendor adapter is; only the converger asks
+            ask(self.inventory_diag, "inventory", "converger"),
+            ask(self.inventory_mig_layout, "inventory", "converger"),
+            ask(self.inventory_mig_instance, "inventory", "converger"),
+            ask(self.inventory_sharing, "inventory", "converger"),
+            tell(self.inventory_changed, "inventory", "converger", "gateway_bridge", "device_plugin", "dra_plugin", cli),
+            tell(self.inventory_journaled, "inventory", "gateway_bridge"),
+            # signer: only the converger has reports signed; its key is public
+            ask(self.signer_sign, "signer", "converger"),
+            ask(self.signer_sign_batch, "signer", "converger"),
+            ask(self.signer_key, "signer", "converger", "gateway_bridge", cli),
+            # converger
+            ask(self.converger_spec, "converger", "gateway_bridge"),
+            ask(self.converger_status, "converger", "gateway_bridge", "dra_plugin", cli),
+            ask(self.converger_holder, "converger", "vfio_switcher", cli),
+            # managementState needs the claims
+            ask(self.converger_claims, "converger", "inventory", "dra_plugin", cli),
+            ask(self.converger_pass, "converger", cli),
+            ask(self.converger_gpu_op, "converger", cli),
+            ask(self.converger_claim_prepare, "converger", "dra_plugin"),
+            ask(self.converger_claim_unprepare, "converger", "dra_plugin"),
+            tell(self.converger_claims_changed, "converger", "inventory", "dra_plugin"),
+            tell(self.converger_status_changed, "converger", "gateway_bridge"),
+            tell(self.converger_holds_changed, "converger", "device_plugin"),
+            tell(self.converger_journaled, "converger", "gateway_bridge"),
+            # kube_reaper
+            ask(self.reaper_held, "kube_reaper", "converger"),
+            ask(self.reaper_evict, "kube_reaper", "converger"),
+            ask(self.reaper_orphans, "kube_reaper", "converger"),
+            tell(self.reaper_freed, "kube_reaper", "converger"),
+            # device_plugin: the converger withdraws a hold before the reaper evicts
+            ask(self.device_plugin_withdraw, "device_plugin", "converger"),
+            ask(self.device_plugin_status, "device_plugin", cli),
+            ask(self.dra_plugin_status, "dra_plugin", cli),
+            # the VFIO side: the converger is the only one that asks for switches
+            ask(self.vfio_switch, "vfio_switcher", "converger"),
+            tell(self.vfio_result, "vfio_switcher", "inventory"),
+            # the root helper writes for an unprivileged converger; nobody else may ask it
+            *(ask(s, "helper", "converger") for s in self.helper_endpoints),
+        ]
+        # discovery: every micro service answers the operator's `$SRV.PING|INFO|STATS`
+        for svc in SERVICES:
+            routes.extend(ask(s, svc, cli) for s in _micro_subjects(svc))
+        # the node bus's JetStream (the store account): each writer publishes only its own
+        # event types, the bridge alone reads and purges the outbox; nobody makes or changes
+        # a stream or a consumer (BUS_ADMIN_USER does, at bus start)
+        converger_events = tuple(t for t in EVENT_TYPES if t != "gpu")
+        routes += [
+            *(ask(self.outbox_subject(t), BUS_STORE, "converger") for t in converger_events if t != "condition"),
+            # node conditions: the converger's (KubernetesReleaseStuck) and the bridge's (NodeSpecRejected)
+            ask(self.outbox_subject("condition"), BUS_STORE, "converger", "gateway_bridge"),
+            ask(self.outbox_subject("gpu"), BUS_STORE, "inventory"),
+            ask(self.outbox_info, BUS_STORE, "converger", "gateway_bridge", cli),
+            Route(self.outbox_direct_get, BUS_STORE, ("gateway_bridge",), stream_reply=True),
+            ask(self.outbox_purge, BUS_STORE, "gateway_bridge"),
+            ask(self.inventory_key, BUS_STORE, "inventory"),
+            ask(self.inventory_key_get, BUS_STORE, "inventory"),
+            ask(self.inventory_bucket_info, BUS_STORE, cli),
+        ]
+        return tuple(routes)
 
     def permissions(self, user: str) -> Permissions:
-        """The exact subjects one NATS user may touch on the node bus."""
-        micro = _micro_subjects(user) if user in SERVICES else ()
-        inbox = (f"{inbox_prefix(user)}.>",)
-        table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-            "inventory": (
-                (
-                    self.inventory_changed,
-                    *self.kv_subjects(self.inventory_bucket),
-                    # managementState needs the claims; gpu events go upstream through the outbox
-                    self.converger_claims,
-                    self.outbox_subject("gpu"),
-                ),
-                (self.service_wildcard("inventory"), self.converger_claims_changed, self.vfio_result),
-            ),
-            "signer": ((), (self.service_wildcard("signer"),)),
-            "converger": (
-                (
-                    self.inventory_get,
-                    self.signer_sign,
-                    self.signer_sign_batch,
-                    self.signer_key,
-                    *self.kv_read_subjects(self.inventory_bucket),
-                    self.outbox_filter,
-                    *self.stream_subjects(self.outbox_stream, create=True),
-                    self.reaper_held,
-                    self.reaper_evict,
-                    self.reaper_orphans,
-                    # the VFIO side: the converger is the only one that asks for switches
-                    self.vfio_switch,
-                    self.converger_claims_changed,
-                    # the root helper writes for an unprivileged converger; nobody else may ask it
-                    *self.helper_endpoints,
-                    self.converger_status_changed,
-                    # the device plugin stops advertising a withdrawn hold before the reaper evicts
-                    self.device_plugin_withdraw,
-                    self.converger_holds_changed,
-                    # maintenance: the diagnostic and MIG layouts run where the vendor adapter is
-                    self.inventory_diag,
-                    self.inventory_mig_layout,
-                    # DRA: MIG instances made on prepare, destroyed on unprepare
-                    self.inventory_mig_instance,
-                    # DRA: MPS daemons and time slices of shared cards
-                    self.inventory_sharing,
-                ),
-                (
-                    self.service_wildcard("converger"),
-                    self.inventory_changed,
-                    f"$KV.{self.inventory_bucket}.>",
-                    self.reaper_freed,
-                ),
-            ),
-            "gateway_bridge": (
-                (
-                    self.inventory_get,
-                    self.signer_key,
-                    self.converger_spec,
-                    self.converger_status,
-                    *self.kv_read_subjects(self.inventory_bucket),
-                    # drains the outbox through an ephemeral pull consumer of its own (created
-                    # without a name: the server refuses a durable there), pulled from and
-                    # deleted by its name; what upstream acknowledged is purged (up to a sequence)
-                    f"$JS.API.STREAM.INFO.{self.outbox_stream}",
-                    f"$JS.API.CONSUMER.CREATE.{self.outbox_stream}",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{self.outbox_stream}.*",
-                    f"$JS.API.CONSUMER.DELETE.{self.outbox_stream}.*",
-                    f"$JS.API.STREAM.PURGE.{self.outbox_stream}",
-                    # node conditions (NodeSpecRejected) go through the outbox too
-                    self.outbox_subject("condition"),
-                ),
-                (
-                    self.service_wildcard("gateway_bridge"),
-                    self.inventory_changed,
-                    f"$KV.{self.inventory_bucket}.>",
-                    # wake-up when the converger adds to the outbox
-                    self.outbox_filter,
-                    # the Hello is put again when the converger's privilege changed
-                    self.converger_status_changed,
-                ),
-            ),
-            "kube_reaper": ((self.inventory_get, self.reaper_freed), (self.service_wildcard("kube_reaper"),)),
-            "device_plugin": (
-                (self.inventory_get,),
-                (self.service_wildcard("device_plugin"), self.inventory_changed, self.converger_holds_changed),
-            ),
-            "dra_plugin": (
-                (self.inventory_get, self.converger_claims, self.converger_status, self.converger_claim_prepare, self.converger_claim_unprepare),
-                (self.service_wildcard("dra_plugin"), self.inventory_changed, self.converger_claims_changed),
-            ),
-            "vfio_switcher": (
-                (self.inventory_get, self.converger_holder, self.vfio_result),
-                (self.service_wildcard("vfio_switcher"),),
-            ),
-            "helper": ((), (self.service_wildcard("helper"),)),
-            OPERATOR_USER: (
-                (
-                    "$SRV.>",
-                    self.converger_status,
-                    self.converger_holder,
-                    self.converger_pass,
-                    *self.stream_subjects(self.outbox_stream, create=False),
-                    self.inventory_get,
-                    self.inventory_rescan,
-                    self.inventory_gpu,
-                    self.converger_claims,
-                    self.signer_key,
-                    self.device_plugin_status,
-                    self.dra_plugin_status,
-                    self.converger_gpu_op,
-                    *self.kv_read_subjects(self.inventory_bucket),
-                ),
-                (self.inventory_changed, f"$KV.{self.inventory_bucket}.>"),
-            ),
-        }
-        if user not in table:
+        """The exact subjects one NATS user may touch on the node bus (from `routes()`)."""
+        if user not in NODE_BUS_USERS:
             raise ValueError(f"unknown node-bus user {user!r}")
-        publish, subscribe = table[user]
+        publish: list[str] = []
+        subscribe: list[str] = []
+        for r in self.routes():
+            if r.notice:
+                if r.owner == user:
+                    publish.append(r.subject)
+                if user in r.callers:
+                    subscribe.append(r.subject)
+            else:
+                if user in r.callers:
+                    publish.append(r.subject)
+                if r.owner == user:
+                    subscribe.append(r.subject)
+        return Permissions(publish=tuple(dict.fromkeys(publish)), subscribe=tuple(dict.fromkeys((*subscribe, f"{inbox_prefix(user)}.>"))))
+
+    def callers(self, subject: str) -> tuple[str, ...] | None:
+        """Who may ask the endpoint `subject` (None: no route names it)."""
+        for r in self.routes():
+            if not r.notice and r.subject == subject:
+                return r.callers
+        return None
+
+    def bus_admin_permissions(self) -> Permissions:
+        """BUS_ADMIN_USER: makes and updates this node's streams at bus start, nothing else.
+        No service holds its password; it reaches no service (its account exports to them,
+        imports nothing), so even it cannot make the server deliver to one."""
+        streams = (self.outbox_stream, f"KV_{self.inventory_bucket}")
         return Permissions(
-            publish=tuple(publish),
-            subscribe=tuple((*subscribe, *micro, *inbox)),
+            publish=(
+                "$JS.API.INFO",
+                *(f"$JS.API.STREAM.{verb}.{s}" for s in streams for verb in ("INFO", "CREATE", "UPDATE")),
+            ),
+            subscribe=(f"{inbox_prefix(BUS_ADMIN_USER)}.>",),
+            allow_responses=False,
         )
 
 
@@ -552,5 +620,13 @@ __all__ = [
     "upstream_events_filter",
     "inbox_prefix",
     "Permissions",
+    "Route",
+    "BUS_STORE",
+    "BUS_ADMIN_USER",
+    "NODE_STORE_ACCOUNT",
+    "UPSTREAM_ACCOUNT",
+    "node_account",
+    "upstream_node_account",
+    "upstream_routes",
     "NodeSubjects",
 ]

@@ -13,32 +13,28 @@ A pass reports in batches: `BusSigner.sign_many` signs its reports in one
 waiting for each PubAck in turn (JetStream async publish), then awaits the
 acks in order. The stream stores a connection's messages in the order sent.
 
-A node-bus JetStream with too little room for the stream's reservation
-(`--outbox-max-bytes`, 256 MiB by default; JetStream's own limit is 75% of
-the free space of its store unless `max_file_store` says otherwise) refuses
-it with err_code 10047. The outbox then steps down to the largest size the
-server accepts, less a quarter of it left for the node's other streams, never
-below `MIN_OUTBOX_BYTES`, and says so (`warning`); below that floor it has no
-stream (`error`), every event waits (retryable) and `ensure()` is tried
-again before each pass.
+The converger never makes or changes the stream (no service may: docs/security.md):
+the bus setup makes it (bcd/busstreams.py) at the size asked, or smaller where the
+node-bus JetStream has too little room. `recheck()` reads what is there before each
+pass: the limits `has_room` keeps to, a `warning` when it is smaller than asked (its
+metadata says what was asked), an `error` while there is none (every event waits,
+retryable).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 from collections.abc import Callable, Mapping
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.client import Client
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from shared import logs
 from shared.eventorder import Cards, gpus_header
+from shared.busstreams import WANTED_BYTES_KEY, reduced_warning
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     ATTESTED_REPORT_CODEC,
@@ -60,17 +56,6 @@ from shared.subjects import MSG_ID_HEADER, NodeSubjects
 EVENT_TYPE_HEADER = "Bcd-Event-Type"
 #: the event types that travel as a signed AttestedReport; the others are plain NodeEvents.
 ATTESTED_TYPES = ("bound", "released")
-#: long enough to cover any restart: a replayed event id inside it is dropped.
-DUPLICATE_WINDOW = timedelta(hours=24)
-#: JetStream's "insufficient storage resources available".
-INSUFFICIENT_STORAGE = 10047
-MIB = 1024 * 1024
-#: the smallest outbox worth having (thousands of events); below it the stream is not created.
-MIN_OUTBOX_BYTES = 16 * MIB
-#: how close the step-down gets to the largest size the server accepts.
-_STEP = MIB
-#: a reduced outbox leaves at least this (and a quarter of what the server would take) unreserved.
-MIN_HEADROOM_BYTES = 8 * MIB
 
 log = logs.get_logger("bcd.converger.outbox")
 
@@ -105,6 +90,8 @@ SIGN_BATCH_BYTES = 256 * 1024
 ACK_TIMEOUT_S = 5.0
 #: how long a has_room reading well below the limits stands for the next ones.
 ROOM_VOUCHES_S = 5.0
+#: how long a found outbox stream's limits stand before a pass reads them again.
+RECHECK_S = 30.0
 
 
 class Signer(Protocol):
@@ -203,58 +190,32 @@ def checked_reports(items: list[tuple[str, AttestedEvent]], reports: list[Attest
 class JetStreamOutbox:
     """Messages leave the stream only when the bridge deletes them after upstream's PubAck.
 
-    The stream is bounded (`max_msgs`, `max_bytes`) with discard-new: a full
-    outbox refuses new events instead of dropping old ones, and `has_room`
-    lets a pass hold back new binds (with headroom for the releases and
+    The stream (made by the bus setup) is bounded (`max_msgs`, `max_bytes`) with
+    discard-new: a full outbox refuses new events instead of dropping old ones, and
+    `has_room` lets a pass hold back new binds (with headroom for the releases and
     failures that must still be reported).
     """
 
-    def __init__(
-        self,
-        nc: Client,
-        subjects: NodeSubjects,
-        *,
-        max_msgs: int = 100_000,
-        max_bytes: int = 256 * 1024 * 1024,
-        headroom: int = 64,
-        timeout: float = 5.0,
-        min_bytes: int = MIN_OUTBOX_BYTES,
-        state_dir: Path | str | None = None,
-    ) -> None:
+    def __init__(self, nc: Client, subjects: NodeSubjects, *, headroom: int = 64, timeout: float = 5.0) -> None:
         self.js = nc.jetstream(timeout=timeout)
+        self.nc = nc
         self.subjects = subjects
-        self.max_msgs = max_msgs
-        #: what --outbox-max-bytes asked for.
-        self.wanted_bytes = max_bytes
-        #: what the stream has (smaller when the server refused the wanted size).
-        self.max_bytes = max_bytes
-        self.min_bytes = min(min_bytes, max_bytes)
-        #: where the free space is read for the messages (the state filesystem).
-        self.state_dir = Path(state_dir) if state_dir is not None else None
-        self.headroom = min(headroom, max(1, max_msgs // 4))
-        #: the stream exists (ensure() succeeded).
+        self.headroom = headroom
+        #: the stream's limits, as last read (recheck)
+        self.max_msgs = 0
+        self.max_bytes = 0
+        #: the stream exists (recheck found it).
         self.ready = False
         #: the outbox is smaller than asked (the operator should know), or "".
         self.warning = ""
-        #: the outbox has no stream: the server refused even the floor, or "".
+        #: the outbox has no stream: the bus setup has not made it (yet), or "".
         self.error = ""
         #: (messages, bytes, loop time) of the stream at the last has_room reading.
         self._room_known: tuple[int, int, float] | None = None
         #: (events, bytes) journaled since that reading.
         self._since = (0, 0)
-
-    def config(self, max_bytes: int | None = None) -> StreamConfig:
-        return StreamConfig(
-            name=self.subjects.outbox_stream,
-            description="bcd events waiting for upstream acknowledgement",
-            subjects=[self.subjects.outbox_filter],
-            retention=RetentionPolicy.LIMITS,
-            discard=DiscardPolicy.NEW,
-            storage=StorageType.FILE,
-            duplicate_window=DUPLICATE_WINDOW.total_seconds(),
-            max_msgs=self.max_msgs,
-            max_bytes=self.max_bytes if max_bytes is None else max_bytes,
-        )
+        #: loop time of the last recheck that read the stream
+        self._read_at = 0.0
 
     async def has_room(self) -> bool:
         # The last reading vouches for a few seconds when it was below half the limits,
@@ -274,114 +235,55 @@ class JetStreamOutbox:
         except (nats.errors.Error, TimeoutError):
             self._room_known = None
             return False
+        self._limits(info)
         self._room_known = (info.state.messages, info.state.bytes, asyncio.get_running_loop().time())
         self._since = (0, 0)
         return info.state.messages + self.headroom < self.max_msgs and info.state.bytes < self.max_bytes * 0.9
 
-    async def ensure(self) -> None:
-        """Create or update the stream at the wanted size, or smaller when the server refuses it.
+    def _limits(self, info: Any) -> None:
+        self.max_msgs = info.config.max_msgs if (info.config.max_msgs or 0) > 0 else 2**63 - 1
+        self.max_bytes = info.config.max_bytes if (info.config.max_bytes or 0) > 0 else 2**63 - 1
+        # never more headroom than a quarter of the outbox
+        self.headroom = min(self.headroom, max(1, self.max_msgs // 4))
 
-        A refusal for storage (10047) is not raised: see the module docstring;
-        `warning` / `error` say what happened. Other errors are raised.
-        """
+    async def recheck(self) -> None:
+        """Read the stream the bus setup made: its limits, whether it is smaller than asked.
+
+        Before each pass; a stream found stands for RECHECK_S (a setup run again may have
+        grown it), a missing one is looked for every time."""
+        now = asyncio.get_running_loop().time()
+        if self.ready and now - self._read_at < RECHECK_S:
+            return
+        self._read_at = now
         try:
             info = await self.js.stream_info(self.subjects.outbox_stream)
         except NotFoundError:
-            info = None
-        if await self._try(self.wanted_bytes, exists=info is not None):
-            self._granted(self.wanted_bytes)
+            self._missing()
             return
-        # the largest size the server takes, to within _STEP, only ever growing the
-        # stream: an existing one starts from the size it has (never shrunk, which
-        # would delete its oldest events), a new one from the floor
-        have = max(0, info.config.max_bytes or 0) if info is not None else 0
-        # what an existing stream holds is never cut (that would delete events)
-        floor = self.min_bytes if info is None else max(self.min_bytes, -(-(info.state.bytes or 0) // _STEP) * _STEP)
-        if 0 < have < self.wanted_bytes:
-            ok = have
-        elif floor < self.wanted_bytes and await self._try(floor, exists=info is not None):
-            ok = floor
-        else:
-            self._refused(exists=info is not None)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("the outbox stream could not be read", error=str(exc) or type(exc).__name__)
             return
-        bad = self.wanted_bytes
-        while bad - ok > _STEP:
-            mid = (ok + bad) // 2 // _STEP * _STEP
-            if mid <= ok:
-                break
-            if await self._try(mid, exists=True):
-                ok = mid
-            else:
-                bad = mid
-        # a refused update leaves the stream as it was: at `ok`, the largest size taken.
-        # Leave the rest of the node room: its other streams (the inventory's KV bucket,
-        # an embedded upstream's) reserve nothing and are refused once the store is
-        # fully reserved. Never below what the stream had, nor the floor.
-        target = max((ok - max(ok // 4, MIN_HEADROOM_BYTES)) // _STEP * _STEP, have, floor)
-        if target < ok and await self._try(target, exists=True):
-            ok = target
-        self._granted(ok)
+        self._limits(info)
+        self.ready, self.error = True, ""
+        try:
+            wanted = int((info.config.metadata or {}).get(WANTED_BYTES_KEY, "0"))
+        except ValueError:
+            wanted = 0
+        warning = reduced_warning(self.max_bytes, wanted) if wanted else ""
+        if warning and warning != self.warning:
+            log.warning("outbox stream smaller than asked: JetStream refused the full reservation", granted_bytes=self.max_bytes, wanted_bytes=wanted)
+        self.warning = warning
 
-    def _refused(self, *, exists: bool) -> None:
-        self.ready = exists
+    def _missing(self) -> None:
+        if not self.error:
+            log.error("no outbox stream: no event can be journaled until the bus setup makes it", stream=self.subjects.outbox_stream)
+        self.ready = False
         self.warning = ""
         self.error = (
-            f"outbox refused: the node-bus JetStream has no room for even a {self.min_bytes // MIB} MiB outbox "
-            f"(asked {self.wanted_bytes // MIB} MiB; {self._free()}); events wait until it has: "
-            f"free space on the node bus's store or lower --outbox-max-bytes (BCD_OUTBOX_MAX_BYTES)"
+            f"outbox missing: the node bus has no stream {self.subjects.outbox_stream}; the bus setup makes it "
+            "(`bcd up`, bcd-bus-setup.service, the compose bus-setup container) and says why it could not "
+            "(insufficient storage: free space on the node bus's store or lower --outbox-max-bytes)"
         )
-        log.error("outbox stream refused for storage; no event can be journaled until it is created", problem=self.error)
-
-    async def _try(self, max_bytes: int, *, exists: bool) -> bool:
-        """One create/update at `max_bytes`: False when refused for storage."""
-        cfg = self.config(max_bytes)
-        try:
-            if exists:
-                await self.js.update_stream(cfg)
-            else:
-                await self.js.add_stream(cfg)
-        except APIError as exc:
-            if exc.err_code == INSUFFICIENT_STORAGE:
-                return False
-            raise
-        return True
-
-    def _granted(self, max_bytes: int) -> None:
-        self.ready = True
-        self.error = ""
-        self.max_bytes = max_bytes
-        if max_bytes >= self.wanted_bytes:
-            self.warning = ""
-            return
-        self.warning = (
-            f"outbox reduced to {max_bytes // MIB} MiB of the {self.wanted_bytes // MIB} MiB asked: the node-bus "
-            f"JetStream refused the reservation (insufficient storage; {self._free()}; a quarter of what it "
-            f"would take is left to the node's other streams); "
-            f"free space on the node bus's store or set --outbox-max-bytes (BCD_OUTBOX_MAX_BYTES)"
-        )
-        log.warning(
-            "outbox stream smaller than asked: JetStream refused the full reservation",
-            granted_bytes=max_bytes,
-            wanted_bytes=self.wanted_bytes,
-            free=self._free(),
-        )
-
-    def _free(self) -> str:
-        if self.state_dir is None:
-            return "free space unknown"
-        try:
-            st = os.statvfs(self.state_dir)
-        except OSError:
-            return f"free space of {self.state_dir} unknown"
-        return f"{st.f_bavail * st.f_frsize // MIB} MiB free on the state filesystem ({self.state_dir})"
-
-    async def recheck(self) -> None:
-        """Before a pass: try again to create a stream the server refused."""
-        if not self.ready:
-            try:
-                await self.ensure()
-            except (nats.errors.Error, TimeoutError) as exc:
-                log.warning("outbox stream still missing", error=str(exc) or type(exc).__name__)
 
     async def publish(self, event_type: str, event_id: str, payload: bytes) -> None:
         check_event(event_type, payload)
@@ -394,6 +296,13 @@ class JetStreamOutbox:
         except (nats.errors.Error, TimeoutError) as exc:
             raise self._error(exc) from None
         self._since = (self._since[0] + 1, self._since[1] + len(payload))
+        await self._journaled()
+
+    async def _journaled(self) -> None:
+        """Tell the bridge there is something to read (it reads the outbox with direct gets and
+        has no consumer to be woken by); lost, it finds it at its next look anyway."""
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(self.subjects.converger_journaled, b"")
 
     def _error(self, exc: BaseException) -> OutboxError:
         if self.error:
@@ -426,6 +335,7 @@ class JetStreamOutbox:
         # the acks in order, each as it comes (a crash point after the k-th sees
         # later ones still in flight), all within one deadline
         deadline = asyncio.get_running_loop().time() + ACK_TIMEOUT_S
+        told = False
         for k, fut in enumerate(futures):
             if fut is None:
                 continue
@@ -441,6 +351,9 @@ class JetStreamOutbox:
                 results[k] = self._error(fut.exception())  # type: ignore[arg-type]
             else:
                 self._since = (self._since[0] + 1, self._since[1] + len(items[k][2]))
+                if not told:
+                    told = True
+                    await self._journaled()
                 acked(items[k])
         return results
 
@@ -457,6 +370,4 @@ __all__ = [
     "JetStreamOutbox",
     "sign_chunks",
     "checked_reports",
-    "MIN_OUTBOX_BYTES",
-    "INSUFFICIENT_STORAGE",
 ]

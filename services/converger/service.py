@@ -96,8 +96,6 @@ class ConvergerApp(ServiceApp):
                 type=float,
             ),
             Option("--system-reserve-bytes", "host memory never promised to holds", default=0, type=int),
-            Option("--outbox-max-msgs", "events the outbox keeps while upstream is away; full: new binds wait", default=100_000, type=int),
-            Option("--outbox-max-bytes", "bytes the outbox keeps while upstream is away", default=256 * 1024 * 1024, type=int),
             # not --switch-timeout: that is the switcher's per-write timeout, and in `bcd up`
             # one BCD_SWITCH_TIMEOUT would set both; the wait must outlast a switch's writes.
             Option("--switch-reply-timeout", "seconds to wait for vfio_switcher's answer to one switch (over twice its --switch-timeout)", default=60.0, type=float),
@@ -178,10 +176,10 @@ class ConvergerApp(ServiceApp):
         releases = ReleasesStore(Path(o.data_dir))
         reaper = BusReaper(ctx.nc, ctx.subjects)
         consumers = BusKubeConsumers(ctx.nc, ctx.subjects)
-        outbox = JetStreamOutbox(ctx.nc, ctx.subjects, max_msgs=o.outbox_max_msgs, max_bytes=o.outbox_max_bytes, state_dir=o.data_dir)
-        # a server that refuses the reservation for storage gives a smaller outbox (or,
-        # below the floor, none yet: tried again before each pass), never a crash loop
-        await outbox.ensure()
+        # the bus setup made the stream (the converger may not): read what it has, and
+        # again before each pass while there is none yet
+        outbox = JetStreamOutbox(ctx.nc, ctx.subjects)
+        await outbox.recheck()
 
         metrics = ConvergerMetrics(ctx.registry)
         switcher = BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_reply_timeout)

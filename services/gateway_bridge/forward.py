@@ -6,8 +6,8 @@ once on the one upstream connection while fewer than FORWARD_WINDOW wait for
 their PubAck (a sliding window, no round trip of its own), and a Bound never
 while a Released before it is unacknowledged. A local message is taken out
 only after upstream's PubAck, in the background (purge.py). The first
-unacknowledged one and all after it are read again from the outbox (a new
-consumer from its sequence) and sent again (upstream drops the repeats by
+unacknowledged one and all after it are read again from the outbox (from its
+sequence) and sent again (upstream drops the repeats by
 `Nats-Msg-Id`), one at a time until one succeeds. A new process starts at the
 first message still in the outbox. While upstream is away the outbox grows on
 disk, the bridge holds at most two windows; nothing is dropped.
@@ -157,7 +157,10 @@ class Forwarder:
         self.purger: OutboxPurger | None = None
 
     async def on_outbox(self, _: Any) -> None:
+        """A writer journaled: look now (the reader has no consumer to be woken by)."""
         self.wake.set()
+        if self.reader is not None:
+            await self.reader.poke()
 
     async def run(self) -> None:
         """Forward the outbox upstream: a sliding window of up to FORWARD_WINDOW publishes in flight."""
@@ -170,7 +173,7 @@ class Forwarder:
         # one context for the loop's life: publish_async subscribes its reply inbox on
         # its first publish, and the connection re-subscribes it after a reconnect
         up_js = up.jetstream(timeout=5)
-        reader = self.reader = OutboxReader(self.nc, stream, self.subjects.outbox_filter, FORWARD_WINDOW, self.log)
+        reader = self.reader = OutboxReader(self.nc, stream, self.subjects.outbox_direct_get, FORWARD_WINDOW, self.log)
         purger = self.purger = OutboxPurger(self.nc, stream, reader, self.log)
         purging = asyncio.create_task(purger.run(), name="bridge.outbox-purge")
         loop = asyncio.get_running_loop()
@@ -191,7 +194,7 @@ class Forwarder:
                         try:
                             await reader.open()
                         except NotFoundError:
-                            # the converger has not created the stream yet
+                            # the bus setup has not made the stream yet
                             with contextlib.suppress(asyncio.TimeoutError):
                                 await asyncio.wait_for(self.wake.wait(), self.outbox_poll)
                             continue
@@ -273,7 +276,7 @@ class Forwarder:
 
     async def close(self) -> None:
         """At the stop (the loop is gone): what upstream acknowledged is deleted now if it can be
-        (else forwarded again after the restart, and dropped upstream); the consumer goes with it."""
+        (else forwarded again after the restart, and dropped upstream)."""
         if self.purger is not None:
             await self.purger.flush(2.0)
         if self.reader is not None:

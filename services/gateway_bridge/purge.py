@@ -23,7 +23,7 @@ class OutboxPurger:
     """Takes forwarded messages out of the outbox in the background, so the next window never waits for it.
 
     Upstream acknowledges the outbox in order, so what is forwarded is always
-    everything before one sequence (the stream holds nothing the consumer does
+    everything before one sequence (the stream holds nothing the reader does
     not read): one purge up to it (`{"seq": N}` keeps N and all after) takes a
     whole window in one request and one disk sync, where a delete each would
     cost one of each per message (1000 deletes took ~2 s on the test machine's

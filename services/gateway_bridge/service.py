@@ -142,7 +142,9 @@ class BridgeApp(ServiceApp):
             self.specs.converger_changed()
 
         await ctx.nc.subscribe(ctx.subjects.inventory_changed, cb=guarded(ctx.log, "inventory notice")(self.records.on_inventory))
-        await ctx.nc.subscribe(ctx.subjects.outbox_filter, cb=self.forward.on_outbox)
+        # the writers say when they journaled: the bridge reads the outbox then
+        for journaled in (ctx.subjects.converger_journaled, ctx.subjects.inventory_journaled):
+            await ctx.nc.subscribe(journaled, cb=guarded(ctx.log, "outbox notice")(self.forward.on_outbox))
         await ctx.nc.subscribe(ctx.subjects.converger_status_changed, cb=on_converger_changed)
 
     def _reconnected(self) -> None:
@@ -196,7 +198,7 @@ class BridgeApp(ServiceApp):
 
     async def close(self, ctx: ServiceContext) -> None:
         # what upstream acknowledged is deleted now if it can be (else forwarded again
-        # after the restart, and dropped upstream); the consumer goes with it
+        # after the restart, and dropped upstream)
         await self.forward.close()
         await self.upstream.close()
 

@@ -30,7 +30,7 @@ with an adapter that keeps no daemons): a claim's CDI spec mounts the pipe direc
 Every change of a card's phase, managementState or a condition's status or
 reason goes upstream as a `gpu` event through the node-bus outbox
 (`Nats-Msg-Id` = a deterministic event id); events the outbox did not take
-yet (the converger creates its stream) stay journaled and are retried.
+yet (the bus setup makes its stream) stay journaled and are retried.
 While a timer runs (orphan grace, a reclaim, a disruption) the inventory
 re-evaluates every `--gpu-tick` seconds.
 """
@@ -49,8 +49,6 @@ from typing import Any
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
 from shared.runtime import Option, Refused, ServiceApp, ServiceCallError, ServiceContext, StartupError, call, guarded, main_for
@@ -91,6 +89,7 @@ from shared.schemas import (
 from shared.schemas.bus import DIAG_RUN_S, MPS_LIST_MAX
 from shared.schemas.inventory import health_text
 from shared.schemas.common import PCI_RE, clip
+from shared.jsutil import StreamMissing, last_value
 from shared.subjects import MSG_ID_HEADER
 
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
@@ -133,7 +132,8 @@ class InventoryApp(ServiceApp):
 
     def __init__(self) -> None:
         self.adapter: Any = None
-        self.kv: KeyValue | None = None
+        #: the last put into the bucket failed (said once)
+        self.record_failing = False
         self.current: Inventory | None = None
         #: op id -> a diagnostic or MIG layout change started or done (the converger polls it)
         self.jobs: dict[str, Job] = {}
@@ -287,15 +287,11 @@ class InventoryApp(ServiceApp):
             self.m_scans.labels(outcome=outcome)
         self.health = HealthIntake(reg, ctx.log)
 
-        js = ctx.nc.jetstream()
-        bucket = ctx.subjects.inventory_bucket
-        try:
-            self.kv = await js.key_value(bucket)
-        except BucketNotFoundError:
-            self.kv = await js.create_key_value(bucket=bucket, history=1, description="bcd node inventory")
+        # the bucket is the bus setup's (no service makes a stream): the inventory only puts
+        # its one key and reads it back by direct get
         await self._load_last(ctx)
         # the start scan's GPU events go to the outbox after the endpoints are up: until
-        # the converger has made the outbox, that send waits out its probe (1 s)
+        # the bus setup has made the outbox, that send waits out its probe (1 s)
         await self.scan_and_publish(ctx, reason="start", flush=False)
         await ctx.endpoint("get", ctx.subjects.inventory_get, lambda _: self.get(), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
         await ctx.endpoint("rescan", ctx.subjects.inventory_rescan, lambda _: self.rescan(ctx), EMPTY_CODEC, allow_empty=True, reply=INVENTORY_CODEC)
@@ -372,19 +368,33 @@ class InventoryApp(ServiceApp):
 
     async def _load_last(self, ctx: ServiceContext) -> None:
         """Continue the revision of what an earlier run published."""
-        assert self.kv is not None
         try:
-            entry = await self.kv.get(ctx.opts.node_id)
-        except KeyNotFoundError:
+            value = await last_value(ctx.nc, ctx.subjects.inventory_key_get)
+        except (StreamMissing, nats.errors.Error, asyncio.TimeoutError) as exc:
+            ctx.log.warning("the last inventory could not be read; revisions start again", error=str(exc) or type(exc).__name__)
             return
-        if entry.value:
+        if value:
             try:
-                last = INVENTORY_CODEC.decode(entry.value)
+                last = INVENTORY_CODEC.decode(value)
             except BadMessage as exc:
                 ctx.log.warning("ignoring unreadable inventory in KV", error=str(exc))
                 return
             self.current = last
             self.content_key = inventory_content_key(last)
+
+    async def _record(self, ctx: ServiceContext, payload: bytes) -> None:
+        """Put the inventory into its bucket, where the next start continues its revision; the
+        peers have it from the notice and `get`, so a bucket away costs only that (said once)."""
+        try:
+            await ctx.nc.jetstream(timeout=5.0).publish(ctx.subjects.inventory_key, payload)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            if not self.record_failing:
+                ctx.log.warning("the inventory's bucket took no put (the bus setup makes it)", error=str(exc) or type(exc).__name__)
+            self.record_failing = True
+            return
+        if self.record_failing:
+            ctx.log.info("the inventory's bucket takes puts again")
+        self.record_failing = False
 
     # ------------------------------------------------------------------ work
 
@@ -599,7 +609,6 @@ class InventoryApp(ServiceApp):
                 self._observe(inv)
         else:
             inv = _with_revision(inv, revision + 1)
-            assert self.kv is not None
             try:
                 payload = INVENTORY_CODEC.encode_valid(inv)
             except SchemaViolation as exc:
@@ -610,7 +619,7 @@ class InventoryApp(ServiceApp):
                 if flush:
                     await self._flush_events(ctx)
                 return self.current if self.current is not None else inv
-            await self.kv.put(ctx.opts.node_id, payload)
+            await self._record(ctx, payload)
             await ctx.nc.publish(ctx.subjects.inventory_changed, payload)
             self.current, self.content_key = inv, key
             self._count_scan(scanned, "changed")
@@ -657,10 +666,9 @@ class InventoryApp(ServiceApp):
         if tracker.dropped_events:
             ctx.log.error("GPU events dropped: the journal was full", dropped=tracker.dropped_events)
             tracker.dropped_events = 0
-        # Until the converger has created the outbox stream a publish gets no
-        # PubAck (the bridge's wake-up subscription counts as a responder, so no
-        # "no responders" either) and would wait out the whole timeout at every
-        # start: probe with a short one, use the long one once the stream answered.
+        # Until the bus setup has made the outbox stream a publish gets no PubAck and
+        # would wait out the whole timeout each time: probe with a short one, use the
+        # long one once the stream answered.
         js = ctx.nc.jetstream(timeout=1.0 if self.outbox_waiting or not self.outbox_answered else 5.0)
         subject = ctx.subjects.outbox_subject("gpu")
         sent = 0
@@ -678,7 +686,7 @@ class InventoryApp(ServiceApp):
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 if not self.outbox_waiting:
                     ctx.log.warning(
-                        "GPU events wait for the node outbox (the converger creates it); retrying",
+                        "GPU events wait for the node outbox (the bus setup makes it); retrying",
                         stream=ctx.subjects.outbox_stream,
                         queued=len(tracker.outbox) - sent,
                         error=str(exc) or type(exc).__name__,
@@ -690,6 +698,9 @@ class InventoryApp(ServiceApp):
         if sent:
             tracker.sent(sent)
             self._save(ctx)
+            # the bridge reads the outbox when told (it has no consumer to be woken by)
+            with contextlib.suppress(nats.errors.Error):
+                await ctx.nc.publish(ctx.subjects.inventory_journaled, b"")
             if self.outbox_waiting and not tracker.outbox:
                 ctx.log.info("GPU events reach the node outbox again")
         if not tracker.outbox:

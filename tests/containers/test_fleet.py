@@ -36,11 +36,11 @@ import pytest
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
-from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, ensure_passwords
+from bcd.nodebus import ensure_passwords, upstream_accounts, upstream_password_users
 from controlplane.keys import load_or_create_cp_key
 from controlplane.put import put_spec_file
 from shared.pki import make_ca
-from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
+from shared.subjects import CONTROLPLANE_USER, upstream_node_user
 from shared.tlsconfig import UpstreamTls, upstream_tls
 
 from .conftest import (
@@ -58,8 +58,8 @@ CUT_OFF_S = 30.0
 
 
 def server_config(name: str, passwords: dict[str, str]) -> dict:
-    users = [BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions()).render()]
-    users += [BusUser(upstream_node_user(n), passwords[upstream_node_user(n)], upstream_node_permissions(n)).render() for n in NODES]
+    # the fleet's layout (bcd fleet): the control plane's account, one account per node
+    accounts = {a.name: a.render() for a in upstream_accounts(NODES, upstream_password_users(NODES, passwords))}
     return {
         "server_name": name,
         "host": "0.0.0.0",
@@ -81,7 +81,7 @@ def server_config(name: str, passwords: dict[str, str]) -> dict:
             # nor are clients told of the servers' addresses (they dial the names they were given)
             "no_advertise": True,
         },
-        "accounts": {UPSTREAM_ACCOUNT: {"jetstream": "enabled", "users": users}},
+        "accounts": accounts,
     }
 
 

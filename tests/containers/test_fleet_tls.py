@@ -42,11 +42,11 @@ import pytest
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
-from bcd.nodebus import UPSTREAM_ACCOUNT, BusUser, ensure_passwords
+from bcd.nodebus import ensure_passwords, upstream_accounts, upstream_password_users
 from controlplane.keys import load_or_create_cp_key
 from controlplane.put import put_spec_file
 from shared.pki import Issued, make_ca
-from shared.subjects import CONTROLPLANE_USER, upstream_controlplane_permissions, upstream_node_permissions, upstream_node_user
+from shared.subjects import CONTROLPLANE_USER, upstream_node_user
 from shared.tlsconfig import UpstreamTls, upstream_tls
 
 from .conftest import (
@@ -79,11 +79,13 @@ IMPOSTORS = {
 SICK = {"expired": GPU[2], "not-yet-valid": GPU[3], "other-name": GPU[4], "plain-text": GPU[5], "mitm": GPU[6], "wrong-ca": GPU[7]}
 
 
-def users(passwords: dict[str, str]) -> list[dict]:
-    return [
-        BusUser(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER], upstream_controlplane_permissions()).render(),
-        BusUser(upstream_node_user(NODE), passwords[upstream_node_user(NODE)], upstream_node_permissions(NODE)).render(),
-    ]
+def accounts(passwords: dict[str, str], *, jetstream: bool = True) -> dict:
+    """The fleet's layout (bcd fleet): the control plane's account, the node's own account."""
+    out = {a.name: a.render() for a in upstream_accounts([NODE], upstream_password_users([NODE], passwords))}
+    if not jetstream:
+        for a in out.values():
+            a.pop("jetstream", None)
+    return out
 
 
 def good_config(passwords: dict[str, str]) -> dict:
@@ -94,7 +96,7 @@ def good_config(passwords: dict[str, str]) -> dict:
         "max_payload": 1024 * 1024,
         "jetstream": {"store_dir": "/data", "sync_interval": "always"},
         "tls": nats_tls_block(verify=True),
-        "accounts": {UPSTREAM_ACCOUNT: {"jetstream": "enabled", "users": users(passwords)}},
+        "accounts": accounts(passwords),
     }
 
 
@@ -107,7 +109,7 @@ def impostor_config(kind: str, passwords: dict[str, str]) -> dict:
         "port": 4222,
         "debug": True,
         "trace": True,
-        "accounts": {UPSTREAM_ACCOUNT: {"users": users(passwords)}},
+        "accounts": accounts(passwords, jetstream=False),
     }
     if kind != "plain-text":
         # the man in the middle takes any client; the others verify as the right server does

@@ -2,13 +2,18 @@
 
 `NodeBus` starts the wheel's nats-server on a free port with the config
 `bcd.nodebus` writes (the same users and permissions as production), and
-starts services with `python -m services.<name>` under their own NATS user.
+makes the node's streams as the bus setup does (BUS_ADMIN_USER), and starts
+services with `python -m services.<name>` under their own NATS user, each in
+its own account (`connect(user)` is a client of that identity; `admin` reaches
+only the store account's JetStream, never a service).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,8 +25,9 @@ from pathlib import Path
 import nats
 from nats.aio.client import Client
 
-from bcd.nodebus import NatsServer, prepare_node_bus
-from shared.subjects import inbox_prefix
+from bcd.nodebus import NatsServer, prepare_node_bus, setup_streams
+from shared.busstreams import OutboxResult
+from shared.subjects import BUS_ADMIN_USER, inbox_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_HOSTS = REPO / "examples" / "hosts"
@@ -64,10 +70,20 @@ class NodeBus:
     services: list[ServiceProcess] = field(default_factory=list)
     clients: list[Client] = field(default_factory=list)
 
-    def start(self) -> "NodeBus":
+    def start(self, *, streams: bool = True) -> "NodeBus":
+        """The server, and (`streams`) the node's streams made as the bus setup makes them."""
         conf, self.creds = prepare_node_bus(self.root / "bus", self.root / "js", self.node_id, admin=True)
         self.server = NatsServer(conf, self.root / "bus" / "nats-server.log").start()
+        if streams:
+            self.setup_streams()
         return self
+
+    def setup_streams(self, **kw: object) -> OutboxResult:
+        """What `bcd up` does before any service starts: the streams, as BUS_ADMIN_USER (in a
+        thread of its own: a test calls this from inside its event loop)."""
+        coro = setup_streams(self.url, self.password(BUS_ADMIN_USER), self.node_id, store_dir=self.root / "js", **kw)  # type: ignore[arg-type]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, coro).result(60)
 
     @property
     def url(self) -> str:
@@ -153,6 +169,15 @@ class NodeBus:
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
         # A service that had to be killed or crashed is a failure of the test.
         assert not bad or all(c == -signal.SIGKILL for c in bad.values()), f"services exited badly: {bad}"
+
+
+def upstream_only(conf: Path) -> dict:
+    """A config `prepare_node_bus(..., upstream_nodes=...)` wrote, cut to its upstream accounts
+    (a server that plays upstream alone); written back, and returned for further edits."""
+    cfg = json.loads(conf.read_text())
+    cfg["accounts"] = {name: a for name, a in cfg["accounts"].items() if name.startswith("UPSTREAM")}
+    conf.write_text(json.dumps(cfg))
+    return cfg
 
 
 async def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # noqa: ANN001, ANN201

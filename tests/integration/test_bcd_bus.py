@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import pytest
 
 from bcd.client import connect, node_info
-from shared.subjects import CONTROLPLANE_USER, SERVICE_ERROR_CODE_HEADER, NodeSubjects, upstream_node_user
+from shared.subjects import CONTROLPLANE_USER, SERVICE_ERROR_CODE_HEADER, NodeSubjects, node_account, upstream_node_account, upstream_node_user
 
 from .wholenode import GPU, assignment, bcd, wait_for
 
@@ -87,15 +87,17 @@ def test_bcd_bus_shows_the_endpoints_the_outbox_kv_and_the_monitoring_view(node)
     kv = bus["kv"][s.inventory_bucket]
     assert kv["keys"] >= 1 and kv["revision"] >= 1 and kv["last_update"]
 
-    # the monitoring endpoint: version, every service's user connected, the two accounts, JetStream
+    # the monitoring endpoint: version, every service's user connected in its own account, JetStream
     mon = bus["monitor"]
     assert mon["url"] == info["monitor_url"] and not mon["error"]
     assert mon["version"] and mon["subscriptions"] > 0
     for name in info["services"]:
-        assert mon["users"]["NODE"][name]["connections"] >= 1, name
-        assert f"bcd-{name}" in mon["users"]["NODE"][name]["names"]
-    assert set(mon["users"]["UPSTREAM"]) == {CONTROLPLANE_USER, upstream_node_user(NODE)}
-    assert mon["users"]["UPSTREAM"][upstream_node_user(NODE)]["names"] == [f"bcd-bridge-{NODE}"]
+        assert set(mon["users"][node_account(name)]) == {name}, name
+        assert mon["users"][node_account(name)][name]["connections"] >= 1, name
+        assert f"bcd-{name}" in mon["users"][node_account(name)][name]["names"]
+    assert set(mon["users"]["UPSTREAM"]) == {CONTROLPLANE_USER}
+    assert set(mon["users"][upstream_node_account(NODE)]) == {upstream_node_user(NODE)}
+    assert mon["users"][upstream_node_account(NODE)][upstream_node_user(NODE)]["names"] == [f"bcd-bridge-{NODE}"]
     assert mon["jetstream"]["streams"] >= 2
     streams = {(x["account"], x["stream"]) for x in mon["streams"]}
     assert {("NODE", s.outbox_stream), ("NODE", f"KV_{s.inventory_bucket}"), ("UPSTREAM", "BCD_EVENTS")} <= streams

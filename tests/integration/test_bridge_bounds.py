@@ -73,6 +73,7 @@ class BridgedNode:
     async def start_bus(self) -> None:
         conf, self.bus.creds = prepare_node_bus(self.root / "bus", self.root / "js", NODE, admin=True, upstream_nodes=[NODE])
         self.bus.server = NatsServer(conf, self.root / "bus" / "nats-server.log").start()
+        self.bus.setup_streams()
         self.cp = await nats.connect(
             self.bus.url,
             user=CONTROLPLANE_USER,
@@ -81,7 +82,7 @@ class BridgedNode:
         )
         self.bus.clients.append(self.cp)
         await ControlPlane(self.cp, self.cp_key, self.root / "cpstate", out=None).ensure_upstream()
-        self.admin = await self.bus.connect("admin")
+        self.cli = await self.bus.connect("cli")
 
     def env(self, **extra: str) -> dict[str, str]:
         return {"BCD_FAKE_HOST": str(self.host_file), "BCD_ADAPTER": "fakehw", "BCD_LOG_LEVEL": "DEBUG", **extra}
@@ -111,7 +112,7 @@ class BridgedNode:
 
     async def converger_generation(self, timeout: float = 0.5) -> int | None:
         try:
-            st = await call(self.admin, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=timeout)
+            st = await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=timeout)
         except (nats.errors.Error, asyncio.TimeoutError, ServiceCallError):
             return None
         return st.generation if st.generation is not None else -1
@@ -194,17 +195,26 @@ async def test_the_deep_object_at_the_endpoints_is_a_400_and_nobody_dies(node):
         await node.start(name)
     pids = {n: sp.proc.pid for n, sp in node.procs.items()}
     subjects = node.subjects
+    # each endpoint asked by an identity its route names (anyone else is refused 403 before the body is read)
+    callers: dict[str, Any] = {}
+
+    async def as_caller(subject: str) -> Any:
+        user = (subjects.callers(subject) or ("cli",))[0]
+        if user not in callers:
+            callers[user] = await node.bus.connect(user)
+        return callers[user]
+
     for subject in (subjects.signer_sign, subjects.converger_spec, subjects.reaper_orphans):
-        msg = await node.admin.request(subject, DEEP_OBJECT, timeout=5)
+        msg = await (await as_caller(subject)).request(subject, DEEP_OBJECT, timeout=5)
         headers = msg.headers or {}
         assert headers.get(SERVICE_ERROR_CODE_HEADER) == "400", (subject, headers)
         assert headers.get(SERVICE_ERROR_HEADER) == "message: nested deeper than 64 levels", (subject, headers)
 
     # every endpoint of every running service: a reply or a 400-class refusal, never a 500
     for name in pids:
-        info = json.loads((await node.admin.request(f"$SRV.INFO.{name}", b"", timeout=3)).data)
+        info = json.loads((await node.cli.request(f"$SRV.INFO.{name}", b"", timeout=3)).data)
         for ep in info["endpoints"]:
-            msg = await node.admin.request(ep["subject"], DEEP_OBJECT, timeout=5)
+            msg = await (await as_caller(ep["subject"])).request(ep["subject"], DEEP_OBJECT, timeout=5)
             code = (msg.headers or {}).get(SERVICE_ERROR_CODE_HEADER, "200")
             assert not code.startswith("5"), (name, ep["subject"], msg.headers)
 
@@ -218,9 +228,11 @@ async def test_the_deep_object_at_the_endpoints_is_a_400_and_nobody_dies(node):
 
 
 async def test_an_endpoint_never_sends_a_reply_its_schema_refuses(node):
-    """The runtime's endpoint in this process, on the real bus: reply codecs and decode failures."""
-    nc = await node.bus.connect("admin")
-    service = Service(nc, ServiceConfig(name="probe", version="0.0.1", description="probe"))
+    """The runtime's endpoint in this process, on the real bus: reply codecs and decode failures.
+    It stands in for the converger (its user, two of its endpoints), asked by the operator."""
+    nc = await node.bus.connect("converger")
+    cli = await node.bus.connect("cli")
+    service = Service(nc, ServiceConfig(name="converger", version="0.0.1", description="probe"))
     registry = CollectorRegistry()
     requests, latency, _ = _metrics("probe", NODE, registry)
     ctx = ServiceContext(
@@ -242,20 +254,21 @@ async def test_an_endpoint_never_sends_a_reply_its_schema_refuses(node):
     async def boom(_: Empty) -> SpecAck:
         raise RuntimeError("kaput")
 
-    await ctx.endpoint("status", "probe.status", status, EMPTY_CODEC, allow_empty=True, reply=CONVERGER_STATUS_CODEC)
-    await ctx.endpoint("boom", "probe.boom", boom, EMPTY_CODEC, allow_empty=True, reply=SPEC_ACK_CODEC)
+    st, boom_at = node.subjects.converger_status, node.subjects.converger_pass
+    await ctx.endpoint("status", st, status, EMPTY_CODEC, allow_empty=True, reply=CONVERGER_STATUS_CODEC)
+    await ctx.endpoint("boom", boom_at, boom, EMPTY_CODEC, allow_empty=True, reply=SPEC_ACK_CODEC)
     await service.start()
     try:
         with pytest.raises(ServiceCallError) as err:
-            await call(nc, "probe.status", Empty(), CONVERGER_STATUS_CODEC, timeout=3)
+            await call(cli, st, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
         assert (err.value.code, err.value.description) == ("500", "internal error: reply violates ConvergerStatus schema")
         message["text"] = "m" * 4096
-        assert (await call(nc, "probe.status", Empty(), CONVERGER_STATUS_CODEC, timeout=3)).section.message == "m" * 4096
+        assert (await call(cli, st, Empty(), CONVERGER_STATUS_CODEC, timeout=3)).section.message == "m" * 4096
         with pytest.raises(ServiceCallError) as err:
-            await call(nc, "probe.status", b'{"k":' * 65 + b"1" + b"}" * 65, CONVERGER_STATUS_CODEC, timeout=3)
+            await call(cli, st, b'{"k":' * 65 + b"1" + b"}" * 65, CONVERGER_STATUS_CODEC, timeout=3)
         assert (err.value.code, err.value.description) == ("400", "message: nested deeper than 64 levels")
         with pytest.raises(ServiceCallError) as err:
-            await call(nc, "probe.boom", Empty(), SPEC_ACK_CODEC, timeout=3)
+            await call(cli, boom_at, Empty(), SPEC_ACK_CODEC, timeout=3)
         assert (err.value.code, err.value.description) == ("500", "internal error: RuntimeError")
     finally:
         await service.stop()
@@ -265,7 +278,7 @@ async def test_an_endpoint_never_sends_a_reply_its_schema_refuses(node):
 
 
 async def test_a_converger_status_the_schema_refuses_does_not_kill_the_bridge(node):
-    """A stand-in converger (the admin user) answers the Hello's status with a 4,097-character section message."""
+    """A stand-in converger (the converger's user) answers the Hello's status with a 4,097-character section message."""
     await node.start("signer")
     await node.start("inventory")
     good = {"on": False}
@@ -278,9 +291,10 @@ async def test_a_converger_status_the_schema_refuses_does_not_kill_the_bridge(no
     async def on_spec(msg) -> None:
         await msg.respond(encode(SpecAck(generation=json.loads(msg.data)["generation"])))
 
-    await node.admin.subscribe(node.subjects.converger_status, cb=on_status)
-    await node.admin.subscribe(node.subjects.converger_spec, cb=on_spec)
-    await node.admin.flush()
+    standin = await node.bus.connect("converger")
+    await standin.subscribe(node.subjects.converger_status, cb=on_status)
+    await standin.subscribe(node.subjects.converger_spec, cb=on_spec)
+    await standin.flush()
     bridge = await node.start("gateway_bridge")
 
     def refusals():

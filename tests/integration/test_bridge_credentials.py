@@ -18,7 +18,7 @@ import nats.js.errors
 import nkeys
 import pytest
 
-from bcd.nodebus import BusConfig, BusUser, NatsServer, ensure_passwords, prepare_node_bus, write_private
+from bcd.nodebus import BusConfig, BusUser, NatsServer, ensure_passwords, prepare_node_bus, upstream_accounts, write_private
 from controlplane.keys import load_or_create_cp_key
 from controlplane.serve import ControlPlane
 from shared.schemas import AllocationBound, ReportBody, encode
@@ -31,7 +31,7 @@ from shared.subjects import (
     upstream_spec_get_subject,
 )
 
-from .harness import EXAMPLE_HOSTS, REPO
+from .harness import EXAMPLE_HOSTS, REPO, upstream_only
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -113,14 +113,12 @@ async def test_bridge_authenticates_upstream_with_an_nkey(tmp_path):
     seed_file = tmp_path / "node.nk"
     write_private(seed_file, seed + b"\n")
     creds = ensure_passwords(tmp_path / "creds", [CONTROLPLANE_USER])
-    cfg = BusConfig(store_dir=tmp_path / "js", users=[])
-    cfg.upstream_users = [
-        BusUser(CONTROLPLANE_USER, creds[CONTROLPLANE_USER].read_text().strip(), upstream_controlplane_permissions()),
-        BusUser(upstream_node_user("node-1"), "", upstream_node_permissions("node-1"), nkey=public),
-    ]
-    conf = json.loads(cfg.render())
-    conf["accounts"].pop("NODE")
-    write_private(tmp_path / "up.conf", json.dumps(conf))
+    users = {
+        CONTROLPLANE_USER: BusUser(CONTROLPLANE_USER, creds[CONTROLPLANE_USER].read_text().strip(), upstream_controlplane_permissions()),
+        upstream_node_user("node-1"): BusUser(upstream_node_user("node-1"), "", upstream_node_permissions("node-1"), nkey=public),
+    }
+    cfg = BusConfig(store_dir=tmp_path / "js", accounts=upstream_accounts(["node-1"], users))
+    write_private(tmp_path / "up.conf", cfg.render())
     upstream = NatsServer(tmp_path / "up.conf", tmp_path / "up.log").start()
     proc = start_node(tmp_path, upstream.url, load_or_create_cp_key(tmp_path / "cp")[1], "--upstream-nkey-file", str(seed_file))
     cp_nc = await nats.connect(upstream.url, user=CONTROLPLANE_USER, password=creds[CONTROLPLANE_USER].read_text().strip(), inbox_prefix=inbox_prefix(CONTROLPLANE_USER).encode())
@@ -156,9 +154,7 @@ async def test_bridge_authenticates_upstream_with_a_token(tmp_path):
 async def test_one_node_cannot_write_anothers_events_or_read_its_spec(tmp_path):
     """Two nodes share an upstream; node-1 runs for real, node-2's keys exist too."""
     conf, creds = prepare_node_bus(tmp_path / "bus", tmp_path / "js", "node-1", upstream_nodes=["node-1", "node-2"])
-    cfg = json.loads(conf.read_text())
-    cfg["accounts"].pop("NODE")
-    conf.write_text(json.dumps(cfg))
+    upstream_only(conf)  # this server plays upstream alone
     upstream = NatsServer(conf, tmp_path / "up.log").start()
     cp_pub = load_or_create_cp_key(tmp_path / "cp")[1]
     proc = start_node(

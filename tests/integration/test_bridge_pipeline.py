@@ -28,7 +28,6 @@ import pytest
 from bcd.nodebus import NatsServer, prepare_node_bus
 from controlplane.keys import load_or_create_cp_key
 from controlplane.serve import ControlPlane
-from services.converger.outbox import JetStreamOutbox
 from shared.eventorder import gpus_header
 from shared.schemas import ConvergerStatus, Inventory, encode
 from shared.subjects import (
@@ -42,7 +41,7 @@ from shared.subjects import (
     upstream_node_user,
 )
 
-from .harness import EXAMPLE_HOSTS, NodeBus, wait_until
+from .harness import EXAMPLE_HOSTS, NodeBus, upstream_only, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -71,12 +70,11 @@ class Rig:
         self.status_requests = 0
 
     async def start(self, *, double: bool = False, max_payload: int | None = None, events_stream: bool = True) -> None:
-        self.bus.start()
+        self.bus.start(streams=False)
+        self.bus.setup_streams(outbox_max_bytes=64 * 1024 * 1024)
         up_dir = self.root / "upstream"
         conf, self.up_creds = prepare_node_bus(up_dir / "bus", up_dir / "js", NODE, upstream_nodes=[NODE])
-        # this server only plays upstream: drop the node-bus account from its config
-        cfg = json.loads(conf.read_text())
-        cfg["accounts"].pop("NODE")
+        cfg = upstream_only(conf)  # this server plays upstream alone
         if double:
             cfg["accounts"]["UPSTREAM"]["users"].append({"user": DOUBLE_USER, "password": DOUBLE_PASSWORD})
         if max_payload is not None:
@@ -95,18 +93,24 @@ class Rig:
         finally:
             await cp.close()
 
-        self.admin = await self.bus.connect("admin")
-        self.js = self.admin.jetstream()
-        await JetStreamOutbox(self.admin, self.subjects, min_bytes=1024 * 1024, max_bytes=64 * 1024 * 1024).ensure()
+        # the store account's JetStream as it is; the converger and the inventory stood in for
+        # by their own users (what they journal and announce goes where theirs does)
+        await self.connect_bus()
 
         async def converger_status(msg) -> None:
             self.status_requests += 1
             await msg.respond(encode(ConvergerStatus(generation=None)))
 
-        await self.admin.subscribe(self.subjects.converger_status, cb=converger_status)
-        await self.admin.flush()
+        await self.conv.subscribe(self.subjects.converger_status, cb=converger_status)
+        await self.conv.flush()
         self.bus.start_service("signer", BCD_FAKE_HOST=str(self.host_file), BCD_ADAPTER="fakehw")
         await self.bus.wait_service("signer", timeout=30)
+
+    async def connect_bus(self) -> None:
+        self.admin = await self.bus.connect("admin")
+        self.js = self.admin.jetstream()
+        self.conv = await self.bus.connect("converger")
+        self.inv = await self.bus.connect("inventory")
 
     async def cp_connect(self):
         assert self.upstream is not None
@@ -142,8 +146,12 @@ class Rig:
             self.put_count += 1
             body = json.dumps({"i": i, "pad": "x" * size}).encode()
             eid = event_id(i)
-            await self.js.publish(self.subjects.outbox_subject(TYPES[i % len(TYPES)]), body, headers={MSG_ID_HEADER: eid})
+            kind = TYPES[i % len(TYPES)]
+            # each event type journaled by its writer's own identity (the inventory's gpu events)
+            writer = self.inv if kind == "gpu" else self.conv
+            await writer.jetstream().publish(self.subjects.outbox_subject(kind), body, headers={MSG_ID_HEADER: eid})
             ids.append(eid)
+        await self.conv.publish(self.subjects.converger_journaled, b"")
         return ids
 
     async def outbox_depth(self) -> int:
@@ -484,31 +492,30 @@ async def test_a_message_over_upstream_max_payload_is_not_sent_and_nothing_after
 # ------------------------------------------------------------------ the outbox consumer: lost, restarted, resumed
 
 
-async def test_the_outbox_consumer_deleted_under_the_bridge_is_made_again_and_nothing_is_lost_or_repeated(rig):
+async def test_the_bridge_reads_the_outbox_without_a_consumer(rig):
+    """No service may make a consumer (a deliver subject would let it have the server publish
+    for it): the bridge reads by direct get and forwards everything, in order, once."""
     await rig.start()
     await rig.start_bridge()
     await rig.wait_hello()
     expected = await rig.put(30)
     await rig.wait_drained(expected)
     stream = rig.subjects.outbox_stream
-    names = [c.name for c in await rig.js.consumers_info(stream)]
-    assert len(names) == 1, names  # the bridge's one ephemeral consumer
-    await rig.js.delete_consumer(stream, names[0])
+    assert await rig.js.consumers_info(stream) == []
     expected += await rig.put(30)
     ids = await rig.wait_drained(expected, timeout=30)
-    assert ids == expected  # read on after the last message it had: none twice, none missing
-    assert "the outbox consumer is gone; making it again" in rig.bridge_log()
-    assert len(await rig.js.consumers_info(stream)) == 1
+    assert ids == expected  # none twice, none missing
+    assert await rig.js.consumers_info(stream) == []
     assert "Traceback" not in rig.bridge_log()
 
 
-async def test_a_node_bus_restart_costs_the_consumer_and_the_bridge_reads_on_after_the_last_message_it_had(rig):
+async def test_after_a_node_bus_restart_the_bridge_reads_on_after_the_last_message_it_had(rig):
     await rig.start()
     await rig.start_bridge()
     await rig.wait_hello()
     expected = await rig.put(20)
     await rig.wait_drained(expected)
-    # the same port and store: the stream survives, the bridge's (memory) consumer does not
+    # the same port and store: the stream survives
     server = rig.bus.server
     assert server is not None
     cfg = json.loads(server.config_path.read_text())
@@ -517,12 +524,10 @@ async def test_a_node_bus_restart_costs_the_consumer_and_the_bridge_reads_on_aft
     server.stop()
     await asyncio.sleep(0.5)
     server.start()
-    rig.admin = await rig.bus.connect("admin")
-    rig.js = rig.admin.jetstream()
+    await rig.connect_bus()
     expected += await rig.put(20)
     ids = await rig.wait_drained(expected, timeout=60)
     assert ids == expected
-    assert "the outbox consumer went silent; making it again" in rig.bridge_log()
     assert "the outbox stream was made again" not in rig.bridge_log()
     assert rig.bridge.proc.poll() is None
 
@@ -536,7 +541,7 @@ async def test_an_outbox_made_again_is_read_from_its_start_and_nothing_of_it_is_
     expected = await rig.put(40)
     await rig.wait_drained(expected)
     await rig.js.delete_stream(rig.subjects.outbox_stream)
-    await JetStreamOutbox(rig.admin, rig.subjects, min_bytes=1024 * 1024, max_bytes=64 * 1024 * 1024).ensure()
+    rig.bus.setup_streams(outbox_max_bytes=64 * 1024 * 1024)
     expected += await rig.put(10)
     ids = await rig.wait_drained(expected, timeout=30)
     assert ids == expected
@@ -549,13 +554,13 @@ async def test_a_restarted_bridge_forwards_from_the_first_message_left_in_the_ou
     await rig.start_bridge()
     await rig.wait_hello()
     await rig.wait_drained(first)
-    assert rig.bridge.stop() == 0  # its last purge goes before it exits, its consumer is deleted
+    assert rig.bridge.stop() == 0  # its last purge goes before it exits
     more = await rig.put(30)
     assert await rig.outbox_depth() == 30
     await rig.start_bridge()
     ids = await rig.wait_drained(first + more)
     assert ids == first + more
-    assert len(await rig.js.consumers_info(rig.subjects.outbox_stream)) == 1
+    assert await rig.js.consumers_info(rig.subjects.outbox_stream) == []
 
 
 # ------------------------------------------------------------------ Hello and inventory records
@@ -586,7 +591,7 @@ async def test_an_inventory_change_puts_the_inventory_only_and_a_converger_statu
 
         async def inventory_changed(revision: int, adapter: str) -> None:
             inv = Inventory(node_id=NODE, revision=revision, observed_at=datetime.now(timezone.utc), adapter=adapter)
-            await rig.admin.publish(rig.subjects.inventory_changed, encode(inv))
+            await rig.inv.publish(rig.subjects.inventory_changed, encode(inv))
 
         # the first inventory the bridge sees names an adapter the Hello was made without
         await inventory_changed(1, "fakehw")
@@ -602,7 +607,7 @@ async def test_an_inventory_change_puts_the_inventory_only_and_a_converger_statu
         assert puts[UPSTREAM_NODES_BUCKET] == hellos, "an inventory change put the Hello again"
         assert rig.status_requests == status_requests, "an inventory change asked the converger for its status"
 
-        await rig.admin.publish(rig.subjects.converger_status_changed, b"")
+        await rig.conv.publish(rig.subjects.converger_status_changed, b"")
         await wait_until(lambda: puts[UPSTREAM_NODES_BUCKET] == hellos + 1, 10, "the Hello put again")
         assert rig.status_requests == status_requests + 1
         await asyncio.sleep(0.5)

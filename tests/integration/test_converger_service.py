@@ -65,8 +65,9 @@ class Node:
         await self.bus.wait_service("signer")
         await self.bus.wait_service("inventory")
         self.bridge = await self.bus.connect("gateway_bridge")
-        self.admin = await self.bus.connect("admin")
-        self.key = (await call(self.admin, self.subjects.signer_key, Empty(), SIGNER_KEY_CODEC)).public_key
+        self.admin = await self.bus.connect("admin")  # the store account: the outbox as it is
+        self.cli = await self.bus.connect("cli")
+        self.key = (await call(self.cli, self.subjects.signer_key, Empty(), SIGNER_KEY_CODEC)).public_key
 
     def start_converger(self, **extra: str):
         return self.bus.start_service("converger", **self.env(**extra))
@@ -75,7 +76,7 @@ class Node:
         return await call(self.bridge, self.subjects.converger_spec, spec, SPEC_ACK_CODEC)
 
     async def status(self):
-        return await call(self.admin, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC)
+        return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC)
 
     async def wait_section(self, generation: int, state: str | None = None, timeout: float = 20.0):
         for _ in range(int(timeout * 10)):
@@ -152,7 +153,7 @@ async def test_binds_reports_signed_bound_and_refuses_with_reasons(node):
     missing = next(f for f in failed if f["allocation_id"] == "missing")
     assert missing["message"] == f"{GPU[7]} has no MIG instance gi7/ci0"
 
-    holder = await call(node.admin, node.subjects.converger_holder, HolderQuery(gpu="0000:18:00.0"), HOLDER_REPLY_CODEC)
+    holder = await call(node.cli, node.subjects.converger_holder, HolderQuery(gpu="0000:18:00.0"), HOLDER_REPLY_CODEC)
     assert holder.held and holder.holder == "whole"
 
     # same spec again: nothing new; an older generation is refused
@@ -178,7 +179,7 @@ async def test_a_spec_that_came_before_the_inventory_binds_once_an_inventory_is_
     then, not at the retry interval (it took 30 s in bench/e2e.py, one start in three)."""
     node = Node(node_bus, host_file)
     await node.start()
-    raw = await node.admin.request(node.subjects.inventory_get, b"{}", timeout=5)
+    raw = await node.cli.request(node.subjects.inventory_get, b"{}", timeout=5)
     assert INVENTORY_CODEC.decode(raw.data).gpus
     next(s for s in reversed(node.bus.services) if s.name == "inventory").stop()  # its notice is gone; no one answers inventory.get
     node.start_converger(BCD_RETRY_INTERVAL="600")

@@ -153,7 +153,10 @@ class VfioNode(Node):
         async def on_claims(msg: Any) -> None:
             self.notices.append(CLAIMS_CODEC.decode(msg.data))
 
-        await self.admin.subscribe(self.subjects.converger_claims_changed, cb=on_claims)
+        # heard where the inventory hears it (its own account imports the notice)
+        listener = await self.bus.connect("inventory")
+        await listener.subscribe(self.subjects.converger_claims_changed, cb=on_claims)
+        await listener.flush()
         self.converger = self.start_converger(BCD_RETRY_INTERVAL=str(RETRY_S), **converger_env)
         self.ping = await self.bus.wait_service("converger")
         return self.switcher
@@ -165,7 +168,7 @@ class VfioNode(Node):
         return await call(self.cli, self.subjects.converger_claims, Empty(), CLAIMS_CODEC)
 
     async def holder(self, pci: str):  # noqa: ANN201
-        return await call(self.admin, self.subjects.converger_holder, HolderQuery(gpu=pci), HOLDER_REPLY_CODEC)
+        return await call(self.cli, self.subjects.converger_holder, HolderQuery(gpu=pci), HOLDER_REPLY_CODEC)
 
     async def failed(self, alloc: str) -> list[dict]:
         return [json.loads(d) for t, _, d in await self.outbox() if t == "failed" and json.loads(d)["allocation_id"] == alloc]

@@ -30,7 +30,7 @@ from shared.schemas import AllocationBound, ReportBody, encode
 from shared.signing import sign_node_spec, sign_report
 from shared.subjects import CONTROLPLANE_USER, inbox_prefix, upstream_node_user
 
-from .harness import REPO
+from .harness import REPO, upstream_only
 from .wholenode import GPU, Node, applied, assignment, bcd, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -219,10 +219,7 @@ def test_upstream_outage_grows_the_outbox_and_loses_nothing(tmp_path):
     """A separate upstream server: stalled (SIGSTOP), then killed and restarted on its store."""
     up_dir = tmp_path / "upstream"
     conf, creds = prepare_node_bus(up_dir / "bus", up_dir / "js", "node-1", upstream_nodes=["node-1"])
-    # this server only plays upstream: drop the node-bus account from its config
-    cfg = json.loads(conf.read_text())
-    cfg["accounts"].pop("NODE")
-    conf.write_text(json.dumps(cfg))
+    cfg = upstream_only(conf)  # this server plays upstream alone
     upstream = NatsServer(conf, up_dir / "nats.log").start()
     cfg["port"] = upstream.port
     conf.write_text(json.dumps(cfg))

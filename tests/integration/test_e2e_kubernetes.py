@@ -130,7 +130,8 @@ async def test_kill_9_of_the_converger_during_a_split_release_loses_nothing(node
     await node_bus.wait_service("converger")
     subjects = NodeSubjects(node_bus.node_id)
     bridge = await node_bus.connect("gateway_bridge")
-    admin = await node_bus.connect("admin")
+    admin = await node_bus.connect("admin")  # the store account: the outbox as it is
+    cli = await node_bus.connect("cli")
     gen1 = NodeSpec(node_id="node-1", generation=1, devices=[DeviceAssignment(allocation_id="k1", reservation_id="rsv-k1", binding="BINDING_KUBERNETES", devices=[GPU[0]])])
     await call(bridge, subjects.converger_spec, gen1, SPEC_ACK_CODEC)
     cdi = node_bus.root / "cdi" / "bcd-k1.json"
@@ -155,7 +156,7 @@ async def test_kill_9_of_the_converger_during_a_split_release_loses_nothing(node
     node_bus.start_service("converger", **fast)
     await node_bus.wait_service("converger")
 
-    key = (await call(admin, subjects.signer_key, Empty(), SIGNER_KEY_CODEC)).public_key
+    key = (await call(cli, subjects.signer_key, Empty(), SIGNER_KEY_CODEC)).public_key
     js = admin.jetstream()
 
     async def released() -> list:

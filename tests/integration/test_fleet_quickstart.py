@@ -164,8 +164,9 @@ def test_the_readme_fleet_quick_start_works_as_written(tmp_path: Path) -> None:
                 assert up_words[up_words.index(flag) + 1] == printed[printed.index(flag) + 1], (flag, added)
         log = (fleet / "controlplane.log").read_text()
         assert "auth=nkey" in log and "tls=on (CA fleet/pki/ca.crt, client certificate fleet/pki/controlplane.crt)" in log, log[-2000:]
-        # each node has its own upstream user, exactly its permissions (docs/upstream.md section 8)
-        users = {u.get("nkey", u.get("user")): u for u in conf["accounts"]["UPSTREAM"]["users"]}
+        # each node has its own upstream user alone in its own account, exactly its permissions
+        # (docs/upstream.md section 8)
+        users = {u.get("nkey", u.get("user")): u for a in conf["accounts"].values() for u in a["users"]}
         nodes = json.loads((fleet / "upstream" / "nodes.json").read_text())
         assert set(nodes) == {"node-a", "node-b"}
         for node, key in nodes.items():

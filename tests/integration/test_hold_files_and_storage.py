@@ -2,9 +2,10 @@
 
 - A JetStream whose `max_file_store` is below the outbox's 256 MiB reservation
   refused the stream (`insufficient storage resources available`, err_code
-  10047) and the converger crash-looped on it. Now the outbox takes the largest
-  size the server accepts (a warning, in status and doctor), the node binds;
-  below the floor there is no outbox, the converger still answers and says so.
+  10047) and the converger crash-looped on it. Now the bus setup gives the
+  outbox the largest size the server accepts (a warning, in status and doctor),
+  the node binds; below the floor there is no outbox, the setup fails saying
+  why, the converger still answers and says so.
 - A FIFO named `bcd-x.json` in the CDI dir (and `x.env` in the allocations
   dir) hung the converger for good; now it is reported and skipped.
 - A garbage `nvidia.json` is a doctor failure, and new holds wait for it.
@@ -24,7 +25,8 @@ import pytest
 
 from bcd.nodebus import NatsServer, prepare_node_bus
 from bcd.status import NodeReport, doctor_checks
-from services.converger.outbox import MIN_OUTBOX_BYTES, JetStreamOutbox, OutboxError
+from services.converger.outbox import JetStreamOutbox, OutboxError
+from shared.busstreams import MIN_OUTBOX_BYTES, StreamSetupError
 from shared.runtime import call
 from shared.schemas import CONVERGER_STATUS_CODEC, SPEC_ACK_CODEC, ConvergerStatus, DeviceAssignment, Empty, NodeSpec, SectionStatus, encode
 from shared.subjects import NodeSubjects
@@ -38,7 +40,7 @@ GPU = [f"GPU-5f1c2a90-0000-4000-8000-00000000000{i}" for i in range(1, 9)]
 
 
 async def small_bus(root: Path, max_file_store: int) -> NodeBus:
-    """A node bus whose JetStream may store at most `max_file_store` bytes."""
+    """A node bus whose JetStream may store at most `max_file_store` bytes (no stream made yet)."""
     bus = NodeBus(root)
     conf, bus.creds = prepare_node_bus(root / "bus", root / "js", bus.node_id, admin=True)
     doc = json.loads(conf.read_text())
@@ -70,7 +72,7 @@ class Node:
         await self.bus.wait_service("signer")
         await self.bus.wait_service("inventory")
         self.bridge = await self.bus.connect("gateway_bridge")
-        self.admin = await self.bus.connect("admin")
+        self.cli = await self.bus.connect("cli")
         if converger:
             await self.start_converger()
 
@@ -79,7 +81,7 @@ class Node:
         await self.bus.wait_service("converger")
 
     async def status(self) -> ConvergerStatus:
-        return await call(self.admin, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
+        return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
 
     async def push(self, spec: NodeSpec) -> None:
         await call(self.bridge, self.subjects.converger_spec, spec, SPEC_ACK_CODEC, timeout=3)
@@ -109,23 +111,25 @@ def converged(gen: int):  # noqa: ANN201
 async def test_the_outbox_takes_the_largest_size_a_small_jetstream_accepts(tmp_path: Path) -> None:
     bus = await small_bus(tmp_path, 200 * MIB)
     try:
-        # the port itself, against the real server
-        nc = await bus.connect("converger")
-        outbox = JetStreamOutbox(nc, NodeSubjects(bus.node_id), state_dir=tmp_path)
-        await asyncio.wait_for(outbox.ensure(), 30)
-        assert outbox.ready and not outbox.error
-        assert MIN_OUTBOX_BYTES <= outbox.max_bytes < 256 * MIB
+        # the bus setup, against the real server
+        made = bus.setup_streams()
+        assert MIN_OUTBOX_BYTES <= made.max_bytes < 256 * MIB
         # about three quarters of the largest the server takes: the rest is left to the
         # node's other streams (the inventory's KV bucket is refused on a fully reserved store)
-        assert 140 * MIB <= outbox.max_bytes <= 160 * MIB, outbox.max_bytes
-        assert f"outbox reduced to {outbox.max_bytes // MIB} MiB of the 256 MiB asked" in outbox.warning
-        assert "MiB free on the state filesystem" in outbox.warning and "--outbox-max-bytes" in outbox.warning
+        assert 140 * MIB <= made.max_bytes <= 160 * MIB, made.max_bytes
+        assert f"outbox reduced to {made.max_bytes // MIB} MiB of the 256 MiB asked" in made.warning
+        assert "MiB free on the node bus's store" in made.warning and "--outbox-max-bytes" in made.warning
+        nc = await bus.connect("converger")
         info = await nc.jetstream().stream_info(NodeSubjects(bus.node_id).outbox_stream)
-        assert info.config.max_bytes == outbox.max_bytes
-        # a restart finds the reduced stream and keeps it (never shrinks it)
-        again = JetStreamOutbox(nc, NodeSubjects(bus.node_id), state_dir=tmp_path)
-        await asyncio.wait_for(again.ensure(), 30)
-        assert again.max_bytes == outbox.max_bytes and again.warning
+        assert info.config.max_bytes == made.max_bytes
+        # the setup again (a restart) finds the reduced stream and keeps it (never shrinks it)
+        again = bus.setup_streams()
+        assert again.max_bytes == made.max_bytes and again.warning
+        # the converger's port reads what the setup made, and says it is smaller
+        outbox = JetStreamOutbox(nc, NodeSubjects(bus.node_id))
+        await outbox.recheck()
+        assert outbox.ready and not outbox.error and outbox.max_bytes == made.max_bytes
+        assert f"outbox reduced to {made.max_bytes // MIB} MiB of the 256 MiB asked" in outbox.warning
 
         # the real converger: starts, binds, and says the outbox is smaller
         node = Node(bus, tmp_path)
@@ -145,11 +149,14 @@ async def test_the_outbox_takes_the_largest_size_a_small_jetstream_accepts(tmp_p
 async def test_below_the_floor_the_converger_stays_up_and_says_why(tmp_path: Path) -> None:
     bus = await small_bus(tmp_path, 8 * MIB)
     try:
+        with pytest.raises(StreamSetupError, match="outbox refused") as refused:
+            bus.setup_streams()
+        assert "--outbox-max-bytes" in str(refused.value) and "MiB free on the node bus's store" in str(refused.value)
         nc = await bus.connect("converger")
-        outbox = JetStreamOutbox(nc, NodeSubjects(bus.node_id), state_dir=tmp_path)
-        await asyncio.wait_for(outbox.ensure(), 30)
-        assert not outbox.ready and "outbox refused" in outbox.error and "--outbox-max-bytes" in outbox.error
-        with pytest.raises(OutboxError, match="outbox refused"):
+        outbox = JetStreamOutbox(nc, NodeSubjects(bus.node_id))
+        await outbox.recheck()
+        assert not outbox.ready and "outbox missing" in outbox.error and "--outbox-max-bytes" in outbox.error
+        with pytest.raises(OutboxError, match="outbox missing"):
             await outbox.publish("section", "e1", encode(SectionStatus(section="devices", state="CONVERGED", observed_generation=1)))
         assert not await outbox.has_room()
 
@@ -157,7 +164,7 @@ async def test_below_the_floor_the_converger_stays_up_and_says_why(tmp_path: Pat
         await node.start()
         await node.push(NodeSpec(node_id=bus.node_id, generation=1, devices=[hold("a1", GPU[0])]))
         st = await node.wait_status(lambda s: s.last_pass_at is not None, "a pass")
-        assert "outbox refused" in st.outbox_error and st.outbox_error in st.problems
+        assert "outbox missing" in st.outbox_error and st.outbox_error in st.problems
         assert node.doctor(st)["outbox-size"][0] == "fail"
         await asyncio.sleep(1.0)
         assert node.converger.proc.poll() is None  # no crash loop

@@ -1,9 +1,9 @@
 """PhysicalGPU status end to end: the real inventory process on a copy of a fake host, a real node bus.
 
 The converger's side is played by the test, under the converger's own NATS
-user: it answers `converger.claims`, publishes `converger.claims_changed` and
-creates the node outbox stream the way the converger does
-(JetStreamOutbox.ensure). The vfio_switcher's result notices are published
+user: it answers `converger.claims` and publishes `converger.claims_changed`;
+the node outbox stream is the bus setup's (made again by it where a test
+removed it). The vfio_switcher's result notices are published
 under the vfio_switcher's user, after the test edits the host file the way
 the switcher's fake backend would. Operators' requests go through
 `inventory.gpu` as the CLI user. GPU events are read back from the outbox
@@ -30,7 +30,6 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.converger.outbox import JetStreamOutbox
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     GPU_CHANGED_CODEC,
@@ -131,8 +130,9 @@ class Node:
         self.converger = await self.bus.connect("converger")
         if answer_claims:
             await self.answer_claims()
-        if outbox:
-            await self.create_outbox()
+        if not outbox:
+            # a bus whose setup has not made the outbox yet
+            await self.admin.jetstream().delete_stream(self.subjects.outbox_stream)
         self.start_inventory(**env)
         await self.bus.wait_service("inventory")
 
@@ -147,8 +147,8 @@ class Node:
         await self.converger.flush()
 
     async def create_outbox(self) -> None:
-        assert self.converger is not None
-        await JetStreamOutbox(self.converger, self.subjects).ensure()
+        """What the bus setup does (as bus_admin): no service may make a stream."""
+        self.bus.setup_streams()
 
     def current_claims(self) -> Claims:
         return Claims(claims=list(self.claims), at=datetime.now(timezone.utc))
@@ -253,9 +253,9 @@ async def test_free_cards_read_unclaimed_and_an_allocation_reads_managed(node: N
     assert mstate(held) == ("Managed", "BackingAllocation")
     assert held.status.driver_binding.driver == "nvidia" and held.status.driver_binding.mode == "Compute"
 
-    # the KV (what the bridge sends upstream) carries the same status
-    assert node.cli is not None
-    kv = await node.cli.jetstream().key_value(node.subjects.inventory_bucket)
+    # the inventory's bucket (in the store account) carries the same status
+    assert node.admin is not None
+    kv = await node.admin.jetstream().key_value(node.subjects.inventory_bucket)
     published = INVENTORY_CODEC.decode((await kv.get(node.bus.node_id)).value or b"")
     assert mstate(next(g for g in published.gpus if g.pci_address == CARD1)) == ("Managed", "BackingAllocation")
 
@@ -513,7 +513,7 @@ async def test_gpu_events_wait_for_the_outbox_stream(node: Node) -> None:
     assert node.admin is not None
     with pytest.raises(nats.errors.Error):
         await node.admin.jetstream().stream_info(node.subjects.outbox_stream)
-    # the converger creates the stream; the journaled events follow on the next tick
+    # the bus setup makes the stream; the journaled events follow on the next tick
     await node.create_outbox()
 
     async def all_cards() -> list[Any] | None:

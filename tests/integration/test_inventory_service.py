@@ -56,7 +56,9 @@ async def test_publishes_the_example_hosts_atoms_to_kv_and_answers_get(node_bus,
     subjects = NodeSubjects(node_bus.node_id)
 
     nc = await node_bus.connect("cli")
-    kv = await nc.jetstream().key_value(subjects.inventory_bucket)
+    # the bucket as it is, in the store account (the bus setup made it; the inventory puts its key)
+    admin = await node_bus.connect("admin")
+    kv = await admin.jetstream().key_value(subjects.inventory_bucket)
     entry = await kv.get(node_bus.node_id)
     published = INVENTORY_CODEC.decode(entry.value)
 

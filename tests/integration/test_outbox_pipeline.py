@@ -8,6 +8,7 @@ event. `BusSigner.sign_many` cuts a big batch into requests that fit the bus.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -41,13 +42,29 @@ async def test_a_wave_lands_in_order_replays_are_dropped_and_a_bad_event_fails_a
     nc = await node_bus.connect("converger")
     admin = await node_bus.connect("admin")
     outbox = JetStreamOutbox(nc, subjects)
-    await outbox.ensure()
+    await outbox.recheck()  # the stream the bus setup made
+    assert outbox.ready
+    told: list[str] = []
+
+    async def on_journaled(msg) -> None:  # noqa: ANN001
+        told.append(msg.subject)
+
+    bridge = await node_bus.connect("gateway_bridge")
+    await bridge.subscribe(subjects.converger_journaled, cb=on_journaled)
+    await bridge.flush()
     acked: list[str] = []
     items = [("section", f"e{k}", section(k)) for k in range(300)]
     results = await outbox.publish_many(items, acked=lambda item: acked.append(item[1]))
     assert results == [None] * 300
     assert acked == [f"e{k}" for k in range(300)]
     assert await stream_ids(admin, subjects) == [f"e{k}" for k in range(300)]
+    # the bridge is told once a wave is journaled (it reads the outbox with no consumer to wake it)
+    await nc.flush()
+    for _ in range(50):
+        if told:
+            break
+        await asyncio.sleep(0.02)
+    assert told == [subjects.converger_journaled]
 
     # a replay of the first 100 with 10 new ones among them, and one the schema refuses
     again = [*items[:50], ("section", "new1", section(1)), ("bound", "bad", b'{"not": "a report"}'), *items[50:100], ("section", "new2", section(2))]

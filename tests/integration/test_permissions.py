@@ -1,8 +1,9 @@
 """NATS permissions as a tested property, against a real nats-server (DESIGN 2 and 3).
 
 The server runs with the config `bcd.nodebus.prepare_node_bus` writes for the
-embedded default (the NODE account with every node-bus user, the UPSTREAM
-account with the control plane and this node's bridge user). For every
+embedded default (every node-bus identity alone in its own account, the store
+account NODE with JetStream and the bus setup's user, the UPSTREAM account with
+the control plane and one account for this node's bridge user). For every
 node-bus user, one connection publishes to and subscribes to (plainly and in
 a queue group) every subject of the probe universe: every subject and
 pattern `NodeSubjects` names, every service's namespace and discovery
@@ -14,10 +15,11 @@ asynchronous, collected by the client's error callback) must be exactly what
 
 Then the security claims themselves, observed on the server, not in the
 tables: no user reaches another service's endpoints, another user's replies
-or an upstream subject; the NODE account cannot touch the UPSTREAM account's
+or an upstream subject; the store account cannot touch the UPSTREAM account's
 stream and buckets even with an unrestricted user; and in a running `bcd up`
 only the gateway_bridge process carries upstream credentials and is the only
-node process connected to the UPSTREAM account.
+node process connected to an upstream account. What JetStream could be made to
+deliver on a user's behalf is tried in test_bus_attacks.py.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from bcd.nodebus import NatsServer, prepare_node_bus
+from bcd.nodebus import NatsServer, prepare_node_bus, setup_streams
 from shared.schemas.events import EVENT_TYPES
 from shared.subjects import (
+    BUS_ADMIN_USER,
     CONTROLPLANE_USER,
     NODE_BUS_USERS,
     SERVICES,
@@ -142,7 +145,7 @@ def probe_universe() -> list[str]:
     for stream in streams:
         subjects |= js_api(stream)
     subjects |= {"$JS.API.INFO", "$JS.API.STREAM.LIST", "$JS.API.STREAM.NAMES", "$JS.API.>", "$JS.>", "$KV.>", "$SRV.>"}
-    for user in (*NODE_BUS_USERS, CONTROLPLANE_USER, upstream_node_user(NODE), "admin"):
+    for user in (*NODE_BUS_USERS, CONTROLPLANE_USER, upstream_node_user(NODE), "admin", BUS_ADMIN_USER):
         subjects |= {f"{inbox_prefix(user)}.probe.1", f"{inbox_prefix(user)}.>"}
     subjects |= {"_INBOX.probe.1", "_INBOX.>", ">", "*", "bcd.>", f"{S.prefix}.>", "$SYS.>", "$SYS.REQ.SERVER.PING"}
     return sorted(subjects)
@@ -218,11 +221,14 @@ async def observe(url: str, user: str, password: str) -> Observed:
 
 @pytest.fixture
 def embedded_bus(tmp_path):
-    """The embedded default's server: NODE (every node-bus user, plus an unrestricted admin) and UPSTREAM."""
+    """The embedded default's server (with an unrestricted admin in the store account) and
+    the node's streams, made as the bus setup makes them."""
     conf, creds = prepare_node_bus(tmp_path / "bus", tmp_path / "js", NODE, admin=True, upstream_nodes=[NODE])
     server = NatsServer(conf, tmp_path / "bus" / "nats-server.log").start()
     try:
-        yield server, {u: p.read_text().strip() for u, p in creds.items()}
+        passwords = {u: p.read_text().strip() for u, p in creds.items()}
+        asyncio.run(setup_streams(server.url, passwords[BUS_ADMIN_USER], NODE, outbox_max_bytes=16 * 1024 * 1024))
+        yield server, passwords
     finally:
         server.stop()
 
@@ -283,8 +289,8 @@ async def _connect(url: str, user: str, password: str) -> Client:
 
 
 async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embedded_bus, tmp_path) -> None:
-    """Even an unrestricted NODE user publishing `bcd.events.…` or `$KV.bcd_nodes.…` reaches
-    nothing upstream: on one server the two accounts share no subject."""
+    """Even an unrestricted user of the store account publishing `bcd.events.…` or
+    `$KV.bcd_nodes.…` reaches nothing upstream: on one server the buses share no subject."""
     from shared.signing import Ed25519PrivateKey
 
     from controlplane.serve import ControlPlane
@@ -307,14 +313,14 @@ async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embe
         sub = await cp_nc.subscribe(f"$KV.{UPSTREAM_NODES_BUCKET}.>", cb=on_record)
         await cp_nc.flush()
 
-        # the NODE account has no such stream: a JetStream publish finds no one to store it
+        # the store account has no such stream: a JetStream publish finds no one to store it
         with pytest.raises(nats.js.errors.NoStreamResponseError):
             await admin.jetstream().publish(upstream_event(NODE, "bound"), b"forged", timeout=2)
         for subject in (upstream_event(NODE, "bound"), f"$KV.{UPSTREAM_NODES_BUCKET}.{NODE}", f"$KV.{UPSTREAM_INVENTORY_BUCKET}.{NODE}"):
             await admin.publish(subject, b"forged")
         await admin.flush()
 
-        # the bridge's upstream user, in UPSTREAM, does reach them
+        # the bridge's upstream user, in its own upstream account, does reach them
         ack = await bridge_up.jetstream().publish(upstream_event(NODE, "bound"), b"real", headers={"Nats-Msg-Id": "probe-1"})
         assert ack.stream == UPSTREAM_EVENTS_STREAM
         await bridge_up.publish(f"$KV.{UPSTREAM_NODES_BUCKET}.{NODE}", b"real")
@@ -327,7 +333,7 @@ async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embe
         for bucket in (UPSTREAM_NODES_BUCKET, UPSTREAM_INVENTORY_BUCKET):
             info = await cp_js.stream_info(f"KV_{bucket}")
             assert info.state.messages == (1 if bucket == UPSTREAM_NODES_BUCKET else 0), bucket
-        # and the other way: the upstream stream is not visible from the NODE account at all
+        # and the other way: the upstream stream is not visible from the store account at all
         with pytest.raises(nats.js.errors.NotFoundError):
             await admin.jetstream().stream_info(UPSTREAM_EVENTS_STREAM)
     finally:
@@ -337,9 +343,9 @@ async def test_the_node_account_cannot_reach_the_upstream_stream_or_buckets(embe
 
 async def test_the_bridge_drains_the_outbox_with_exactly_its_permissions(embedded_bus) -> None:
     """The bridge's outbox reader and purger, as the gateway_bridge user on the production
-    permissions: its ephemeral pull consumer is made, pulled from (deliveries, heartbeats) and
-    deleted, the forwarded stretch purged, without one permission violation; the server
-    refuses it a durable consumer on the one create subject it may use."""
+    permissions: batched direct gets read what the converger journaled (a writer's notice
+    reads at once), the forwarded stretch is purged, without one permission violation; no
+    consumer exists at any time, and the bridge may make none."""
     from services.converger.outbox import JetStreamOutbox
     from services.gateway_bridge.outbox import OutboxReader
     from services.gateway_bridge.purge import OutboxPurger
@@ -365,24 +371,40 @@ async def test_the_bridge_drains_the_outbox_with_exactly_its_permissions(embedde
     stream = S.outbox_stream
     log = logs.get_logger("test.outbox")
     try:
-        await JetStreamOutbox(converger, S, min_bytes=1024 * 1024, max_bytes=16 * 1024 * 1024).ensure()
+        outbox = JetStreamOutbox(converger, S)
+        await outbox.recheck()
+        assert outbox.ready and outbox.max_bytes == 16 * 1024 * 1024
         for i in range(5):
             await converger.jetstream().publish(S.outbox_subject("section"), b"{}", headers={MSG_ID_HEADER: f"probe-{i}"})
-        reader = OutboxReader(bridge, stream, S.outbox_filter, 64, log)
+        reader = OutboxReader(bridge, stream, S.outbox_direct_get, 64, log)
         await reader.open()
         got = []
         while len(got) < 5:
             await asyncio.wait_for(reader.arrival(), 5)
             got += await reader.take(64)
         assert [(m.seq, m.headers[MSG_ID_HEADER]) for m in got] == [(i + 1, f"probe-{i}") for i in range(5)]
-        # a message journaled now is delivered on the waiting pull request
+        # a message journaled now is read when its writer says so (the converger's notice)
+        woken = asyncio.Event()
+
+        async def on_journaled(_msg) -> None:  # noqa: ANN001
+            await reader.poke()
+            woken.set()
+
+        await bridge.subscribe(S.converger_journaled, cb=on_journaled)
+        await bridge.flush()
         await converger.jetstream().publish(S.outbox_subject("bound"), b"{}", headers={MSG_ID_HEADER: "probe-live"})
+        await converger.publish(S.converger_journaled, b"")
+        await asyncio.wait_for(woken.wait(), 5)
         await asyncio.wait_for(reader.arrival(), 5)
         live = await reader.take(64)
         assert [(m.seq, m.subject) for m in live] == [(6, S.outbox_subject("bound"))]
-        await asyncio.sleep(2.5)  # idle heartbeats come in; the consumer is not taken for lost
-        reader.check()
-        assert reader.ready
+        # read again from a sequence (what a failed forward does)
+        reader.rewind(3)
+        again = []
+        while len(again) < 4:
+            await asyncio.wait_for(reader.arrival(), 5)
+            again += await reader.take(64)
+        assert [m.seq for m in again] == [3, 4, 5, 6]
 
         purger = OutboxPurger(bridge, stream, reader, log)
         purger.add(got[2])
@@ -390,19 +412,19 @@ async def test_the_bridge_drains_the_outbox_with_exactly_its_permissions(embedde
         state = (await admin.jetstream().stream_info(stream)).state
         assert (state.first_seq, state.messages) == (4, 3)
 
-        consumers = [c.name for c in await admin.jetstream().consumers_info(stream)]
-        assert consumers == [reader.consumer]
+        assert await admin.jetstream().consumers_info(stream) == [], "the reader made a consumer"
         await reader.close()
         await asyncio.gather(*reader._background)
-        assert await admin.jetstream().consumers_info(stream) == []
 
-        # the one create subject it may use makes ephemeral consumers only
-        durable = {"stream_name": stream, "config": {"durable_name": "bridge", "ack_policy": "none", "deliver_policy": "all"}}
-        reply = json.loads((await bridge.request(f"$JS.API.CONSUMER.CREATE.{stream}", json.dumps(durable).encode(), timeout=5)).data)
-        assert "error" in reply, reply
+        # and no consumer of any kind may be made by the bridge
+        for subject, body in (
+            (f"$JS.API.CONSUMER.CREATE.{stream}", {"stream_name": stream, "config": {"ack_policy": "none", "deliver_policy": "all"}}),
+            (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.bridge", {"stream_name": stream, "config": {"durable_name": "bridge", "ack_policy": "none"}}),
+        ):
+            with pytest.raises(nats.errors.Error):
+                await bridge.request(subject, json.dumps(body).encode(), timeout=2)
         assert await admin.jetstream().consumers_info(stream) == []
-        await bridge.flush()
-        assert not errors, errors
+        assert len(errors) == 2 and all("permissions violation" in e.lower() for e in errors), errors
     finally:
         for nc in (bridge, converger, admin):
             await nc.close()
@@ -416,7 +438,8 @@ def _environ(pid: int) -> dict[str, str]:
 @pytest.mark.timeout(180)
 def test_only_the_bridge_process_holds_upstream_credentials(tmp_path) -> None:
     """`bcd up`: of every node process, only gateway_bridge gets BCD_UPSTREAM_* (its own
-    upstream user's password file), and it alone of them is connected to the UPSTREAM account."""
+    upstream user's password file), and it alone of them is connected to an upstream account
+    (its own; the control plane is in UPSTREAM)."""
     if not Path("/proc/self/environ").exists():
         pytest.skip("/proc not mounted: cannot read the services' environments")
     node = Node(tmp_path).start()
@@ -428,6 +451,8 @@ def test_only_the_bridge_process_holds_upstream_credentials(tmp_path) -> None:
         upstream_secrets = {str(creds / f"{u}.password") for u in (CONTROLPLANE_USER, upstream_node_user(NODE))}
         for name in info["services"]:
             env = _environ(int(services[name]["metadata"]["pid"]))
+            # the bus setup's identity (it makes streams) is no service's
+            assert str(creds / f"{BUS_ADMIN_USER}.password") not in env.values(), name
             assert env["BCD_NATS_USER"] == name
             assert env["BCD_NATS_PASSWORD_FILE"] == str(creds / f"{name}.password")
             upstream_env = {k: v for k, v in env.items() if k.startswith("BCD_UPSTREAM_")}
@@ -441,7 +466,7 @@ def test_only_the_bridge_process_holds_upstream_credentials(tmp_path) -> None:
 
         def upstream_conns() -> list[tuple[str, str]] | None:
             connz = json.loads(urllib.request.urlopen(f"{info['monitor_url']}/connz?auth=true&limit=1024", timeout=5).read())
-            rows = sorted((c.get("authorized_user", ""), c.get("name", "")) for c in connz["connections"] if c.get("account") == "UPSTREAM")
+            rows = sorted((c.get("authorized_user", ""), c.get("name", "")) for c in connz["connections"] if c.get("account", "").startswith("UPSTREAM"))
             return rows if len(rows) >= 2 else None
 
         rows = wait_for(upstream_conns, 30, "the bridge and the control plane connected upstream")

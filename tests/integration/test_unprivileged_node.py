@@ -168,6 +168,7 @@ class UnprivilegedNode:
         self.bus = NodeBus(root, node_id=NODE)
         conf, self.bus.creds = prepare_node_bus(root / "bus", root / "js", NODE, admin=True, upstream_nodes=[NODE])
         self.bus.server = NatsServer(conf, root / "bus" / "nats-server.log").start()
+        self.bus.setup_streams()
         self.subjects = NodeSubjects(NODE)
         self.host = root / "host.json"
         self.host.write_bytes((EXAMPLE_HOSTS / "h200x8.json").read_bytes())
@@ -201,7 +202,7 @@ class UnprivilegedNode:
         await self.cp.ensure_upstream()
         for name in ("signer", "inventory", "converger", "gateway_bridge"):
             await bus.wait_service(name)
-        self.admin = await bus.connect("admin")
+        self.cli = await bus.connect("cli")
 
     def start_converger(self) -> ServiceProcess:
         """The converger as an ordinary user on a real host: no fake host, its own data dir and password."""
@@ -240,7 +241,7 @@ class UnprivilegedNode:
         return self.bus.start_service("helper", BCD_SLICES="fake")
 
     async def status(self) -> ConvergerStatus:
-        return await call(self.admin, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC)
+        return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC)
 
     async def section(self, generation: int, *states: str) -> ConvergerStatus | None:
         st = await self.status()

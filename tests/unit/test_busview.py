@@ -26,6 +26,7 @@ from bcd.busview import (
     render_bus,
     with_consumers,
 )
+from shared.subjects import node_account
 
 NOW = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)
 SERVICES = ["signer", "inventory", "converger", "gateway_bridge"]
@@ -186,7 +187,9 @@ def test_jsz_stream_detail_with_its_consumers() -> None:
 VARZ = {"server_name": "bcd-node-bus", "version": "2.15.1", "uptime": "1m2s", "connections": 4}
 
 
-def conn(user: str, account: str = "NODE", name: str = "", subs: int = 10, in_msgs: int = 1, out_msgs: int = 2, pending: int = 0) -> dict:
+def conn(user: str, account: str = "", name: str = "", subs: int = 10, in_msgs: int = 1, out_msgs: int = 2, pending: int = 0) -> dict:
+    # a node-bus identity connects to its own account (shared.subjects.node_account)
+    account = account or node_account(user)
     return {"cid": 1, "kind": "Client", "authorized_user": user, "account": account, "subscriptions": subs, "in_msgs": in_msgs, "out_msgs": out_msgs, "pending_bytes": pending, **({"name": name} if name else {})}
 
 
@@ -219,11 +222,11 @@ def test_monitor_groups_connections_per_account_and_user() -> None:
     mon = parse_monitor("http://127.0.0.1:8222", VARZ, CONNZ, SUBSZ, JSZ)
     assert (mon.server_name, mon.version, mon.uptime, mon.connections, mon.subscriptions) == ("bcd-node-bus", "2.15.1", "1m2s", 4, 173)
     assert [(u.account, u.user, u.connections, u.subscriptions, u.in_msgs, u.out_msgs, u.pending_bytes, u.names) for u in mon.users or ()] == [
-        ("NODE", "cli", 2, 3, 6, 7, 100, ()),
-        ("NODE", "converger", 1, 17, 1, 2, 0, ("bcd-converger",)),
+        ("NODE_cli", "cli", 2, 3, 6, 7, 100, ()),
+        ("NODE_converger", "converger", 1, 17, 1, 2, 0, ("bcd-converger",)),
         ("UPSTREAM", "node-node-1", 1, 2, 1, 2, 0, ("bcd-bridge-node-1",)),
     ]
-    assert mon.user("converger") is not None and mon.user("node-node-1") is None and mon.user("node-node-1", "UPSTREAM") is not None
+    assert mon.user("converger") is not None and mon.user("converger", "NODE") is None and mon.user("node-node-1") is None and mon.user("node-node-1", "UPSTREAM") is not None
     js = mon.jetstream
     assert js is not None and (js.streams, js.consumers, js.messages, js.bytes, js.api_total, js.api_errors) == (3, 1, 12, 23864, 37, 2)
     # the node's own streams first, then the other accounts'
@@ -364,7 +367,7 @@ def test_the_table() -> None:
     assert "outbox BCD_OUTBOX_node-1: 2 messages (10 B), oldest 30 s ago, last seq 0, no consumers (the bridge reads by sequence)" in lines
     assert "kv bcd_node_node-1_inventory: 1 key, revision 4, last update 2026-11-30T08:59:50+00:00 (10 s ago), 14.7 KiB" in lines
     assert "CONNECTIONS 4 (connz)  SUBSCRIPTIONS 173 (subsz)" in lines
-    assert any(line.split() == ["NODE", "converger", "1", "10", "1", "2", "0", "B", "bcd-converger"] for line in lines)
+    assert any(line.split() == ["NODE_converger", "converger", "1", "10", "1", "2", "0", "B", "bcd-converger"] for line in lines)
     assert any(line.startswith("JETSTREAM 3 streams, 1 consumer, 12 messages, 23.3 KiB") for line in lines)
     assert any(line.split()[:4] == ["UPSTREAM", "BCD_EVENTS", "8", "6.2"] for line in lines)
     assert "    consumer controlplane: pending 0, ack pending 1, redelivered 0, waiting 1, delivered seq 8, ack floor 7" in lines
@@ -406,7 +409,7 @@ def test_json() -> None:
     }
     mon = out["monitor"]
     assert mon["version"] == "2.15.1" and mon["subscriptions"] == 173
-    assert mon["users"]["NODE"]["converger"] == {"connections": 1, "subscriptions": 10, "in_msgs": 1, "out_msgs": 2, "pending_bytes": 0, "names": ["bcd-converger"]}
+    assert mon["users"]["NODE_converger"]["converger"] == {"connections": 1, "subscriptions": 10, "in_msgs": 1, "out_msgs": 2, "pending_bytes": 0, "names": ["bcd-converger"]}
     assert mon["jetstream"]["api_errors"] == 2
     assert [s["stream"] for s in mon["streams"]] == ["BCD_OUTBOX_node-1", "KV_bcd_node_node-1_inventory", "BCD_EVENTS"]
     assert mon["streams"][2]["consumers"][0]["name"] == "controlplane"

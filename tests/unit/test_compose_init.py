@@ -17,7 +17,7 @@ import pytest
 
 from bcd.compose import GROUP_ID, UIDS, cmd_init, init
 from shared import pki
-from shared.subjects import NodeSubjects
+from shared.subjects import BUS_ADMIN_USER, NODE_STORE_ACCOUNT, NodeSubjects, node_account, upstream_node_account
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bcd compose init chowns files to the image's users: it runs as root")
 
@@ -57,15 +57,24 @@ def test_the_bus_config_gives_each_user_exactly_its_permissions(tmp_path: Path) 
     d = tmp_path / "node"
     init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
     conf = json.loads((d / "bus" / "nats.conf").read_text())
-    users = {u["user"]: u for u in conf["accounts"]["NODE"]["users"]}
+    # each identity alone in its own account; the store account holds JetStream and the bus setup
+    users = {u["user"]: (name, u) for name, a in conf["accounts"].items() for u in a["users"]}
     subjects = NodeSubjects("node-7")
-    assert set(users) == {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", "helper", "cli"}
-    for name, user in users.items():
+    services = {"signer", "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", "helper", "cli"}
+    assert set(users) == services | {BUS_ADMIN_USER}
+    for name, (account, user) in users.items():
         assert user["password"] == (d / "bus" / "creds" / f"{name}.password").read_text().strip()
+        if name == BUS_ADMIN_USER:
+            assert account == NODE_STORE_ACCOUNT and conf["accounts"][account]["jetstream"] == "enabled"
+            continue
+        assert account == node_account(name) and "jetstream" not in conf["accounts"][account]
         assert user["permissions"]["publish"]["allow"] == list(subjects.permissions(name).publish) or ["_bcd_nothing_"]
     assert conf["host"] == "0.0.0.0" and conf["port"] == 4222 and conf["jetstream"]["store_dir"] == "/data"
+    # the bus setup's password is the bus's own uid's, no service's
+    assert owner_mode(d / "bus" / "creds" / f"{BUS_ADMIN_USER}.password")[0::2] == (UIDS["nats"], 0o400)
     up = json.loads((d / "upstream" / "nats.conf").read_text())
-    assert {u["user"] for u in up["accounts"]["UPSTREAM"]["users"]} == {"controlplane", "node-node-7"}
+    assert {u["user"] for a in up["accounts"].values() for u in a["users"]} == {"controlplane", "node-node-7"}
+    assert [u["user"] for u in up["accounts"][upstream_node_account("node-7")]["users"]] == ["node-node-7"]
 
 
 def test_env_and_node_json_point_the_host_at_the_published_ports(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shared import pki
-from shared.subjects import upstream_controlplane_permissions, upstream_node_permissions
+from shared.subjects import upstream_controlplane_permissions, upstream_node_account, upstream_node_permissions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ def test_a_fleet_with_a_password_is_migrated_to_an_nkey(tmp_path: Path) -> None:
     conf_text = (fl / "upstream" / "nats.conf").read_text()
     conf = json.loads(conf_text)
     assert "old-secret" not in conf_text and "tls" not in conf
-    assert all("password" not in u for u in conf["accounts"]["UPSTREAM"]["users"])
+    assert all("password" not in u for a in conf["accounts"].values() for u in a["users"])
     assert mode(fl / "upstream" / "controlplane.nk") == "0o600"
     assert "--upstream nats://127.0.0.1:4557" in out.stdout and "--upstream-ca" not in out.stdout
     again = bcd("fleet", "add-node", "fl", "node-b", cwd=tmp_path)
@@ -182,9 +182,14 @@ def test_add_node_gives_each_node_its_own_nkey_limited_to_its_subjects(tmp_path:
     assert (fl / "nodes" / "node-a.nk").read_bytes().strip() == seed
     nodes = json.loads((fl / "upstream" / "nodes.json").read_text())
     assert set(nodes) == {"node-a", "node-b"} and nodes["node-a"] == public
-    users = json.loads((fl / "upstream" / "nats.conf").read_text())["accounts"]["UPSTREAM"]["users"]
-    entry = next(u for u in users if u.get("nkey") == public)
-    assert "password" not in entry
+    accounts = json.loads((fl / "upstream" / "nats.conf").read_text())["accounts"]
+    # each node alone in its own account, importing only its own subjects from the control plane's
+    (cp,) = accounts["UPSTREAM"]["users"]
+    assert cp["nkey"] not in nodes.values() and accounts["UPSTREAM"]["jetstream"] == "enabled"
+    (entry,) = accounts[upstream_node_account("node-a")]["users"]
+    assert entry.get("nkey") == public and "password" not in entry
+    refs = [next(iter(i.values())) for i in accounts[upstream_node_account("node-a")]["imports"]]
+    assert {r["account"] for r in refs} == {"UPSTREAM"} and not any("node-b" in r["subject"] for r in refs)
     assert entry["permissions"]["publish"]["allow"] == list(upstream_node_permissions("node-a").publish)
     assert entry["permissions"]["subscribe"]["allow"] == list(upstream_node_permissions("node-a").subscribe)
     bad = bcd("fleet", "add-node", "fl", "Bad.Id", cwd=tmp_path)

@@ -191,7 +191,8 @@ PUBLISH_MATRIX = [
     pytest.param(S.dra_plugin_status, {"cli"}, id="dra_plugin.status"),
     pytest.param(S.converger_claims_changed, {"converger"}, id="converger.claims_changed"),
     pytest.param(S.converger_holder, {"vfio_switcher", "cli"}, id="converger.holder"),
-    pytest.param(S.outbox_subject("gpu"), {"converger", "inventory"}, id="outbox.gpu"),
+    pytest.param(S.outbox_subject("gpu"), {"inventory"}, id="outbox.gpu"),
+    pytest.param(S.outbox_subject("condition"), {"converger", "gateway_bridge"}, id="outbox.condition"),
     pytest.param(S.outbox_subject("bound"), {"converger"}, id="outbox.bound"),
     # the root helper writes as root: only the converger may ask it anything
     pytest.param(S.helper_file_write, {"converger"}, id="helper.file.write"),
@@ -210,35 +211,44 @@ PUBLISH_MATRIX = [
     pytest.param(S.converger_gpu_op, {"cli"}, id="converger.gpu_op"),
     pytest.param(S.inventory_diag, {"converger"}, id="inventory.diag"),
     pytest.param(S.inventory_mig_layout, {"converger"}, id="inventory.mig_layout"),
-    pytest.param(KV_PUT, {"inventory"}, id="inventory-kv-put"),
-    pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-create"),
-    pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", {"inventory"}, id="inventory-kv-update"),
+    # the inventory's bucket: its one key, put and read back by direct get; the bus setup made it
+    pytest.param(S.inventory_key, {"inventory"}, id="inventory-kv-put"),
+    pytest.param(f"$KV.{S.inventory_bucket}.other", set(), id="inventory-kv-put-other-key"),
+    pytest.param(f"$JS.API.STREAM.CREATE.{KV_STREAM}", set(), id="inventory-kv-create"),
+    pytest.param(f"$JS.API.STREAM.UPDATE.{KV_STREAM}", set(), id="inventory-kv-update"),
     pytest.param(f"$JS.API.STREAM.DELETE.{KV_STREAM}", set(), id="inventory-kv-delete"),
     pytest.param(f"$JS.API.STREAM.PURGE.{KV_STREAM}", set(), id="inventory-kv-purge"),
-    pytest.param(f"$JS.API.STREAM.MSG.GET.{KV_STREAM}", {"inventory", *READERS}, id="inventory-kv-get"),
-    pytest.param(
-        f"$JS.API.DIRECT.GET.{KV_STREAM}.$KV.{S.inventory_bucket}.x",
-        {"inventory", *READERS},
-        id="inventory-kv-direct-get",
-    ),
-    # the outbox's JetStream API: the converger makes it; the bridge alone reads it through an
-    # ephemeral consumer of its own and purges what upstream acknowledged; the operator looks
-    pytest.param(f"$JS.API.STREAM.INFO.{OUTBOX}", {"converger", "gateway_bridge", "cli"}, id="outbox-info"),
-    pytest.param(f"$JS.API.STREAM.CREATE.{OUTBOX}", {"converger"}, id="outbox-create"),
+    pytest.param(f"$JS.API.STREAM.MSG.GET.{KV_STREAM}", set(), id="inventory-kv-get"),
+    pytest.param(S.inventory_key_get, {"inventory"}, id="inventory-kv-direct-get"),
+    pytest.param(f"$JS.API.DIRECT.GET.{KV_STREAM}.$KV.{S.inventory_bucket}.x", set(), id="inventory-kv-direct-get-other-key"),
+    pytest.param(f"$JS.API.STREAM.INFO.{KV_STREAM}", {"cli"}, id="inventory-kv-info"),
+    # the outbox: the bus setup makes it; the bridge alone reads it (direct gets by sequence:
+    # no consumer exists) and purges what upstream acknowledged; the operator looks
+    pytest.param(S.outbox_info, {"converger", "gateway_bridge", "cli"}, id="outbox-info"),
+    pytest.param(S.outbox_direct_get, {"gateway_bridge"}, id="outbox-direct-get"),
+    pytest.param(f"{S.outbox_direct_get}.{S.outbox_subject('bound')}", set(), id="outbox-direct-get-last-by-subject"),
+    pytest.param(f"$JS.API.STREAM.CREATE.{OUTBOX}", set(), id="outbox-create"),
+    pytest.param(f"$JS.API.STREAM.UPDATE.{OUTBOX}", set(), id="outbox-update"),
     pytest.param(f"$JS.API.STREAM.DELETE.{OUTBOX}", set(), id="outbox-delete"),
-    pytest.param(f"$JS.API.STREAM.PURGE.{OUTBOX}", {"gateway_bridge"}, id="outbox-purge"),
+    pytest.param(S.outbox_purge, {"gateway_bridge"}, id="outbox-purge"),
     pytest.param(f"$JS.API.STREAM.MSG.GET.{OUTBOX}", set(), id="outbox-msg-get"),
     pytest.param(f"$JS.API.STREAM.MSG.DELETE.{OUTBOX}", set(), id="outbox-msg-delete"),
-    pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}", {"gateway_bridge"}, id="outbox-consumer-create"),
+    pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}", set(), id="outbox-consumer-create"),
     pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}.named", set(), id="outbox-consumer-create-named"),
     pytest.param(f"$JS.API.CONSUMER.CREATE.{OUTBOX}.named.{S.outbox_subject('bound')}", set(), id="outbox-consumer-create-filtered"),
     pytest.param(f"$JS.API.CONSUMER.DURABLE.CREATE.{OUTBOX}.named", set(), id="outbox-consumer-durable-create"),
-    pytest.param(f"$JS.API.CONSUMER.MSG.NEXT.{OUTBOX}.abc", {"gateway_bridge"}, id="outbox-consumer-next"),
-    pytest.param(f"$JS.API.CONSUMER.DELETE.{OUTBOX}.abc", {"gateway_bridge"}, id="outbox-consumer-delete"),
+    pytest.param(f"$JS.API.CONSUMER.MSG.NEXT.{OUTBOX}.abc", set(), id="outbox-consumer-next"),
+    pytest.param(f"$JS.API.CONSUMER.RESET.{OUTBOX}.abc", set(), id="outbox-consumer-reset"),
+    pytest.param(f"$JS.API.CONSUMER.DELETE.{OUTBOX}.abc", set(), id="outbox-consumer-delete"),
     pytest.param(f"$JS.API.CONSUMER.INFO.{OUTBOX}.abc", set(), id="outbox-consumer-info"),
+    pytest.param(f"$JS.ACK.{OUTBOX}.abc.1.1.1.1.0", set(), id="outbox-ack"),
+    pytest.param("$JS.API.INFO", set(), id="js-account-info"),
+    pytest.param(S.converger_journaled, {"converger"}, id="converger.journaled"),
+    pytest.param(S.inventory_journaled, {"inventory"}, id="inventory.journaled"),
     pytest.param(f"$JS.API.CONSUMER.CREATE.{NodeSubjects('n2').outbox_stream}", set(), id="other-node-outbox-consumer-create"),
     pytest.param(f"$JS.API.STREAM.PURGE.{NodeSubjects('n2').outbox_stream}", set(), id="other-node-outbox-purge"),
     pytest.param("$SRV.PING", {"cli"}, id="srv-ping"),
+    pytest.param("$SRV.PING.nope", set(), id="srv-ping-unknown-name"),
     pytest.param("$SRV.INFO.signer", {"cli"}, id="srv-info"),
     pytest.param("bcd.n2.signer.sign", set(), id="other-node-sign"),
     pytest.param("bcd.n2.inventory.get", set(), id="other-node-get"),
@@ -262,7 +272,16 @@ def test_inventory_may_not_publish_a_sign_request_or_a_vfio_switch() -> None:
 
 
 #: what a service publishes inside its own namespace: notifications nobody answers.
-NOTIFICATIONS = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.converger_holds_changed, S.vfio_result}
+NOTIFICATIONS = {
+    S.inventory_changed,
+    S.inventory_journaled,
+    S.reaper_freed,
+    S.converger_claims_changed,
+    S.converger_status_changed,
+    S.converger_holds_changed,
+    S.converger_journaled,
+    S.vfio_result,
+}
 
 
 @pytest.mark.parametrize("user", NODE_BUS_USERS)
@@ -273,20 +292,19 @@ def test_no_user_publishes_to_its_own_endpoints_or_another_node(user: str) -> No
             assert not overlaps(pattern, S.service_wildcard(user)) or pattern in NOTIFICATIONS, pattern
 
 
-#: subjects of another service a user may subscribe to (notifications, not endpoints).
-FOREIGN_SUBSCRIBE_OK = {S.inventory_changed, S.reaper_freed, S.converger_claims_changed, S.converger_status_changed, S.converger_holds_changed, S.vfio_result}
-
-
 @pytest.mark.parametrize("service", SERVICES)
-def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> None:
+def test_only_the_owning_service_subscribes_to_its_endpoints(service: str) -> None:
+    """A service takes requests on exactly the endpoints its routes name; anyone else inside
+    its namespace listens to one of its notices, never to an endpoint."""
     wildcard = S.service_wildcard(service)
-    assert wildcard in PERMS[service].subscribe
+    endpoints = {r.subject for r in S.routes() if r.owner == service and not r.notice and r.subject.startswith(f"{S.prefix}.")}
+    assert {p for p in PERMS[service].subscribe if overlaps(p, wildcard)} == endpoints
     for user, perms in PERMS.items():
         if user == service:
             continue
         for pattern in perms.subscribe:
             if overlaps(pattern, wildcard):
-                assert pattern in FOREIGN_SUBSCRIBE_OK, f"{user} subscribes {pattern} inside {wildcard}"
+                assert pattern in NOTIFICATIONS, f"{user} subscribes {pattern} inside {wildcard}"
 
 
 @pytest.mark.parametrize(
@@ -295,14 +313,17 @@ def test_only_the_owning_service_subscribes_to_its_subjects(service: str) -> Non
         pytest.param(S.signer_sign, {"signer"}, id="signer.sign"),
         pytest.param(S.signer_sign_batch, {"signer"}, id="signer.sign_batch"),
         pytest.param(S.inventory_get, {"inventory"}, id="inventory.get"),
-        pytest.param(S.inventory_changed, {"inventory", "converger", "gateway_bridge", "device_plugin", "dra_plugin", "cli"}, id="inventory.changed"),
+        pytest.param(S.inventory_changed, {"converger", "gateway_bridge", "device_plugin", "dra_plugin", "cli"}, id="inventory.changed"),
         pytest.param(S.device_plugin_withdraw, {"device_plugin"}, id="device_plugin.withdraw"),
-        pytest.param(S.converger_holds_changed, {"converger", "device_plugin"}, id="converger.holds_changed"),
+        pytest.param(S.converger_holds_changed, {"device_plugin"}, id="converger.holds_changed"),
         pytest.param(S.subject("vfio_switcher", "switch"), {"vfio_switcher"}, id="vfio_switcher.switch"),
         pytest.param(S.helper_file_write, {"helper"}, id="helper.file.write"),
         pytest.param(S.helper_slice_apply, {"helper"}, id="helper.slice.apply"),
         pytest.param(S.helper_info, {"helper"}, id="helper.info"),
-        pytest.param(S.converger_status_changed, {"converger", "gateway_bridge"}, id="converger.status_changed"),
+        pytest.param(S.converger_status_changed, {"gateway_bridge"}, id="converger.status_changed"),
+        pytest.param(S.converger_journaled, {"gateway_bridge"}, id="converger.journaled"),
+        pytest.param(S.inventory_journaled, {"gateway_bridge"}, id="inventory.journaled"),
+        pytest.param(S.outbox_filter, set(), id="outbox-subjects"),
         pytest.param("bcd.n2.signer.sign", set(), id="other-node"),
     ],
 )
@@ -363,17 +384,60 @@ def test_services_answer_srv_discovery(service: str) -> None:
 
 def test_operator_discovers_but_does_not_answer_srv() -> None:
     cli = PERMS[OPERATOR_USER]
-    assert "$SRV.>" in cli.publish
+    for svc in SERVICES:
+        for verb in ("PING", "INFO", "STATS"):
+            assert {f"$SRV.{verb}", f"$SRV.{verb}.{svc}", f"$SRV.{verb}.{svc}.*"} <= set(cli.publish)
     assert not any(p.startswith("$SRV") for p in cli.subscribe)
 
 
-def test_kv_read_subjects_are_a_subset_without_writes() -> None:
-    bucket = S.inventory_bucket
-    read, full = S.kv_read_subjects(bucket), S.kv_subjects(bucket)
-    assert set(read) < set(full)
-    assert not any(overlaps(p, f"$KV.{bucket}.>") for p in read), "readers may not put"
-    assert not any(".CREATE.KV_" in p and "CONSUMER" not in p for p in read)
-    assert not any(".UPDATE." in p for p in read)
+#: JetStream API verbs that make, change or feed a stream or consumer: with any of them a user
+#: could have the server deliver a message where its own allow-list does not reach
+#: (a deliver subject, a republish, a source, a pull to any reply subject, an ack)
+MAKERS = [
+    "$JS.API.STREAM.CREATE.X",
+    "$JS.API.STREAM.UPDATE.X",
+    "$JS.API.STREAM.DELETE.X",
+    "$JS.API.STREAM.RESTORE.X",
+    "$JS.API.STREAM.SNAPSHOT.X",
+    "$JS.API.STREAM.MSG.DELETE.X",
+    "$JS.API.CONSUMER.CREATE.X",
+    "$JS.API.CONSUMER.CREATE.X.c",
+    "$JS.API.CONSUMER.CREATE.X.c.f",
+    "$JS.API.CONSUMER.DURABLE.CREATE.X.c",
+    "$JS.API.CONSUMER.DELETE.X.c",
+    "$JS.API.CONSUMER.MSG.NEXT.X.c",
+    "$JS.API.CONSUMER.RESET.X.c",
+    "$JS.API.CONSUMER.PAUSE.X.c",
+    "$JS.API.CONSUMER.UNPIN.X.c",
+    "$JS.ACK.X.c.1.1.1.1.0",
+    "$JS.API.ACCOUNT.PURGE.X",
+]
+
+
+@pytest.mark.parametrize("user", NODE_BUS_USERS)
+def test_no_user_may_make_or_change_a_stream_or_consumer(user: str) -> None:
+    for stream in (OUTBOX, KV_STREAM, "BCD_EVENTS", "ANY"):
+        for verb in MAKERS:
+            subject = verb.replace(".X", f".{stream}", 1)
+            assert not any(subject_matches(p, subject) for p in PERMS[user].publish), (user, subject)
+    # and none subscribes to what JetStream delivers or acks
+    assert not any(overlaps(p, "$JS.>") for p in PERMS[user].subscribe)
+
+
+def test_the_bus_admin_makes_this_nodes_streams_and_nothing_else() -> None:
+    admin = S.bus_admin_permissions()
+    for subject in (f"$JS.API.STREAM.CREATE.{OUTBOX}", f"$JS.API.STREAM.UPDATE.{OUTBOX}", f"$JS.API.STREAM.CREATE.{KV_STREAM}"):
+        assert any(subject_matches(p, subject) for p in admin.publish), subject
+    for subject in (
+        *(v.replace(".X", f".{OUTBOX}", 1) for v in MAKERS if "STREAM.CREATE" not in v and "STREAM.UPDATE" not in v),
+        f"$JS.API.STREAM.CREATE.{NodeSubjects('n2').outbox_stream}",
+        S.signer_sign,
+        S.vfio_switch,
+        f"$KV.{S.inventory_bucket}.x",
+        S.outbox_subject("bound"),
+    ):
+        assert not any(subject_matches(p, subject) for p in admin.publish), subject
+    assert not admin.allow_responses
 
 
 # --- upstream ----------------------------------------------------------------------------

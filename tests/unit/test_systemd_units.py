@@ -54,8 +54,10 @@ ROOT_MAX_EXPOSURE = 2.0
 #: service (shared.subjects.SERVICES) -> unit file.
 SERVICE_UNITS = {name: f"bcd-{name.replace('_', '-')}.service" for name in SERVICES}
 BUS_UNIT = "bcd-bus.service"
+#: makes the node bus's streams as bus_admin (no service may: docs/security.md)
+BUS_SETUP_UNIT = "bcd-bus-setup.service"
 TARGET = "bcd.target"
-ALL_SERVICE_UNITS = [BUS_UNIT, *SERVICE_UNITS.values()]
+ALL_SERVICE_UNITS = [BUS_UNIT, BUS_SETUP_UNIT, *SERVICE_UNITS.values()]
 
 #: the units that run as root, and why (DESIGN 2); every other unit has its own user.
 ROOT_UNITS = {
@@ -64,6 +66,8 @@ ROOT_UNITS = {
 }
 USERS = {
     "bcd-bus.service": "bcd-bus",
+    # a user that exists only while it runs (DynamicUser=): it makes the streams and exits
+    "bcd-bus-setup.service": "bcd-bus-setup",
     "bcd-inventory.service": "bcd-inventory",
     "bcd-converger.service": "bcd-converger",
     "bcd-signer.service": "bcd-signer",
@@ -75,6 +79,8 @@ USERS = {
     "bcd-helper.service": "root",
 }
 
+#: users systemd makes for a unit's run (DynamicUser=), not sysusers.d
+DYNAMIC_USERS = {"bcd-bus-setup"}
 #: what a unit may write besides its StateDirectory=, by unit (nothing when absent).
 READ_WRITE_PATHS = {
     # the MPS control daemons' directories (DRA claims shared through MPS)
@@ -272,6 +278,7 @@ def test_every_service_and_the_bus_has_a_unit_and_the_target_wants_them():
 
 def test_exec_start_runs_the_venv_and_the_service_module():
     assert unit(BUS_UNIT).get("ExecStart") == f"{VENV_BIN}nats-server -c %d/nats.conf"
+    assert unit(BUS_SETUP_UNIT).get("ExecStart") == f"{VENV_BIN}python -m bcd.nodebus setup-streams --store-dir /var/lib/bcd/nats"
     for service, name in SERVICE_UNITS.items():
         assert unit(name).get("ExecStart") == f"{VENV_BIN}python -m services.{service}", name
 
@@ -312,7 +319,9 @@ def test_sysusers_defines_exactly_the_unit_users():
         kind, name, *_ = line.split()
         assert kind == "u", line
         users[name] = line
-    assert set(users) == {u for u in USERS.values() if u != "root"}
+    assert set(users) == {u for u in USERS.values() if u != "root"} - DYNAMIC_USERS
+    for name, u in UNITS.items():
+        assert (u.get("DynamicUser") == "yes") == (USERS.get(name) in DYNAMIC_USERS), name
 
 
 def _tmpfiles() -> dict[str, tuple[str, str, str, str]]:
