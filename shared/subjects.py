@@ -488,7 +488,7 @@ class NodeSubjects:
                 (self.inventory_get, self.converger_holder, self.vfio_result),
                 (self.service_wildcard("vfio_switcher"),),
             ),
-            "helper": ((), (self.service_wildcard("helper"),)),
+            "helper": ((self.inventory_get,), (self.service_wildcard("helper"),)),
             OPERATOR_USER: (
                 (
                     "$SRV.>",
