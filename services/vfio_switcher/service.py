@@ -234,7 +234,7 @@ class VfioSwitcherApp(ServiceApp):
                     )  # fmt: skip
 
                 # switch() checks the holder from the answer just read: one question, one answer
-                return await switch(port, pci, target, base_driver=gpu.base_driver, timeout=timeout, held_by=_answered(answer, target))
+                return await switch(port, pci, target, base_driver=gpu.base_driver, timeout=timeout, held_by=_answered(answer, target))  # type: ignore[arg-type]
             return await switch(port, pci, target, base_driver=gpu.base_driver, timeout=timeout, held_by=held_by)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the rest

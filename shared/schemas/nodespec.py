@@ -12,13 +12,13 @@ from typing import Annotated, Literal
 import msgspec
 
 from .common import (
+    DENIED_ENV_LINE_PATTERN,
     HUGEPAGE_MAX_KIB,
     HUGEPAGE_MIN_KIB,
     HUGEPAGES_MAX_COUNT,
     LIMITS_MAX_CPU_MILLIS,
     LIMITS_MAX_MEMORY_BYTES,
     AtomId,
-    DENIED_ENV_LINE_PATTERN,
     CpuList,
     EnvLine,
     Generation,
