@@ -8,10 +8,14 @@ with its own NATS user. This writes, under DIR:
   in the container's `/data`) and one password per NATS user in `bus/creds/`,
   each file owned by the one container user that reads it, mode 0400;
 - `data/<service>/`, the state each service keeps, owned by that service alone;
-- `cdi/` and `run/`, the hold directories, root's: the root helper writes the holds
-  for the converger (which only reads them), the inventory (group bcd) the fake
-  vendor spec; and `host/host.json`, the fake host (group writable: vfio_switcher's
-  fake kernel edits it);
+- `cdi/` and `run/`, the hold directories, root's and writable by root alone: the
+  root helper writes the holds for the converger (which only reads them), and this
+  writes the fake host's vendor spec, `cdi/nvidia.json`, from `host/host.json` with
+  the bytes the inventory's fakehw adapter would write (so it finds it in place and
+  writes nothing: its container mounts `cdi/` read-only);
+- `host/host.json`, the fake host, in `host/`, both vfio_switcher's and writable by
+  it alone: its fake kernel edits the file (atomically: a new file in that
+  directory, and a lock file beside it); every other container reads it;
 - with the `upstream` profile's parts: `upstream/nats.conf` (a separate upstream
   nats-server with the control plane's user and this node's, each limited to its
   subjects), `controlplane/` (its signing key, owned by its user) and `bus/cp.pub`;
@@ -38,12 +42,17 @@ import argparse
 import os
 import re
 import shutil
+import stat
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from shared.fsutil import atomic_write
+import msgspec
+
+from shared.fsutil import atomic_write, read_regular
+from shared.host import HOST_FILE_MAX_BYTES
 from shared.subjects import BUS_ADMIN_USER, CONTROLPLANE_USER, OPERATOR_USER, NodeSubjects, upstream_node_user
+from shared.vendorcdi import VENDOR_CDI_FILE, vendor_spec_bytes
 
 from .client import NodeInfo, write_node_info
 from .nodebus import BusConfig, ensure_passwords, node_bus_accounts, server_tls_block, upstream_accounts, upstream_password_users, write_private
@@ -126,6 +135,22 @@ def _own(path: Path, uid: int, mode: int, gid: int = GROUP_ID) -> None:
     os.chmod(path, mode)
 
 
+def _own_regular(path: Path, uid: int, mode: int, gid: int = GROUP_ID) -> None:
+    """`_own` of a regular file in a directory another user writes: through an fd opened without
+    following a link (a link or anything but a regular file there is refused, never followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror} (a link there is not followed: remove it and run init again)") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file: remove it and run init again")
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def _dir(path: Path, uid: int, mode: int, gid: int = GROUP_ID) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     _own(path, uid, mode, gid)
@@ -195,9 +220,9 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
         for p in [_dir(data / svc, UIDS[svc], 0o700), *(data / svc).rglob("*")]:
             os.chown(p, UIDS[svc], GROUP_ID, follow_symlinks=False)
     _dir(d / "spec", 0, 0o755, 0)  # specs to apply, read by the control plane's container
-    # the hold directories are root's: the helper writes them (the inventory, group bcd,
-    # writes the fake vendor spec into cdi/); the converger only reads them
-    cdi = _dir(d / "cdi", 0, 0o2775)
+    # the hold directories are root's and no one else writes them: the helper writes the
+    # holds, the converger and the device plugin only read them (issue 40: no group write)
+    cdi = _dir(d / "cdi", 0, 0o2755)
     run = _dir(d / "run", 0, 0o2755)
     # the MPS control daemons' directories (DRA claims shared through MPS): the inventory's
     _dir(run / "mps", UIDS["inventory"], 0o755)
@@ -208,11 +233,15 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     # the DRA plugin's registration socket and its own socket directory
     _dir(kubelet / "plugins_registry", UIDS["dra_plugin"], 0o750)
     _dir(_dir(kubelet / "plugins", 0, 0o755, 0) / "gpu.bcd.dev", UIDS["dra_plugin"], 0o750)
-    host_dir = _dir(d / "host", 0, 0o2775)
+    # the fake host is the fake kernel's, vfio_switcher's (it rewrites host.json when it switches
+    # a card): its directory and file are that one user's to write, everyone else's to read
+    host_dir = _dir(d / "host", UIDS["vfio_switcher"], 0o755)
     host_file = host_dir / "host.json"
-    if not host_file.exists():
-        shutil.copyfile(fake_host, host_file)
-    _own(host_file, 0, 0o664)
+    # that user may have put anything at the name: nothing there is followed or written through
+    if not os.path.lexists(host_file):
+        atomic_write(host_file, fake_host.read_bytes(), 0o644)
+    _own_regular(host_file, UIDS["vfio_switcher"], 0o644)
+    _write_vendor_spec(host_file, cdi)
 
     from controlplane.keys import load_or_create_cp_key
 
@@ -246,6 +275,23 @@ def init(directory: Path, node_id: str, fake_host: Path, *, bus_port: int, http_
     )
     write_node_info(d, info)
     return d / "node.json"
+
+
+def _write_vendor_spec(host_file: Path, cdi: Path) -> None:
+    """`cdi/nvidia.json` (root's, 0644) from the fake host's `vendor_cdi_spec`, written only when it
+    differs (runtimes watch the directory); none in the host file leaves the directory as it is."""
+    try:
+        host = msgspec.json.decode(read_regular(host_file, max_bytes=HOST_FILE_MAX_BYTES))
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ValueError(f"fake host file {host_file}: {exc}") from None
+    spec = host.get("vendor_cdi_spec") if isinstance(host, dict) else None
+    if not isinstance(spec, dict):
+        return
+    path = cdi / VENDOR_CDI_FILE
+    data = vendor_spec_bytes(spec)
+    if not path.is_file() or path.is_symlink() or path.read_bytes() != data:
+        atomic_write(path, data, 0o644)
+    _own(path, 0, 0o644)
 
 
 def _needs_issue(cert: Path, key: Path) -> bool:

@@ -481,7 +481,8 @@ class NodeSubjects:
         cli = OPERATOR_USER
         routes: list[Route] = [
             # inventory
-            ask(self.inventory_get, "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", cli),
+            # the root helper and the vfio_switcher check what they are asked against the inventory
+            ask(self.inventory_get, "inventory", "converger", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher", "helper", cli),
             ask(self.inventory_rescan, "inventory", cli),
             ask(self.inventory_gpu, "inventory", cli),
             # maintenance and DRA steps run where the vendor adapter is; only the converger asks

@@ -3,7 +3,8 @@
 Two services read it: the inventory (to report it) and the converger (to copy
 a held device's edits into the hold's CDI spec). Services may import only
 `shared` and themselves, so the reader lives here. Nothing here writes the
-file; the vendor's toolkit (or the fakehw adapter) does.
+file; the vendor's toolkit (or the fakehw adapter, or `bcd compose init` for a
+compose node's fake host) does, a fake host's with `vendor_spec_bytes`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from shared.schemas.codec import BoundedDecoder
 VENDOR_CDI_FILE = "nvidia.json"
 #: the largest vendor spec read (NVIDIA's, with every library mount, is tens of KiB).
 VENDOR_CDI_MAX_BYTES = 16 * 1024 * 1024
+
+
+def vendor_spec_bytes(spec: Mapping[str, Any]) -> bytes:
+    """The bytes of `<cdi_dir>/nvidia.json` for a vendor spec a fake host file gives (`vendor_cdi_spec`):
+    one rendering for every writer, so a spec already there with these bytes is never rewritten."""
+    return msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
 
 
 class VendorSpecError(Exception):
@@ -118,4 +125,5 @@ __all__ = [
     "vendor_cdi_from_json",
     "read_vendor_cdi_bytes",
     "read_vendor_cdi",
+    "vendor_spec_bytes",
 ]

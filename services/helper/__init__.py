@@ -10,5 +10,6 @@ function the in-process writer uses (shared/holdfiles/files.py, hold_file_bytes)
 
 - `ops.py`: the four operations and `info`, with their checks (no bus).
 - `safefs.py`: writes and removals that never follow a symlink.
+- `iommu.py`: whether an IOMMU group is a listed GPU's, before a hold names `/dev/vfio/<N>`.
 - `service.py`: the micro service (endpoints, replies, logs, metrics).
 """

@@ -8,6 +8,9 @@ slice name and file content is built from the checked fields:
   devices and limits validated there) and its bytes come from
   `shared.holdfiles.hold_file_bytes` with the vendor CDI spec read from this
   helper's own CDI directory - the same function the in-process writer uses.
+  A card passed through (`/dev/vfio/<N>` in the spec) is written only when
+  group N is that listed GPU's, by the inventory's word and what root reads
+  itself (iommu.py `check_group`); the inventory unreachable refuses it.
 - `file_copy`: a hold spec's consumer copy, made from the hold spec in this
   helper's own CDI directory (`shared.holdfiles.consumer_file_bytes`): only
   the allocation id crosses the wire.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +66,12 @@ from shared.schemas import (
     HelperReply,
     HelperSliceApply,
     HelperSliceRemove,
+    Inventory,
 )
 from shared.slices import SliceError, Slices, slice_properties
 from shared.vendorcdi import VendorSpecError
 
+from .iommu import GroupRefused, IommuGroups, check_group
 from .safefs import SafeDir
 
 #: the CDI spec of one hold is never near this; a bigger build is refused.
@@ -111,6 +117,8 @@ class HelperOps:
         mps_pipe_dir: str,
         consumer_dir: Path | None = None,
         mps_root: str = "",
+        iommu: IommuGroups | None = None,
+        inventory: Callable[[], Inventory] | None = None,
     ) -> None:
         self.cdi = SafeDir(cdi_dir)
         #: where the hold specs' consumer copies go (None: this helper makes none)
@@ -123,6 +131,10 @@ class HelperOps:
         #: where the inventory keeps DRA claims' MPS daemons (`<root>/<control>/pipe` is mounted)
         self.mps_root = mps_root
         self.vendor = VendorCache(self.cdi.path)
+        #: what root reads of IOMMU groups, and the inventory now (a bus call, from the
+        #: operation's thread); without both, a card passed through is refused
+        self.iommu = iommu
+        self.inventory = inventory
         self._lock = threading.Lock()
 
     def info(self) -> HelperInfo:
@@ -178,6 +190,7 @@ class HelperOps:
             hold = hold_from_wire(req.hold, self.mps_pipe_dir, mps_root=self.mps_root)
         except ValueError as exc:
             raise HelperRefusal(f"{req.kind} of {req.hold.allocation_id}: {exc}") from None
+        self._check_passthrough(f"{req.kind} of {hold.allocation_id}", [(d.gpu_uuid, d.iommu_group) for d in hold.devices if d.iommu_group is not None])
         with self._lock:
             vendor = None
             if req.kind == "cdi":
@@ -193,6 +206,23 @@ class HelperOps:
             except OSError as exc:
                 raise HelperFailure(f"cannot write {directory.path / name}: {exc.strerror or exc}") from None
         return HelperReply(ok=True, outcome="done", changed=changed, path=str(directory.path / name))
+
+    def _check_passthrough(self, what: str, cards: list[tuple[str, int]]) -> None:
+        """Each (GPU uuid, IOMMU group) must be a listed GPU's group (iommu.check_group); fail closed."""
+        if not cards:
+            return
+        if self.iommu is None or self.inventory is None:
+            raise HelperRefusal(f"{what}: this helper has no view of IOMMU groups and the inventory, so it passes no card through")
+        try:
+            inventory = self.inventory()
+        except Exception as exc:  # noqa: BLE001 - whatever stopped the answer, nothing is written
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise HelperRefusal(f"{what}: the inventory did not say which GPU IOMMU group {cards[0][1]} is ({why}); not written") from None
+        for gpu_uuid, group in cards:
+            try:
+                check_group(gpu_uuid, group, inventory, self.iommu)
+            except GroupRefused as exc:
+                raise HelperRefusal(f"{what}: /dev/vfio/{group} is not written: {exc}") from None
 
     def file_copy(self, req: HelperFileCopy) -> HelperReply:
         directory, name = self._where("cdi-consumer", req.allocation_id)

@@ -11,7 +11,9 @@ Only the converger's NATS user may publish to these subjects
 (shared/subjects.py). Every request is answered with a HelperReply, as
 vfio_switcher answers: `done`, or `refused` with the reason (a body that does
 not decode, an unknown field, a bad id, a foreign slice name, limits out of
-bounds, an env key bcd sets itself - nothing is written), or `failed` with the
+bounds, an env key no spec may set (bcd's own, `LD_*`, `PATH`, `NVIDIA_*`, ...:
+shared.schemas.common.env_key_problem), a passthrough card whose IOMMU group is not
+that listed GPU's - nothing is written), or `failed` with the
 reason (the host failed it; the converger retries). Each done operation is
 logged at INFO (an audit trail of what root wrote), each refusal at WARNING.
 
@@ -20,7 +22,12 @@ it reads the holds back from there, and checks `info` before it relies on
 the helper), `--slices fake|systemd` (auto: fake on a fake host, as the
 converger chooses), `--mps-pipe-dir` (the MPS pipe directory put into a
 slot hold's files; by default the fake host's, else NVIDIA's /tmp/nvidia-mps,
-as the inventory reports it).
+as the inventory reports it), `--sysfs-root` (where it reads IOMMU groups; on
+a fake host it reads them from the host file instead).
+
+The one request it makes: `bcd.<n>.inventory.get`, when a hold passes a card
+through, to tie its IOMMU group to a GPU the inventory lists (iommu.py); no
+answer within BUS_TIMEOUT_S refuses the write.
 """
 
 from __future__ import annotations
@@ -36,15 +43,18 @@ from prometheus_client import Counter
 from shared.fsutil import read_regular
 from shared.holdfiles import checked_consumer_dir, default_consumer_dir, default_mps_root
 from shared.host import HOST_FILE_MAX_BYTES
-from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, main_for
-from shared.schemas import EMPTY_CODEC, HELPER_INFO_CODEC, HELPER_REPLY_CODEC, Empty, HelperInfo, HelperReply
+from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, call, main_for
+from shared.schemas import EMPTY_CODEC, HELPER_INFO_CODEC, HELPER_REPLY_CODEC, INVENTORY_CODEC, Empty, HelperInfo, HelperReply, Inventory
 from shared.schemas.codec import bounded_json_loads
 from shared.slices import CGROUP_ROOT, FakeSlices, Slices, SystemdSlices
 
+from .iommu import FakeHostIommuGroups, IommuGroups, SysfsIommuGroups
 from .ops import OPERATIONS, HelperOps
 
 #: NVIDIA's default MPS pipe directory (the inventory's default too).
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
+#: how long the inventory may take to answer (the node bus is local).
+BUS_TIMEOUT_S = 3.0
 
 
 def fake_host_mps_dir(fake_host: Path) -> str:
@@ -81,6 +91,7 @@ class HelperApp(ServiceApp):
                 "on a fake host <run-dir>/mps)",
                 default="",
             ),
+            Option("--sysfs-root", "root of sysfs, where IOMMU groups are read (not on a fake host: its file says)", default=Path("/sys"), type=Path),
         ]
 
     async def setup(self, ctx: ServiceContext) -> None:
@@ -99,7 +110,12 @@ class HelperApp(ServiceApp):
         mps_root = o.mps_root or default_mps_root(o.run_dir, fake_host=fake)
         if not os.path.isabs(mps_root):
             raise StartupError(f"--mps-root {mps_root!r}: an absolute path")
-        self.ops = HelperOps(o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps, consumer_dir=consumer, mps_root=mps_root)
+        self.loop = asyncio.get_running_loop()
+        iommu: IommuGroups = FakeHostIommuGroups(o.fake_host) if fake else SysfsIommuGroups(o.sysfs_root)
+        self.ops = HelperOps(
+            o.cdi_dir, o.run_dir, slices, slices_backend=backend, mps_pipe_dir=mps, consumer_dir=consumer, mps_root=mps_root,
+            iommu=iommu, inventory=self.inventory_now,
+        )
         self.m_ops = Counter("bcd_helper_operations", "Helper operations by operation and outcome", ["operation", "outcome"], registry=ctx.registry)
         for op in OPERATIONS:
             for outcome in ("done", "refused", "failed"):
@@ -123,6 +139,11 @@ class HelperApp(ServiceApp):
 
     async def info(self, _: Empty) -> HelperInfo:
         return self.ops.info()
+
+    def inventory_now(self) -> Inventory:
+        """The inventory as the inventory service answers now; called from an operation's worker thread."""
+        ask = call(self.ctx.nc, self.ctx.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=BUS_TIMEOUT_S)
+        return asyncio.run_coroutine_threadsafe(ask, self.loop).result(BUS_TIMEOUT_S + 1.0)
 
     def _handler(self, op: str) -> Callable[[bytes], Awaitable[HelperReply]]:
         async def handle(data: bytes) -> HelperReply:

@@ -17,6 +17,14 @@ claims do not hold: the converger asks for those switches itself; no answer
 refuses with HolderUnknown), checks the device, switches, verifies and rolls
 back. Switches of one card are serialised.
 
+A switch TO vfio-pci needs more than a card nothing holds: the converger's
+claims must say the card is claimed for passthrough (the holder endpoint
+answers kind `instance`, a VM instance of the spec, or `passthrough-claim`, a
+DRA claim with VfioDeviceConfig); a listed card nobody claims so is refused
+with NotClaimed (issue 40: whoever reaches this subject cannot hand a card to
+vfio-pci on its own word). A switch back to the native driver and `reset`
+keep their rules.
+
 Target `reset` is the sibling operation (`bcd gpu reset`, asked by the
 converger once it has claimed the card for it): the same checks, every claim
 kind holds against it (a VM's too), then the kernel's PCI function reset
@@ -32,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,12 +56,13 @@ from shared.schemas import (
     BadMessage,
     Empty,
     HolderQuery,
+    HolderReply,
     SwitchReply,
     SwitchRequest,
 )
 from shared.schemas.bus import PASSTHROUGH_CLAIM
 
-from .driver import DEFAULT_SYSFS_ROOT, DriverPort, SysfsDriver, is_canonical_pci
+from .driver import DEFAULT_SYSFS_ROOT, VFIO_DRIVER, DriverPort, SysfsDriver, is_canonical_pci
 from .fakehost import FakeHostDriver, FakeHostError
 from .switch import RESET, TARGETS, Outcome, SwitchResult, reset, switch
 
@@ -198,15 +207,34 @@ class VfioSwitcherApp(ServiceApp):
             if gpu is None:
                 return refused(pci, target, "NotListed", f"refused {pci}: the inventory lists no GPU at that address")
 
-            async def held_by(card: str) -> str | None:
+            async def ask(card: str) -> HolderReply:
                 try:
-                    answer = await call(ctx.nc, ctx.subjects.converger_holder, HolderQuery(gpu=card), HOLDER_REPLY_CODEC, timeout=BUS_TIMEOUT_S)
+                    return await call(ctx.nc, ctx.subjects.converger_holder, HolderQuery(gpu=card), HOLDER_REPLY_CODEC, timeout=BUS_TIMEOUT_S)
                 except Exception as exc:  # noqa: BLE001 - switch() refuses with HolderUnknown
                     raise RuntimeError(f"the converger's holder check failed ({_why(exc)})") from None
+
+            async def held_by(card: str) -> str | None:
+                answer = await ask(card)
                 return holder_of(answer.held, answer.kind, answer.holder, target)
 
             if target == RESET:
                 return await reset(port, pci, timeout=timeout, held_by=held_by)
+            if target == VFIO_DRIVER:
+                # the claim first: one answer says both whether the card is held and what claims it
+                try:
+                    answer = await ask(pci)
+                except RuntimeError as exc:
+                    return refused(pci, target, "HolderUnknown", f"refused {pci}: whether anything holds it could not be established: {exc}")
+                if holder_of(answer.held, answer.kind, answer.holder, target) is None and not passthrough_claimed(answer.held, answer.kind):
+                    said = f"{answer.kind} {answer.holder}".strip() if answer.held else "nothing claims it"
+                    return refused(
+                        pci, target, "NotClaimed",
+                        f"refused {pci}: no VM instance of the spec and no DRA claim passes it through ({said}); "
+                        "a card goes to vfio-pci only for one",
+                    )  # fmt: skip
+
+                # switch() checks the holder from the answer just read: one question, one answer
+                return await switch(port, pci, target, base_driver=gpu.base_driver, timeout=timeout, held_by=_answered(answer, target))  # type: ignore[arg-type]
             return await switch(port, pci, target, base_driver=gpu.base_driver, timeout=timeout, held_by=held_by)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the rest
@@ -260,6 +288,12 @@ class VfioSwitcherApp(ServiceApp):
             ctx.log.warning("result notice not published", pci=reply.pci, error=_why(exc))
 
 
+def passthrough_claimed(held: bool, kind: str) -> bool:
+    """Whether the converger's HolderReply says the card is claimed for passthrough: a VM
+    instance of the spec names it, or a DRA claim passes it through (VfioDeviceConfig)."""
+    return held and kind in ("instance", PASSTHROUGH_CLAIM)
+
+
 def holder_of(held: bool, kind: str, holder: str, target: str) -> str | None:
     """Who holds the card against this switch, from the converger's HolderReply; None: nothing does.
 
@@ -279,6 +313,13 @@ def holder_of(held: bool, kind: str, holder: str, target: str) -> str | None:
     return f"{kind or 'unknown'} {holder}".strip()
 
 
+def _answered(answer: HolderReply, target: str) -> Callable[[str], Awaitable[str | None]]:
+    async def held_by(card: str) -> str | None:
+        return holder_of(answer.held, answer.kind, answer.holder, target)
+
+    return held_by
+
+
 async def _never_asked(pci: str) -> str | None:
     raise AssertionError("switch() asks for the holder only of a canonical address and a known target")
 
@@ -289,4 +330,4 @@ def _why(exc: BaseException) -> str:
 
 main = main_for(VfioSwitcherApp)
 
-__all__ = ["VfioSwitcherApp", "holder_of", "to_reply", "main"]
+__all__ = ["VfioSwitcherApp", "holder_of", "passthrough_claimed", "to_reply", "main"]

@@ -67,7 +67,8 @@ class SwitchResult:
     pci: str
     target: str
     outcome: Outcome
-    #: machine-readable cause: InvalidAddress, InvalidRequest, HolderUnknown, Held, NoSuchDevice,
+    #: machine-readable cause: InvalidAddress, InvalidRequest, HolderUnknown, Held, NotClaimed (service.py:
+    #: vfio-pci for a card no instance or passthrough claim names), NotListed, InventoryUnknown, NoSuchDevice,
     #: NotAGPU, AlreadyOnTarget, Switched, OverrideFailed, UnbindFailed, UnbindTimedOut, BindFailed,
     #: BindTimedOut, VerifyFailed, DeviceVanished
     reason: str

@@ -36,7 +36,7 @@ from typing import Literal
 
 from shared.schemas import Limits
 from shared.schemas.bus import MPS_CONTROL_PATTERN
-from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, env_value_problem, reserved_env_key
+from shared.schemas.common import ATOM_PATTERN, ENV_LINE_PATTERN, ID_RE, env_key_problem, env_value_problem
 
 # the systemd slice of a sliced hold, also its bcd.dev/cgroup-parent
 from shared.slices import slice_name
@@ -262,8 +262,13 @@ class HoldContent:
         if not _ENV_LINE_RE.search(f"CUDA_MPS_PIPE_DIRECTORY={self.mps_pipe_dir}"):
             raise ValueError(f"{self.allocation_id}: MPS pipe directory {self.mps_pipe_dir!r} cannot be an env value")
         for line in self.env:
-            if not _ENV_LINE_RE.search(line) or reserved_env_key(line.split("=", 1)[0]):
-                raise ValueError(f"{self.allocation_id}: env line {line!r} is not allowed")
+            if not _ENV_LINE_RE.search(line):
+                raise ValueError(f"{self.allocation_id}: env line {line!r} is not allowed: not one KEY=VALUE line")
+            # the spec's rule again, at every writer (the root helper's too): bcd's own keys, and
+            # those the loader, libc, the runtime's hook or a shell reads (common.env_key_problem)
+            problem = env_key_problem(line.split("=", 1)[0])
+            if problem:
+                raise ValueError(f"{self.allocation_id}: env line {line!r} is not allowed: {problem}")
         # the lines bcd builds itself too (visible ids come from the inventory,
         # the MPS pipe directory from host config): no value may carry a line
         # break of any kind into the env file, nor anything a shell, docker

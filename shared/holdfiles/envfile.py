@@ -16,6 +16,11 @@ Decisions (DESIGN 5, "Env file"):
   values are ids, the slice name (a `-` of the id spelled `.`, see
   `shared.slices.slice_name`), uuids and the MPS pipe directory; a spec's
   env value with any of them is refused when the spec is decoded.
+* Env file keys. A spec's line whose key the loader, libc, the container
+  runtime's GPU hook, the MPS client or a shell reads (`LD_*`, `PATH`,
+  `NVIDIA_*`, ...: `shared.schemas.common.env_key_problem`) is refused when
+  the spec is decoded and again when a HoldContent is built, so no writer
+  (the root helper included) puts one in this file.
 """
 
 from __future__ import annotations

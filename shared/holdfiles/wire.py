@@ -155,7 +155,9 @@ def hold_from_wire(w: HelperHold, mps_pipe_dir: str, *, mps_root: str = "") -> H
     a claim's MPS pipe directory is `<mps_root>/<control>/pipe` (the helper's root, never the wire's).
 
     ValueError (the text says what) for anything HoldContent refuses: a bad id,
-    a reserved or malformed env line, an atom twice, a sliced Kubernetes hold.
+    a malformed env line or one whose key no spec may set (bcd's own, or one the loader,
+    libc, the runtime's hook or a shell reads: common.env_key_problem), an atom twice, a
+    sliced Kubernetes hold.
     """
     checked_id(w.allocation_id)
     if not ID_RE.match(w.reservation_id):

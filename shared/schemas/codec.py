@@ -118,14 +118,24 @@ def _bare(pattern: str) -> str:
     return core[: -len(common.END)] if core.endswith(common.END) else core.removesuffix("$")
 
 
+#: a struct's own check that names an element of one of its lists (`env[3]: LD_PRELOAD ...`), as
+#: msgspec reports it: the struct's path after the message (`- at `$.devices[2]``)
+_ELEMENT_AT = re.compile(r"^(?P<rel>[A-Za-z_][A-Za-z0-9_]*(?:\[[0-9]+\])+): (?P<msg>.*) - at `(?P<at>\$[^`]*)`$", re.DOTALL)
+
+
 def human_error(text: str, type_: Any = None, _cache: dict[Any, dict[str, str]] = {}) -> str:  # noqa: B006 - a cache
     """msgspec's error text with "Expected `str` matching regex '<pattern>'" said in words.
 
     The words are the pattern's description: from common.py's constrained
     types, else from the `Meta(description=...)` found in `type_`; a pattern
     with none is shown without its anchors. The field path (`- at `$.x``)
-    stays as msgspec wrote it.
+    stays as msgspec wrote it, except that a struct's own check naming one
+    element of its lists (`env[3]: ...`, see nodespec.DeviceAssignment) gets
+    that element's whole path (`... - at `$.devices[2].env[3]``).
     """
+    e = _ELEMENT_AT.match(text)
+    if e is not None:
+        return f"{e['msg']} - at `{e['at']}.{e['rel']}`"
     m = _REGEX_ERROR.search(text)
     if m is None:
         return text

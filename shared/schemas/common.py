@@ -124,6 +124,92 @@ def reserved_env_key(key: str) -> bool:
     return key.startswith(RESERVED_ENV_PREFIX) or key in RESERVED_ENV_KEYS
 
 
+# Env keys no spec may set (issue 40), besides bcd's own: the ones something other than the workload
+# reads. A hold's env goes into its CDI spec, which every OCI hook of the container sees (the NVIDIA
+# toolkit's prestart hook runs as root and reads the container's env), and into its env file, which
+# processes outside any container source (a shell's `. file`, systemd's EnvironmentFile= of a unit
+# that may run as root). A deny-list, not an allow-list: workloads name their own variables freely
+# (JAVA_OPTS, PYTHONPATH, HF_HOME, CUDA_VISIBLE_DEVICES...); what is denied is what steers the loader,
+# libc, the container runtime's GPU hook, the MPS client or a shell, by name or by prefix. Keys are
+# case-sensitive, as every reader below reads them (`ld_preload` steers nothing).
+#
+# Sources: glibc's UNSECURE_ENVVARS (sysdeps/generic/unsecvars.h: what ld.so drops for a setuid
+# program; all of LD_*, and MALLOC_* for the allocator's tunables), the NVIDIA container toolkit
+# (internal/config/image/envvars.go and internal/modifier/cdi.go: NVIDIA_VISIBLE_DEVICES,
+# NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*, NVIDIA_DISABLE_REQUIRE, NVIDIA_MIG_CONFIG_DEVICES,
+# NVIDIA_MIG_MONITOR_DEVICES, NVIDIA_IMEX_CHANNELS, NVIDIA_GDS, NVIDIA_MOFED, NVIDIA_NVSWITCH,
+# NVIDIA_GDRCOPY, CUDA_VERSION; its swarm-resource setting, DOCKER_RESOURCE_GPU; and NVIDIA_CTK_* /
+# NVIDIA_CONTAINER_* for its own tools: the whole NVIDIA_ prefix is denied, so a key the next
+# toolkit release reads is denied already), CUDA MPS (CUDA_MPS_*: which server a client talks to,
+# where it logs, its thread and memory limits: bcd sets the pipe directory, the daemon the limits),
+# and bash/dash (what a sourcing shell, or every shell started under that env, runs or how it
+# splits words). Left allowed, a judgement: an interpreter's own search paths and options
+# (PYTHONPATH, PERL5LIB, NODE_OPTIONS) steer that one interpreter, not the loader, libc or the
+# runtime, and workloads set them routinely.
+
+#: key prefix -> what reads it (bcd's own, BCD_, is reserved_env_key's).
+DENIED_ENV_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("LD_", "steers the dynamic loader"),
+    ("NVIDIA_", "is read by the NVIDIA container toolkit's root hook"),
+    ("CUDA_MPS_", "steers the CUDA MPS client (its server, its limits)"),
+    ("MALLOC_", "tunes glibc's allocator"),
+    ("DOCKER_RESOURCE_", "names the GPUs the NVIDIA container toolkit's root hook exposes (its swarm-resource)"),
+)
+#: key -> what reads it.
+DENIED_ENV_KEYS: dict[str, str] = {
+    # glibc (UNSECURE_ENVVARS, those not under LD_ or MALLOC_)
+    "GLIBC_TUNABLES": "tunes glibc and the dynamic loader",
+    "GCONV_PATH": "makes glibc load code from the directory it names (iconv modules)",
+    "GETCONF_DIR": "steers glibc's getconf",
+    "HOSTALIASES": "steers glibc's resolver",
+    "LOCALDOMAIN": "steers glibc's resolver",
+    "RES_OPTIONS": "steers glibc's resolver",
+    "RESOLV_HOST_CONF": "steers glibc's resolver",
+    "NIS_PATH": "steers glibc's NIS lookups",
+    "LOCPATH": "makes glibc load locale data from the directory it names",
+    "NLSPATH": "makes glibc load message catalogs from the path it names",
+    "TMPDIR": "moves where glibc and programs make temporary files (glibc drops it across a privilege boundary)",
+    "TZDIR": "makes glibc load time zone data from the directory it names",
+    # the NVIDIA container toolkit: a legacy CUDA image (CUDA_VERSION, no NVIDIA_REQUIRE_CUDA) gets every GPU
+    "CUDA_VERSION": "is read by the NVIDIA container toolkit's root hook (a legacy CUDA image is given every GPU)",
+    # a shell: sourcing the env file, or every shell started with its env
+    "PATH": "decides which program a command name runs",
+    "BASH_ENV": "names a file every non-interactive bash runs first",
+    "ENV": "names a file an interactive sh runs first",
+    "SHELLOPTS": "sets the options of every bash started with it",
+    "BASHOPTS": "sets the options of every bash started with it",
+    "PS4": "is expanded (and its commands run) by a shell tracing its commands",
+    "PROMPT_COMMAND": "is run by an interactive bash before each prompt",
+    "IFS": "changes how the shell that sources the env file splits words",
+}
+
+
+#: the EnvLine lines whose key env_key_problem refuses, as one anchored pattern (ECMA-262 and Python
+#: alike) for the JSON Schema's `not`, so a control plane's own validator refuses them too; built
+#: from the same lists, so the two cannot differ (tests/unit/test_env_boundary.py checks it)
+DENIED_ENV_LINE_PATTERN = (
+    "^(?:(?:"
+    + "|".join((RESERVED_ENV_PREFIX, *(p for p, _ in DENIED_ENV_PREFIXES)))
+    + ")[A-Za-z0-9_]*|"
+    + "|".join(sorted((*RESERVED_ENV_KEYS, *DENIED_ENV_KEYS)))
+    + ")=[^"
+    + ENV_VALUE_FORBIDDEN
+    + "]*"
+    + END
+)
+
+
+def env_key_problem(key: str) -> str:
+    """"" when a spec may set env key `key`; else why not, one phrase that starts with the key
+    (`LD_PRELOAD steers the dynamic loader`). The keys bcd sets itself are "set by bcd"."""
+    if reserved_env_key(key):
+        return f"{key} is set by bcd"
+    why = DENIED_ENV_KEYS.get(key)
+    if why is None:
+        why = next((w for prefix, w in DENIED_ENV_PREFIXES if key.startswith(prefix)), None)
+    return f"{key} {why}" if why is not None else ""
+
+
 #: Every integer of every schema is a Go int64 (the upstream contract, docs/upstream.md): a control
 #: plane typing a field int64 reads every value bcd sends, and bcd refuses at decode what such a
 #: control plane could not have sent (a JSON number past 2^63 - 1 would otherwise decode to a Python
@@ -232,6 +318,10 @@ __all__ = [
     "ENV_VALUE_SPECIAL",
     "env_value_problem",
     "reserved_env_key",
+    "DENIED_ENV_KEYS",
+    "DENIED_ENV_PREFIXES",
+    "DENIED_ENV_LINE_PATTERN",
+    "env_key_problem",
     "NonNegInt",
     "PositiveInt",
     "Generation",

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .common import (
+    DENIED_ENV_LINE_PATTERN,
     HUGEPAGE_MAX_KIB,
     HUGEPAGE_MIN_KIB,
     HUGEPAGES_MAX_COUNT,
@@ -24,8 +25,8 @@ from .common import (
     Id,
     PciAddress,
     Struct,
+    env_key_problem,
     env_value_problem,
-    reserved_env_key,
 )
 
 #: BINDING_UNSPECIFIED is the protobuf zero value: it decodes, and the
@@ -36,6 +37,22 @@ BINDINGS: tuple[str, ...] = Binding.__args__  # type: ignore[attr-defined]
 MAX_DEVICES_PER_ASSIGNMENT = 64
 MAX_ASSIGNMENTS = 1024
 MAX_ENV_LINES = 128
+
+#: an env line of a spec. Its key is checked in DeviceAssignment.__post_init__ (the message names the
+#: key and why); the JSON Schema says the same as `not` a pattern, for a control plane's validator.
+SpecEnvLine = Annotated[
+    EnvLine,
+    msgspec.Meta(
+        extra_json_schema={
+            "not": {
+                "pattern": DENIED_ENV_LINE_PATTERN,
+                "description": "keys a spec may not set: bcd's own (BCD_*, NVIDIA_VISIBLE_DEVICES, CUDA_MPS_PIPE_DIRECTORY) and those "
+                "the dynamic loader, glibc, the NVIDIA container toolkit's root hook, the CUDA MPS client or a shell reads "
+                "(docs/upstream.md, section 3)",
+            }
+        }
+    ),
+]
 
 
 class HugePages(Struct, kw_only=True):
@@ -87,21 +104,25 @@ class DeviceAssignment(Struct, kw_only=True):
     instance_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     devices: Annotated[list[AtomId], msgspec.Meta(max_length=MAX_DEVICES_PER_ASSIGNMENT)] = []
     limits: Limits | None = None
-    env: Annotated[list[EnvLine], msgspec.Meta(max_length=MAX_ENV_LINES)] = []
+    env: Annotated[list[SpecEnvLine], msgspec.Meta(max_length=MAX_ENV_LINES)] = []
 
     def __post_init__(self) -> None:
+        # Each message starts with the line's own path (`env[3]: `): the codec joins it to the
+        # assignment's (`- at `$.devices[2]``), so the refusal names `$.devices[2].env[3]`.
         seen: set[str] = set()
-        for line in self.env:
+        for i, line in enumerate(self.env):
             key = line.split("=", 1)[0]
-            if reserved_env_key(key):
-                raise ValueError(f"env: {key} is set by bcd and cannot come from the spec")
+            # bcd's own keys, and those the loader, libc, the runtime's hook or a shell reads
+            problem = env_key_problem(key)
+            if problem:
+                raise ValueError(f"env[{i}]: {problem} and cannot come from the spec")
             if key in seen:
-                raise ValueError(f"env: {key} is set twice")
+                raise ValueError(f"env[{i}]: {key} is set twice")
             seen.add(key)
             # the env file must read the same to every consumer (common.env_value_problem)
             problem = env_value_problem(line.split("=", 1)[1])
             if problem:
-                raise ValueError(f"env: {key}: {problem}")
+                raise ValueError(f"env[{i}]: {key}: {problem}")
 
     @property
     def sliced(self) -> bool:

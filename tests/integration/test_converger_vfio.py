@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from services.vfio_switcher.service import passthrough_claimed
 from shared.runtime import call
 from shared.schemas import (
     CLAIMS_CODEC,
@@ -110,8 +111,12 @@ class StandInSwitcher:
         holder = await call(self.nc, self.node.subjects.converger_holder, HolderQuery(gpu=req.pci), HOLDER_REPLY_CODEC)
         queued = self.script.get(req.pci)
         outcome = queued.pop(0) if queued else "Succeeded"
+        reason = ""
         if holder.held and holder.kind in ("allocation", "release"):
-            outcome = "Refused"
+            outcome, reason = "Refused", "Held"
+        elif req.target == "vfio-pci" and not passthrough_claimed(holder.held, holder.kind):
+            # the real switcher takes a card to vfio-pci only for the converger's passthrough claim
+            outcome, reason = "Refused", "NotClaimed"
         event = ""
         if outcome == "Succeeded":
             if self.driver(req.pci) == want:
@@ -126,11 +131,11 @@ class StandInSwitcher:
             pci=req.pci,
             target=req.target,
             outcome=outcome,
-            reason={"Succeeded": "Switched", "Unchanged": "AlreadyOnTarget", "Refused": "Held", "Failed": "BindFailed"}.get(outcome, "UnbindTimedOut"),
+            reason=reason or {"Succeeded": "Switched", "Unchanged": "AlreadyOnTarget", "Failed": "BindFailed"}.get(outcome, "UnbindTimedOut"),
             message=f"{outcome} (stand-in)",
             event=event,
             driver=self.driver(req.pci),
-            holder=holder.holder if outcome == "Refused" else "",
+            holder=holder.holder if reason == "Held" else "",
             boot_id=BOOT_ID,
             why=req.why,
             at=datetime.now(timezone.utc),

@@ -22,7 +22,7 @@ import pytest
 from services.converger.hostwriter import BusHelperTransport, HelperHostWriter, HostWriteError, helper_connector
 from shared.holdfiles import VendorCache, hold_file_bytes, hold_to_wire
 from shared.runtime import call
-from shared.schemas import HELPER_INFO_CODEC, HELPER_REPLY_CODEC, Empty, HelperFileWrite, Limits, encode
+from shared.schemas import HELPER_INFO_CODEC, HELPER_REPLY_CODEC, INVENTORY_CODEC, Empty, HelperFileWrite, Limits, encode
 from shared.subjects import NodeSubjects
 
 from .harness import EXAMPLE_HOSTS
@@ -100,6 +100,10 @@ async def test_malicious_requests_are_refused_over_the_bus_and_write_nothing(nod
         (S.helper_file_write, {"kind": "cdi", "hold": {**good, "allocation_id": "../x"}}, "not a valid id"),
         (S.helper_file_write, {"kind": "cdi", "hold": {**good, "hooks": [{"hookName": "createRuntime", "path": "/bin/sh"}]}}, "unknown field `hooks`"),
         (S.helper_file_write, {"kind": "allocation-env", "hold": {**good, "env": ["NVIDIA_VISIBLE_DEVICES=all"]}}, "not allowed"),
+        # env that steers the loader or the runtime's root hook, each hop (issue 40): the helper too
+        (S.helper_file_write, {"kind": "allocation-env", "hold": {**good, "env": ["A=1", "LD_PRELOAD=/tmp/x.so"]}}, "LD_PRELOAD steers the dynamic loader"),
+        (S.helper_file_write, {"kind": "cdi", "hold": {**good, "env": ["NVIDIA_DRIVER_CAPABILITIES=all"]}}, "NVIDIA container toolkit's root hook"),
+        (S.helper_file_write, {"kind": "cdi", "hold": {**good, "env": ["PATH=/tmp"]}}, "PATH decides which program"),
         (S.helper_file_remove, {"kind": "cdi", "allocation_id": "a/b"}, "not a valid id"),
         (S.helper_slice_apply, {"allocation_id": "system.slice", "limits": {"cpus": "0"}}, "not a valid id"),
         (S.helper_slice_apply, {"allocation_id": "x", "limits": {"cpus": "0-9999"}}, "above the highest"),
@@ -148,3 +152,42 @@ async def test_a_missing_helper_is_a_host_write_error(node_bus) -> None:
             await asyncio.to_thread(writer.remove_cdi, "a1")
     finally:
         await asyncio.to_thread(writer.close)
+
+
+async def test_a_card_passed_through_is_written_only_for_its_listed_group(node_bus, tmp_path) -> None:
+    """The helper asks the inventory over the bus (its one publish permission) and reads the
+    group itself before it names /dev/vfio/<N>; no inventory answering refuses (issue 40)."""
+    from tests.unit.test_helper_iommu import CARD, CLAIM, OTHER, FakeSysfs, inventory, passthrough
+
+    sysfs = FakeSysfs(tmp_path / "sys")
+    sysfs.function(CARD["pci_address"], "0x030200", 20)
+    sysfs.function("0000:c1:00.0", "0x020000", 42)
+    (node_bus.root / "cdi").mkdir()
+    (node_bus.root / "run").mkdir()
+    helper = node_bus.start_service("helper", BCD_SLICES="fake", BCD_MPS_PIPE_DIR="/tmp/nvidia-mps", BCD_SYSFS_ROOT=str(sysfs.root))
+    await node_bus.wait_service("helper")
+    nc = await node_bus.connect("converger")
+
+    async def write(group: int) -> object:
+        body = encode(HelperFileWrite(kind="cdi", hold=hold_to_wire(passthrough(CARD, group))))
+        return HELPER_REPLY_CODEC.decode((await nc.request(S.helper_file_write, body, timeout=15)).data)
+
+    # nobody answers inventory.get: refused, fail closed
+    r = await write(20)
+    assert r.outcome == "refused" and "the inventory did not say which GPU IOMMU group 20 is" in r.reason, r
+    # the inventory answers (as its own NATS user)
+    inv = await node_bus.connect("inventory")
+
+    async def answer(msg) -> None:
+        await msg.respond(INVENTORY_CODEC.encode(inventory(CARD, OTHER)))
+
+    await inv.subscribe(S.inventory_get, cb=answer)
+    await inv.flush()
+    r = await write(42)
+    assert r.outcome == "refused" and "in IOMMU group 20, not 42" in r.reason, r
+    assert tree(node_bus.root / "cdi") == {}
+    r = await write(20)
+    assert r.ok, r
+    spec = json.loads((node_bus.root / "cdi" / f"bcd-{CLAIM}.json").read_text())
+    assert spec["devices"][0]["containerEdits"] == {"deviceNodes": [{"path": "/dev/vfio/20"}]}
+    assert helper.proc.poll() is None

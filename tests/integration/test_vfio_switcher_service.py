@@ -56,17 +56,22 @@ def host_file(tmp_path):
 
 
 class Holder:
-    """The converger's `holder` endpoint: answers from `answers` (default: free) and records what was asked."""
+    """The converger's `holder` endpoint: answers from `answers` and records what was asked. By default
+    every card is claimed by instance vm-1 (a switch to vfio-pci needs a passthrough claim: issue 40),
+    which holds it against nothing else; `default=None` answers free."""
 
     def __init__(self) -> None:
         self.answers: dict[str, HolderReply] = {}
         self.asked: list[str] = []
+        self.default: tuple[str, str] | None = ("instance", "vm-1")
 
     async def serve(self, nc, subjects: NodeSubjects) -> None:
         async def on_query(msg) -> None:
             q = HOLDER_QUERY_CODEC.decode(msg.data)
             self.asked.append(q.gpu)
-            await msg.respond(encode(self.answers.get(q.gpu, HolderReply(held=False, gpu=q.gpu))))
+            free = HolderReply(held=False, gpu=q.gpu)
+            claimed = HolderReply(held=True, kind=self.default[0], holder=self.default[1], gpu=q.gpu) if self.default else free
+            await msg.respond(encode(self.answers.get(q.gpu, claimed)))
 
         await nc.subscribe(subjects.converger_holder, cb=on_query)
         await nc.flush()
@@ -209,14 +214,44 @@ async def test_refuses_a_held_gpu_naming_the_holder(node, kind, holder, target, 
     assert node.host_file.read_bytes() == before
 
 
-@pytest.mark.parametrize(("kind", "target"), [("instance", "vfio-pci"), ("domain", "vfio-pci")])
-async def test_an_instance_claim_does_not_hold(node, kind, target):
-    """The converger asks for an instance's switch itself; a domain only holds a card against its return."""
+@pytest.mark.parametrize("kind", ["instance", "passthrough-claim"])
+async def test_a_passthrough_claim_does_not_hold_and_lets_the_card_go_to_vfio(node, kind):
+    """The converger asks for these switches itself: a VM instance of the spec, a DRA claim with VfioDeviceConfig."""
     pci = read_host(node.host_file)["gpus"][5]["pci_address"]
     node.holder.answers[pci] = HolderReply(held=True, kind=kind, holder="vm-1", gpu=pci)
-    reply = await node.switch(pci, target)
+    reply = await node.switch(pci, "vfio-pci")
     assert reply.outcome == "Succeeded", reply.message
     assert card(read_host(node.host_file), pci)["driver"] == "vfio-pci"
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (HolderReply(held=False), "nothing claims it"),
+        # a VM running with the card but no instance of the spec naming it: not the converger's claim
+        (HolderReply(held=True, kind="domain", holder="rogue-vm"), "domain rogue-vm"),
+    ],
+    ids=["unclaimed", "domain-only"],
+)
+async def test_a_listed_card_no_passthrough_claim_names_is_not_switched_to_vfio(node, answer, said):
+    """What a caller that reaches the switch subject sends (issue 40): a listed, free card to vfio-pci."""
+    pci = read_host(node.host_file)["gpus"][5]["pci_address"]
+    before = node.host_file.read_bytes()
+    node.holder.answers[pci] = HolderReply(held=answer.held, kind=answer.kind, holder=answer.holder, gpu=pci)
+    reply = await node.switch(pci, "vfio-pci", why="sent by someone")
+    assert (reply.outcome, reply.reason, reply.event) == ("Refused", "NotClaimed", ""), reply
+    assert f"refused {pci}: no VM instance of the spec and no DRA claim passes it through ({said})" in reply.message
+    assert node.holder.asked == [pci] and node.host_file.read_bytes() == before
+    assert 'bcd_vfio_switches_total{outcome="Refused",target="vfio-pci"} 1.0' in await node.metrics()
+
+
+async def test_a_card_nothing_claims_still_goes_back_to_its_native_driver(node):
+    """The way back keeps its rules: a card on vfio-pci nothing claims returns to nvidia."""
+    pci = read_host(node.host_file)["gpus"][6]["pci_address"]
+    edit_host(node.host_file, lambda h: card(h, pci).update(driver="vfio-pci", driver_override="vfio-pci"))
+    node.holder.default = None
+    reply = await node.switch(pci, "native", why="reclaim")
+    assert (reply.outcome, reply.driver) == ("Succeeded", "nvidia"), reply
 
 
 async def test_refuses_when_the_holder_cannot_be_asked(node_bus, host_file):

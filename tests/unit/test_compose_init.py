@@ -42,8 +42,8 @@ def test_each_secret_belongs_to_the_one_user_that_reads_it(tmp_path: Path) -> No
     assert owner_mode(d / "bus" / "nats.conf") == (UIDS["nats"], GROUP_ID, 0o400)
     for svc in ("signer", "inventory", "converger"):
         assert owner_mode(d / "data" / svc) == (UIDS[svc], GROUP_ID, 0o700), svc
-    # the hold directories are root's (the helper writes them); cdi/ is group-writable for the fake vendor spec
-    assert owner_mode(d / "cdi") == (0, GROUP_ID, 0o2775)
+    # the hold directories are root's alone (the helper writes them; init the fake vendor spec)
+    assert owner_mode(d / "cdi") == (0, GROUP_ID, 0o2755)
     assert owner_mode(d / "run") == (0, GROUP_ID, 0o2755)
     # the device plugin's stand-in kubelet dir: it makes its sockets in device-plugins/
     assert owner_mode(d / "kubelet" / "device-plugins") == (UIDS["device_plugin"], GROUP_ID, 0o750)
@@ -161,3 +161,92 @@ def test_init_again_keeps_the_certificates_and_renews_one_near_its_end(tmp_path:
     for reader in ("upstream", "gateway_bridge", "controlplane"):
         pki.load_certificate(d / "pki" / reader / "tls.crt").verify_directly_issued_by(ca)
         assert (d / "pki" / reader / "ca.crt").read_bytes() == (d / "pki" / "ca" / "ca.crt").read_bytes()
+
+
+# --------------------------------------------------------------------------- issue 40: no group write
+
+
+def _writable_by_others(root: Path) -> list[str]:
+    """Every directory and file under root that a group or other user may write."""
+    out = []
+    for p in [root, *root.rglob("*")]:
+        st = p.lstat()
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            out.append(f"{p.relative_to(root)} {oct(stat.S_IMODE(st.st_mode))}")
+    return out
+
+
+def test_each_directory_is_writable_only_by_its_owner(tmp_path: Path) -> None:
+    """cdi/ and host/ were writable by group bcd, which every service shares (issue 40)."""
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert _writable_by_others(d) == []
+    # the fake vendor spec is root's, written by init, not by the inventory
+    assert owner_mode(d / "cdi" / "nvidia.json") == (0, GROUP_ID, 0o644)
+    # the fake host is the fake kernel's (vfio_switcher rewrites host.json in host/), read by all
+    assert owner_mode(d / "host") == (UIDS["vfio_switcher"], GROUP_ID, 0o755)
+    assert owner_mode(d / "host" / "host.json") == (UIDS["vfio_switcher"], GROUP_ID, 0o644)
+
+
+def test_an_earlier_layout_is_tightened_by_init_again(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    # what init made before issue 40
+    os.chmod(d / "cdi", 0o2775)
+    os.chown(d / "host", 0, GROUP_ID)
+    os.chmod(d / "host", 0o2775)
+    os.chown(d / "host" / "host.json", 0, GROUP_ID)
+    os.chmod(d / "host" / "host.json", 0o664)
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert _writable_by_others(d) == []
+    assert owner_mode(d / "host" / "host.json")[0] == UIDS["vfio_switcher"]
+
+
+def test_the_inventory_finds_the_vendor_spec_in_place_and_writes_nothing(tmp_path: Path) -> None:
+    """Its container mounts cdi/ read-only: init's bytes must be the ones the fakehw adapter writes."""
+    from services.inventory.adapters.fakehw import FakeHwAdapter
+
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    spec = d / "cdi" / "nvidia.json"
+    before = spec.stat()
+    assert FakeHwAdapter(d / "host" / "host.json", cdi_dir=d / "cdi").write_cdi_spec() is True
+    # the same file, untouched (root here could write anyway: the inode says it did not)
+    assert (spec.stat().st_ino, spec.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert json.loads(spec.read_text()) == json.loads(EXAMPLE.read_text())["vendor_cdi_spec"]
+
+
+def test_the_vendor_spec_follows_the_host_file_and_is_rewritten_only_when_it_differs(tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    spec = d / "cdi" / "nvidia.json"
+    ino = spec.stat().st_ino
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert spec.stat().st_ino == ino  # unchanged: not rewritten (runtimes watch the directory)
+    host = json.loads((d / "host" / "host.json").read_text())
+    host["vendor_cdi_spec"]["devices"] = host["vendor_cdi_spec"]["devices"][:1]
+    (d / "host" / "host.json").write_text(json.dumps(host))
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert json.loads(spec.read_text())["devices"] == host["vendor_cdi_spec"]["devices"]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "dangling-symlink", "fifo"])
+def test_what_vfio_switcher_plants_at_host_json_is_never_followed(tmp_path: Path, planted: str) -> None:
+    """host/ is that user's now: init running as root must not chown, chmod or write through a link there."""
+    d = tmp_path / "node"
+    init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    victim = tmp_path / "root-only"
+    victim.write_text("secret")
+    os.chmod(victim, 0o600)
+    host = d / "host" / "host.json"
+    host.unlink()
+    if planted == "symlink":
+        host.symlink_to(victim)
+    elif planted == "dangling-symlink":
+        host.symlink_to(tmp_path / "made-by-root")
+    else:
+        os.mkfifo(host)
+    with pytest.raises(ValueError, match="host.json"):
+        init(d, "node-7", EXAMPLE, bus_port=1, http_port=2, upstream_port=3)
+    assert owner_mode(victim) == (0, 0, 0o600) and victim.read_text() == "secret"
+    assert not (tmp_path / "made-by-root").exists()

@@ -25,7 +25,7 @@ import pytest
 from services.inventory.adapters.fakehost import load_host_file
 from services.vfio_switcher.driver import VFIO_DRIVER, DeviceVanished, DriverBusy, DriverError, DriverPort, DriverTimeout, FakeDriver
 from services.vfio_switcher.fakehost import GPU_PCI_CLASS, FakeHostDriver, FakeHostError
-from services.vfio_switcher.service import holder_of
+from services.vfio_switcher.service import holder_of, passthrough_claimed
 from services.vfio_switcher.switch import (
     DISRUPTION_REQUIRED,
     EVENT_PREPARE_FAILED,
@@ -577,6 +577,25 @@ def test_holder_rule(held, kind, target, holds):
     assert (got is not None) is holds
     if holds:
         assert got.endswith("who")
+
+
+@pytest.mark.parametrize(
+    ("held", "kind", "claimed"),
+    [
+        (True, "instance", True),
+        (True, "passthrough-claim", True),
+        (False, "", False),
+        (False, "instance", False),  # not held: no claim, whatever the kind says
+        (True, "domain", False),  # a VM running with it is no claim of the spec's
+        (True, "claim", False),
+        (True, "allocation", False),
+        (True, "release", False),
+        (True, "something-new", False),
+    ],
+)
+def test_only_a_passthrough_claim_lets_a_card_go_to_vfio(held, kind, claimed):
+    """Issue 40: a switch to vfio-pci needs the converger to say an instance or a passthrough claim wants it."""
+    assert passthrough_claimed(held, kind) is claimed
 
 
 # --------------------------------------------------------------------------- the sibling operation: a reset

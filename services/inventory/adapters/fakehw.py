@@ -40,6 +40,7 @@ from shared.fsutil import atomic_write as shared_atomic_write
 from shared.fsutil import exclusive
 from shared.fsutil import read_regular
 from shared.host import HOST_FILE_MAX_BYTES
+from shared.vendorcdi import vendor_spec_bytes
 from shared.schemas import HostResources, HugePagePool, MigPlacement, MigProfile, MpsDaemonSpec, NumaNode, RunningProcess
 
 from .. import hostfs
@@ -618,7 +619,7 @@ class FakeHwAdapter:
         spec = self._host.vendor_cdi_spec
         if spec is None:
             return False
-        data = msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
+        data = vendor_spec_bytes(spec)
         path = self.cdi_dir / VENDOR_CDI_FILE
         try:
             if read_regular(path, max_bytes=len(data)) == data:
@@ -626,7 +627,11 @@ class FakeHwAdapter:
                 return True
         except OSError:
             pass
-        atomic_write(path, data)
+        try:
+            atomic_write(path, data)
+        except OSError as exc:
+            # a compose node's cdi/ is root's, read-only here: `bcd compose init` writes the spec
+            raise AdapterError(f"cannot write the vendor CDI spec {path}: {exc.strerror or exc} (a compose node: run `bcd compose init` again)") from None
         return True
 
     def close(self) -> None:
