@@ -275,6 +275,9 @@ def read_spec(root: Path, control: str, owner: int) -> MpsDaemonSpec:
         raise _refused(str(exc)) from None
     with opened(path.parent, owner, last_any_owner=True) as dfd:
         try:
+            # what it is before it is opened: a device's open may do something, a FIFO's wait
+            if not stat.S_ISREG(os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise _refused(f"{path} is not a regular file")
             fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
         except FileNotFoundError:
             raise _refused(f"no {path}: the inventory writes it before it asks for the unit") from None
