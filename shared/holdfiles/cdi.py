@@ -24,7 +24,7 @@ Decisions (DESIGN 5, "CDI rules"; the seed's example is the target shape):
   and bind-mounts the pipe directory (the control daemon's named pipes and
   sockets) at the same path, rw, nosuid, nodev. A DRA claim's daemon is
   bcd's own, laid out by root (services/inventory/mpsroot.py): its log
-  directory is mounted too (the claim's to read), and its shm directory, a
+  directory is mounted too (read-only: the claim's to read), and its shm directory, a
   tmpfs of that daemon's alone, at the container's /dev/shm (the server's
   shared memory; NVIDIA's DRA driver mounts the same). The host's /dev/shm
   is never mounted: it holds every tenant's shared memory and root's MPS
@@ -126,20 +126,23 @@ def _cdi_env(hold: HoldContent) -> list[str]:
 MPS_SHM_DIR = "/dev/shm"
 #: the options of the MPS bind mounts (NVIDIA's DRA driver uses the same).
 MPS_MOUNT_OPTIONS: tuple[str, ...] = ("rw", "nosuid", "nodev", "bind")
+#: a claim's daemon's log directory: the claim's to read, never to write (the root daemon
+#: writes there; a file a container put in its place is not the daemon's business)
+MPS_LOG_MOUNT_OPTIONS: tuple[str, ...] = ("ro", "nosuid", "nodev", "bind")
 
 
 def mps_mounts(mps_pipe_dir: str, mps_log_dir: str = "", mps_shm_dir: str = "") -> list[dict[str, Any]]:
     """The mounts an MPS client in a container needs: the pipe directory, and where the daemon
-    is bcd's own (a DRA claim's) its log directory (what the daemon and its server log is the
-    claim's to read) and its shm directory at /dev/shm. Every host path is one root made."""
+    is bcd's own (a DRA claim's) its log directory (read-only: what the daemon and its server
+    log is the claim's to read) and its shm directory at /dev/shm. Every host path is one root made."""
     if not mps_pipe_dir:
         return []
-    pairs = [(mps_pipe_dir, mps_pipe_dir)]
+    mounts = [(mps_pipe_dir, mps_pipe_dir, MPS_MOUNT_OPTIONS)]
     if mps_log_dir:
-        pairs.append((mps_log_dir, mps_log_dir))
+        mounts.append((mps_log_dir, mps_log_dir, MPS_LOG_MOUNT_OPTIONS))
     if mps_shm_dir:
-        pairs.append((mps_shm_dir, MPS_SHM_DIR))
-    return [{"hostPath": host, "containerPath": there, "options": list(MPS_MOUNT_OPTIONS)} for host, there in pairs]
+        mounts.append((mps_shm_dir, MPS_SHM_DIR, MPS_MOUNT_OPTIONS))
+    return [{"hostPath": host, "containerPath": there, "options": list(options)} for host, there, options in mounts]
 
 
 def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any]:

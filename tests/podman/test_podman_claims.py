@@ -88,7 +88,7 @@ def test_a_claims_mps_daemon_reaches_its_container(podman: Podman, dirs: tuple[P
         assert [d["name"] for d in spec["devices"]] == [f"{GPU[0]}_{SHARE_ID}"]
         script = (
             'test -p "$CUDA_MPS_PIPE_DIRECTORY/control" || echo "MISSING pipe"; '
-            f'test -e {log}/control.log || echo "MISSING log"; '
+            f'test -e {log}/control.log || echo "MISSING log"; touch {log}/planted 2>/dev/null && echo "HOST log writable"; '
             'test -e /dev/shm/cuda.shm.0 || echo "MISSING shm"; '
             f'test -e /dev/shm/{shm.name} && echo "HOST shm"; echo ===ENV; env'
         )
@@ -96,6 +96,7 @@ def test_a_claims_mps_daemon_reaches_its_container(podman: Podman, dirs: tuple[P
         assert r.returncode == 0, f"podman exited {r.returncode}\n{r.stderr}\n{r.stdout}"
         before, _, env = r.stdout.partition("===ENV\n")
         assert "MISSING" not in before and "HOST" not in before, before
+        assert not (log / "planted").exists()
         assert _env(env)["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
         assert _env(env)["NVIDIA_VISIBLE_DEVICES"] == GPU[0]
         # the card's own name (no share id) is no device of this spec

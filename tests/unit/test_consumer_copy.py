@@ -165,14 +165,14 @@ def _claim(vendor: Any = H200_VENDOR) -> dict[str, Any]:
 
 
 def test_a_claims_mps_daemon_is_mounted_from_its_own_root_made_directories_only() -> None:
-    """The pipe and log directories at their paths, the daemon's own shm tmpfs at /dev/shm:
-    every host path under /run/bcd/mps/<control>/, none of them the host's /dev/shm."""
+    """The pipe and log (read-only) directories at their paths, the daemon's own shm tmpfs at
+    /dev/shm: every host path under /run/bcd/mps/<control>/, none of them the host's /dev/shm."""
     d = f"/run/bcd/mps/{CONTROL}"
     opts = ["rw", "nosuid", "nodev", "bind"]
     ours = [m for m in _mounts(_claim()) if m["hostPath"].startswith("/run/bcd/mps/") or m["containerPath"] == MPS_SHM_DIR]
     assert ours == [
         {"hostPath": f"{d}/pipe", "containerPath": f"{d}/pipe", "options": opts},
-        {"hostPath": f"{d}/log", "containerPath": f"{d}/log", "options": opts},
+        {"hostPath": f"{d}/log", "containerPath": f"{d}/log", "options": ["ro", "nosuid", "nodev", "bind"]},
         {"hostPath": f"{d}/shm", "containerPath": "/dev/shm", "options": opts},
     ]
     assert not [m for m in _mounts(_claim()) if m["hostPath"] == "/dev/shm"]
