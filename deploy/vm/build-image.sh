@@ -35,7 +35,8 @@ SUITE="${BCD_VM_SUITE:-bookworm}"
 CACHE="${BCD_VM_CACHE:-$ROOT/.scratch/vm-cache}"
 # the guest's python3 must be the CPython minor the wheels are built for (3.11 on bookworm);
 # polkitd (with libpam-systemd: it provides the logind polkitd depends on, which debootstrap
-# does not resolve) decides what bcd-inventory may ask systemd (the DRA sharing units)
+# does not resolve) decides what an ordinary user may ask systemd: the VM suite checks that
+# bcd-inventory may ask it nothing (its DRA sharing units go through bcd-sharing.socket)
 PACKAGES="systemd,systemd-sysv,udev,dbus,kmod,linux-image-amd64,initramfs-tools,zstd,python3,python3-venv,iproute2,procps,pciutils,acl,libpam-systemd,polkitd"
 # the ext4 image: what the rootfs holds plus this much room for the tests' writes (sparse)
 FREE_MB="${BCD_VM_FREE_MB:-2048}"

@@ -23,7 +23,9 @@ at once on one card (a lock per card); the card is scanned and published again
 before the answer goes out, so the next `get` lists what the step made.
 GPU sharing for DRA is the converger's to ask too (`sharing`): an MPS control
 daemon started, stopped or listed under `--mps-root` (its directories are
-`<mps-root>/<control>/pipe` and `.../log`, built only from a control id), or a
+`<mps-root>/<control>/pipe`, `.../log` and `.../shm`, built only from a control id
+and, on a real host, made by root: the inventory hands root the daemon's spec in
+`<mps-root>-specs`), or a
 whole card's time slice set (under the card's lock); no rescan follows, nothing
 the inventory lists changes. Every Inventory names the MPS root (`mps_root`, ""
 with an adapter that keeps no daemons): a claim's CDI spec mounts the pipe directory.
@@ -181,7 +183,8 @@ class InventoryApp(ServiceApp):
             Option("--mps-pipe-dir", "MPS pipe directory (nvidia adapter)", default="/tmp/nvidia-mps"),
             Option(
                 "--mps-root",
-                "directory of the MPS control daemons bcd starts for DRA claims: <mps-root>/<control>/pipe and .../log",
+                "directory of the MPS control daemons bcd starts for DRA claims: <mps-root>/<control>/pipe, .../log and .../shm "
+                "(root's; the inventory hands each daemon's spec over in <mps-root>-specs)",
                 default=Path("/run/bcd/mps"),
                 type=Path,
             ),

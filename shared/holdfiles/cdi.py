@@ -20,12 +20,17 @@ Decisions (DESIGN 5, "CDI rules"; the seed's example is the target shape):
   cannot clash between two holds requested into one container.
 * The seed's example shows `"env": null` in the device edits; the official
   schema types `env` as an array, so bcd omits the key instead.
-* MPS. A slot hold on a card with MPS running sets CUDA_MPS_PIPE_DIRECTORY
-  and bind-mounts what an MPS client talks to the MPS server through: the
-  pipe directory (the control daemon's named pipes and sockets) at the same
-  path, and the host's /dev/shm (the server's shared memory), both rw,
-  nosuid, nodev; NVIDIA's DRA driver mounts the same two. The log directory
-  is the daemon's alone and is not mounted.
+* MPS. A hold whose devices an MPS daemon serves sets CUDA_MPS_PIPE_DIRECTORY
+  and bind-mounts the pipe directory (the control daemon's named pipes and
+  sockets) at the same path, rw, nosuid, nodev. A DRA claim's daemon is
+  bcd's own, laid out by root (services/inventory/mpsroot.py): its log
+  directory is mounted too (read-only: the claim's to read), and its shm directory, a
+  tmpfs of that daemon's alone, at the container's /dev/shm (the server's
+  shared memory; NVIDIA's DRA driver mounts the same). The host's /dev/shm
+  is never mounted: it holds every tenant's shared memory and root's MPS
+  servers'. A slot's daemon is the host's, which bcd neither runs nor lays
+  out: a slot gets its pipe directory only (docs/cdi-runtimes.md, "Slots and
+  MPS").
 * `cdiVersion` is the lowest version that expresses the content, following
   the CDI library's `MinimumRequiredVersion` (specs-go/version.go).
 """
@@ -117,20 +122,27 @@ def _cdi_env(hold: HoldContent) -> list[str]:
     return env
 
 
-#: the host's shared memory an MPS client shares with the MPS server (bind-mounted at the same path).
+#: where a container sees its MPS daemon's shared memory (a claim's daemon's own shm directory).
 MPS_SHM_DIR = "/dev/shm"
 #: the options of the MPS bind mounts (NVIDIA's DRA driver uses the same).
 MPS_MOUNT_OPTIONS: tuple[str, ...] = ("rw", "nosuid", "nodev", "bind")
+#: a claim's daemon's log directory: the claim's to read, never to write (the root daemon
+#: writes there; a file a container put in its place is not the daemon's business)
+MPS_LOG_MOUNT_OPTIONS: tuple[str, ...] = ("ro", "nosuid", "nodev", "bind")
 
 
-def mps_mounts(mps_pipe_dir: str, mps_log_dir: str = "") -> list[dict[str, Any]]:
-    """The mounts an MPS client in a container needs: the pipe directory, the daemon's log
-    directory where it has one of its own (a DRA claim's: what the daemon and its server log
-    is the claim's to read), and the host's /dev/shm."""
+def mps_mounts(mps_pipe_dir: str, mps_log_dir: str = "", mps_shm_dir: str = "") -> list[dict[str, Any]]:
+    """The mounts an MPS client in a container needs: the pipe directory, and where the daemon
+    is bcd's own (a DRA claim's) its log directory (read-only: what the daemon and its server
+    log is the claim's to read) and its shm directory at /dev/shm. Every host path is one root made."""
     if not mps_pipe_dir:
         return []
-    paths = (mps_pipe_dir, mps_log_dir, MPS_SHM_DIR) if mps_log_dir else (mps_pipe_dir, MPS_SHM_DIR)
-    return [{"hostPath": path, "containerPath": path, "options": list(MPS_MOUNT_OPTIONS)} for path in dict.fromkeys(paths)]
+    mounts = [(mps_pipe_dir, mps_pipe_dir, MPS_MOUNT_OPTIONS)]
+    if mps_log_dir:
+        mounts.append((mps_log_dir, mps_log_dir, MPS_LOG_MOUNT_OPTIONS))
+    if mps_shm_dir:
+        mounts.append((mps_shm_dir, MPS_SHM_DIR, MPS_MOUNT_OPTIONS))
+    return [{"hostPath": host, "containerPath": there, "options": list(options)} for host, there, options in mounts]
 
 
 def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any]:
@@ -151,7 +163,7 @@ def build_cdi_spec(hold: HoldContent, vendor: VendorCdi | None) -> dict[str, Any
         edits["deviceNodes"] = [{"path": VFIO_CONTAINER_NODE}]
     else:
         edits.update(_copied(vendor.container_edits if vendor is not None else None))
-    mounts = mps_mounts(hold.mps_pipe_dir, hold.mps_log_dir)
+    mounts = mps_mounts(hold.mps_pipe_dir, hold.mps_log_dir, hold.mps_shm_dir)
     if mounts:
         # a runtime replaces a mount at the same container path with the later one: a
         # vendor mount there would only be dropped in the container, so it is left out here

@@ -115,7 +115,7 @@ def device_name(atom_id: str) -> str:
     return f"{stem}__{digest}"
 
 
-#: where the inventory keeps DRA claims' MPS daemons on a real host (`<root>/<control>/{pipe,log}`)
+#: where DRA claims' MPS daemons live on a real host (`<root>/<control>/{pipe,log,shm}`, root's)
 DEFAULT_MPS_ROOT = "/run/bcd/mps"
 
 
@@ -126,7 +126,7 @@ def default_mps_root(run_dir: Path | str, *, fake_host: bool) -> str:
 
 
 def claim_mps_pipe_dir(mps_root: str | PurePath, control: str) -> str:
-    """`<mps root>/<control>/pipe`, the pipe directory of a DRA claim's MPS daemon (the inventory
+    """`<mps root>/<control>/pipe`, the pipe directory of a DRA claim's MPS daemon (its root unit
     makes it; the hold spec mounts it): built only from a control id that is one."""
     if not _MPS_CONTROL_RE.match(control):
         raise ValueError(f"MPS control id {control!r} is not <claim uid>-<6 hex>")
@@ -284,6 +284,12 @@ class HoldContent:
         """A DRA claim's MPS daemon's log directory (`<mps root>/<control>/log`, beside its pipe
         directory); "" for a hold without a daemon of its own (a slot uses the host's MPS)."""
         return str(PurePath(self.mps_pipe_dir).parent / "log") if self.mps_control else ""
+
+    @property
+    def mps_shm_dir(self) -> str:
+        """A DRA claim's MPS daemon's shared memory (`<mps root>/<control>/shm`, a tmpfs of that
+        daemon's own, mounted at the container's /dev/shm); "" for a hold without a daemon of its own."""
+        return str(PurePath(self.mps_pipe_dir).parent / "shm") if self.mps_control else ""
 
     @property
     def visible_devices(self) -> str:

@@ -95,8 +95,11 @@ async def test_two_mps_claims_share_a_card_with_limits_and_a_third_over_capacity
         pipe = daemons[a[2]]["pipe_dir"]
         assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}" in spec["containerEdits"]["env"]
         log = daemons[a[2]]["log_dir"]
-        assert {m["hostPath"] for m in spec["containerEdits"]["mounts"]} >= {pipe, log, "/dev/shm"}
-        assert stat.S_ISFIFO(os.stat(Path(pipe) / "control").st_mode)
+        shm = str(Path(pipe).parent / "shm")
+        mps_mounts = {m["hostPath"]: m["containerPath"] for m in spec["containerEdits"]["mounts"] if m["hostPath"].startswith(str(Path(pipe).parent))}
+        assert mps_mounts == {pipe: pipe, log: log, shm: "/dev/shm"}  # the daemon's own shm, never the host's
+        assert not [m for m in spec["containerEdits"]["mounts"] if m["hostPath"] == "/dev/shm"]
+        assert stat.S_ISFIFO(os.stat(Path(pipe) / "control").st_mode) and Path(shm).is_dir()
 
         # the scheduler's mistake is the node's refusal: 50 + 30 + 30 > 100
         c = claim(api, "c", "gpu-0", config=mps, shared=share(30))

@@ -8,7 +8,7 @@ binds a whole GPU with limits, a MIG instance, two slots, and a Kubernetes
 hold; a second node on a host with no vendor CDI spec binds an env-only hold.
 For each, the podman command `bcd cdi list` prints runs a container that sees
 the hold's env, its device nodes and mounts (and, for a slot, the MPS pipe
-directory and the host's /dev/shm). A released hold's name no longer resolves;
+directory, and nothing of the host's /dev/shm). A released hold's name no longer resolves;
 the hold spec alone (no copy) is refused as before; a spec of the same device
 name in /etc/cdi loses to the copy in /var/run/cdi (what a runtime that reads
 both does); NVIDIA's own spec beside bcd's keeps working.
@@ -112,7 +112,7 @@ def mps_dir(scratch: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def shm_marker() -> Iterator[Path]:
-    """A file in the host's /dev/shm, as an MPS server's shared memory would be."""
+    """A file in the host's /dev/shm, as another tenant's (or root's MPS server's) shared memory would be."""
     path = Path(tempfile.mkstemp(prefix="bcd-podman-mps-", dir="/dev/shm")[1])
     try:
         yield path
@@ -221,9 +221,9 @@ def test_a_mig_instance(gpu_node: Node, podman: Podman, stubs: HostStubs) -> Non
 
 
 @pytest.mark.parametrize("alloc", ["slot-a", "slot-b"])
-def test_a_slot_reaches_the_mps_daemon(gpu_node: Node, podman: Podman, stubs: HostStubs, mps_dir: Path, shm_marker: Path, alloc: str) -> None:
+def test_a_slot_reaches_the_mps_daemons_pipe_and_not_the_hosts_shm(gpu_node: Node, podman: Podman, stubs: HostStubs, mps_dir: Path, shm_marker: Path, alloc: str) -> None:
     holds = Holds(gpu_node)
-    checks = f'test -e "$CUDA_MPS_PIPE_DIRECTORY/control" || echo "MISSING pipe"; test -e /dev/shm/{shm_marker.name} || echo "MISSING shm";'
+    checks = f'test -e "$CUDA_MPS_PIPE_DIRECTORY/control" || echo "MISSING pipe"; test -e /dev/shm/{shm_marker.name} && echo "MISSING: the host shm is in the container";'
     env, _ = run_hold(podman, holds, alloc, extra=checks)
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(mps_dir)
     assert env["NVIDIA_VISIBLE_DEVICES"] == GPU[4]

@@ -4,7 +4,8 @@ A claim's spec is written by the converger from `shared.holdfiles` (the same bui
 hold; tests/integration/test_dra_sharing.py drives the node that writes them). Here those bytes,
 and their consumer copy, are what podman reads: a claim with an MPS daemon of its own (a share
 of a card: its CDI name carries the share id) runs a container that finds the daemon's control
-pipe, its log directory and the host's /dev/shm, with CUDA_MPS_PIPE_DIRECTORY set; a claim that
+pipe, its log directory and the daemon's own shm directory as its /dev/shm (and nothing of the
+host's /dev/shm), with CUDA_MPS_PIPE_DIRECTORY set; a claim that
 passes a card through gets its IOMMU group's node and /dev/vfio/vfio, and no nvidia device.
 """
 
@@ -69,10 +70,14 @@ def test_a_claims_mps_daemon_reaches_its_container(podman: Podman, dirs: tuple[P
     etc, run, mps = dirs
     pipe = Path(claim_mps_pipe_dir(mps, CONTROL))
     log = pipe.parent / "log"
+    daemon_shm = pipe.parent / "shm"
     pipe.mkdir(parents=True)
     log.mkdir()
+    daemon_shm.mkdir()
     os.mkfifo(pipe / "control")  # what nvidia-cuda-mps-control -d makes
     (log / "control.log").write_text("")
+    (daemon_shm / "cuda.shm.0").write_text("")  # what the daemon's server puts in its /dev/shm
+    # another tenant's shared memory in the host's /dev/shm: never the claim's to see
     shm = Path(tempfile.mkstemp(prefix="bcd-podman-claim-mps-", dir="/dev/shm")[1])
     device = HoldDevice(GPU[0], "gpu", GPU[0], 0, GPU[0], (GPU[0], "0"), share_id=SHARE_ID)
     alloc = claim_hold_id(UID)
@@ -83,13 +88,15 @@ def test_a_claims_mps_daemon_reaches_its_container(podman: Podman, dirs: tuple[P
         assert [d["name"] for d in spec["devices"]] == [f"{GPU[0]}_{SHARE_ID}"]
         script = (
             'test -p "$CUDA_MPS_PIPE_DIRECTORY/control" || echo "MISSING pipe"; '
-            f'test -e {log}/control.log || echo "MISSING log"; '
-            f'test -e /dev/shm/{shm.name} || echo "MISSING shm"; echo ===ENV; env'
+            f'test -e {log}/control.log || echo "MISSING log"; touch {log}/planted 2>/dev/null && echo "HOST log writable"; '
+            'test -e /dev/shm/cuda.shm.0 || echo "MISSING shm"; '
+            f'test -e /dev/shm/{shm.name} && echo "HOST shm"; echo ===ENV; env'
         )
         r = podman.run(["podman", "run", "--device", f"bcd.dev/gpu={GPU[0]}_{SHARE_ID}"], script, etc, run)
         assert r.returncode == 0, f"podman exited {r.returncode}\n{r.stderr}\n{r.stdout}"
         before, _, env = r.stdout.partition("===ENV\n")
-        assert "MISSING" not in before, before
+        assert "MISSING" not in before and "HOST" not in before, before
+        assert not (log / "planted").exists()
         assert _env(env)["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
         assert _env(env)["NVIDIA_VISIBLE_DEVICES"] == GPU[0]
         # the card's own name (no share id) is no device of this spec

@@ -18,11 +18,14 @@ import pytest
 
 from shared.fsutil import content_digest
 from shared.holdfiles import (
+    BINDING_CLAIM,
     MPS_SHM_DIR,
+    HoldContent,
     NotAHold,
     build_cdi_spec,
     check_cdi_rules,
     checked_consumer_dir,
+    claim_mps_pipe_dir,
     consumer_file_bytes,
     consumer_spec,
     hold_file_name,
@@ -138,19 +141,42 @@ def _mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return spec["containerEdits"].get("mounts", [])
 
 
-def test_a_slot_hold_with_mps_running_mounts_the_pipe_directory_and_the_hosts_shm() -> None:
+def test_a_slot_hold_with_mps_running_mounts_the_pipe_directory_and_never_the_hosts_shm() -> None:
+    """The host's /dev/shm holds every tenant's shared memory and root's MPS servers': a slot,
+    whose daemon is the host's, gets its pipe directory only (docs/cdi-runtimes.md)."""
     spec = built("slot0-mps")
-    ours = [m for m in _mounts(spec) if m["containerPath"] in (MPS_DIR, MPS_SHM_DIR)]
-    assert ours == [
-        {"hostPath": MPS_DIR, "containerPath": MPS_DIR, "options": ["rw", "nosuid", "nodev", "bind"]},
-        {"hostPath": "/dev/shm", "containerPath": "/dev/shm", "options": ["rw", "nosuid", "nodev", "bind"]},
-    ]
+    ours = [m for m in _mounts(spec) if m["containerPath"] in (MPS_DIR, MPS_SHM_DIR) or m["hostPath"] == "/dev/shm"]
+    assert ours == [{"hostPath": MPS_DIR, "containerPath": MPS_DIR, "options": ["rw", "nosuid", "nodev", "bind"]}]
     # the vendor's own mounts stay, before ours
     vendor = list(H200_VENDOR.container_edits["mounts"])
     assert _mounts(spec)[: len(vendor)] == vendor
     assert f"CUDA_MPS_PIPE_DIRECTORY={MPS_DIR}" in spec["containerEdits"]["env"]
     # bind mounts without a type: still what a 0.3.0 library reads
     assert consumer_spec(spec)["cdiVersion"] == "0.3.0"
+
+
+CONTROL = "0b6c8f2e-1d3a-4c5b-9e7f-2a4d6c8e0f13-a1b2c3"
+
+
+def _claim(vendor: Any = H200_VENDOR) -> dict[str, Any]:
+    pipe = claim_mps_pipe_dir("/run/bcd/mps", CONTROL)
+    content = HoldContent(f"claim-{CONTROL[:36]}", f"claim-{CONTROL[:36]}", 0, BINDING_CLAIM, (gpu(0),), mps_pipe_dir=pipe, mps_control=CONTROL)
+    return build_cdi_spec(content, vendor)
+
+
+def test_a_claims_mps_daemon_is_mounted_from_its_own_root_made_directories_only() -> None:
+    """The pipe and log (read-only) directories at their paths, the daemon's own shm tmpfs at
+    /dev/shm: every host path under /run/bcd/mps/<control>/, none of them the host's /dev/shm."""
+    d = f"/run/bcd/mps/{CONTROL}"
+    opts = ["rw", "nosuid", "nodev", "bind"]
+    ours = [m for m in _mounts(_claim()) if m["hostPath"].startswith("/run/bcd/mps/") or m["containerPath"] == MPS_SHM_DIR]
+    assert ours == [
+        {"hostPath": f"{d}/pipe", "containerPath": f"{d}/pipe", "options": opts},
+        {"hostPath": f"{d}/log", "containerPath": f"{d}/log", "options": ["ro", "nosuid", "nodev", "bind"]},
+        {"hostPath": f"{d}/shm", "containerPath": "/dev/shm", "options": opts},
+    ]
+    assert not [m for m in _mounts(_claim()) if m["hostPath"] == "/dev/shm"]
+    assert f"CUDA_MPS_PIPE_DIRECTORY={d}/pipe" in _claim()["containerEdits"]["env"]
 
 
 @pytest.mark.parametrize("name", ["two-slots-one-hold", "gpu-h200", "mig", "kubernetes", "no-vendor-spec"])
@@ -161,7 +187,11 @@ def test_no_mps_no_mps_mounts(name: str) -> None:
 def test_a_vendor_mount_at_an_mps_path_gives_way_to_ours() -> None:
     vendor_spec = copy.deepcopy(H200["vendor_cdi_spec"])
     vendor_spec["containerEdits"]["mounts"].append({"hostPath": "/somewhere", "containerPath": "/dev/shm", "options": ["ro"]})
+    vendor_spec["containerEdits"]["mounts"].append({"hostPath": "/elsewhere", "containerPath": MPS_DIR, "options": ["ro"]})
     vendor = vendor_cdi_from_json(json.dumps(vendor_spec).encode(), "/etc/cdi/nvidia.json")
     spec = build_cdi_spec(hold((HoldDevice.for_slot(uuid(5), 4, 0),), alloc="s0", mps=True), vendor)
-    shm = [m for m in _mounts(spec) if m["containerPath"] == "/dev/shm"]
-    assert shm == [{"hostPath": "/dev/shm", "containerPath": "/dev/shm", "options": ["rw", "nosuid", "nodev", "bind"]}]
+    assert [m for m in _mounts(spec) if m["containerPath"] == MPS_DIR] == [{"hostPath": MPS_DIR, "containerPath": MPS_DIR, "options": ["rw", "nosuid", "nodev", "bind"]}]
+    # a slot mounts no /dev/shm: the vendor's, from root's spec, is the vendor's business
+    assert [m["hostPath"] for m in _mounts(spec) if m["containerPath"] == "/dev/shm"] == ["/somewhere"]
+    shm = [m for m in _mounts(_claim(vendor)) if m["containerPath"] == "/dev/shm"]
+    assert shm == [{"hostPath": f"/run/bcd/mps/{CONTROL}/shm", "containerPath": "/dev/shm", "options": ["rw", "nosuid", "nodev", "bind"]}]

@@ -85,7 +85,7 @@ def test_the_fake_host_is_a_gpu_sharer(rig: Rig) -> None:
     assert isinstance(rig.adapter, GpuSharer)
 
 
-def test_a_start_records_the_daemon_and_makes_its_directories_and_fifo(rig: Rig) -> None:
+def test_a_start_records_the_daemon_and_makes_its_directories_shm_and_fifo(rig: Rig) -> None:
     pipe, log = rig.dirs()
     rig.start(spec(uuids=[WHOLE_UUID, OTHER_UUID], active_thread_percentage=50, pinned_memory={OTHER_UUID: 2 * 2**30}))
     daemon = load_host_file(rig.host_file).mps_daemons[0]  # the host file is still valid
@@ -95,6 +95,8 @@ def test_a_start_records_the_daemon_and_makes_its_directories_and_fifo(rig: Rig)
     for d in (rig.root, pipe.parent, pipe, log):
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o755 and stat.S_ISDIR(os.lstat(d).st_mode), d
     assert stat.S_ISFIFO(os.lstat(pipe / MPS_CONTROL_FIFO).st_mode)
+    # the daemon's shared memory, which the claim's CDI spec mounts at /dev/shm (as a /dev/shm: 1777)
+    assert stat.S_IMODE(os.lstat(pipe.parent / "shm").st_mode) == 0o1777
 
 
 def test_a_start_asked_again_with_the_same_spec_is_done_and_repairs_the_fifo(rig: Rig) -> None:

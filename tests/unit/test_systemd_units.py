@@ -83,8 +83,8 @@ USERS = {
 DYNAMIC_USERS = {"bcd-bus-setup"}
 #: what a unit may write besides its StateDirectory=, by unit (nothing when absent).
 READ_WRITE_PATHS = {
-    # the MPS control daemons' directories (DRA claims shared through MPS)
-    "bcd-inventory.service": {"/run/bcd/mps"},
+    # the spec of each MPS daemon it asks root for (the daemons' directories are root's)
+    "bcd-inventory.service": {"/run/bcd/mps-specs"},
     "bcd-vfio-switcher.service": {"/sys/bus/pci/drivers", "/sys/bus/pci/drivers_probe", "/sys/devices"},
     "bcd-helper.service": {"/etc/cdi", "/run/cdi", "/run/bcd"},
     # its sockets beside the kubelet's ("-": a host without a kubelet starts it all the same)
@@ -338,9 +338,11 @@ def test_tmpfiles_directories_belong_to_root():
     """No service owns a directory another service's directory sits in."""
     entries = _tmpfiles()
     assert entries["/var/lib/bcd"] == ("d", "0755", "root", "root")
-    # one exception: the MPS root is root's, and writable by the inventory's group (0770), which
-    # makes each MPS daemon's directories in it
-    assert entries.pop("/run/bcd/mps") == ("d", "0770", "root", "bcd-inventory")
+    # one exception: the inventory's own directory of MPS daemon specs, which root reads
+    # without following and mounts nowhere; the daemons' directories (mounted into claims'
+    # containers) are under the MPS root, which no service may write
+    assert entries.pop("/run/bcd/mps-specs") == ("d", "0755", "bcd-inventory", "bcd-inventory")
+    assert entries["/run/bcd/mps"] == ("d", "0755", "root", "root")
     assert all(user == group == "root" for _, _, user, group in entries.values())
     # the bus config and the NATS passwords: root only (each unit gets its own via LoadCredential=)
     assert entries["/etc/bcd/bus"] == ("d", "0700", "root", "root")
@@ -500,13 +502,14 @@ def _verifiable_copies(tmp_path: Path, mutate: dict[str, tuple[str, str]] | None
     out = tmp_path / "units"
     out.mkdir()
     copies = []
-    for src in [*sorted(UNIT_DIR.glob("*.service")), UNIT_DIR / TARGET]:
+    for src in [*sorted(UNIT_DIR.glob("*.service")), *sorted(UNIT_DIR.glob("*.socket")), UNIT_DIR / TARGET]:
         lines = src.read_text().splitlines(keepends=True)
         execs = [i for i, line in enumerate(lines) if line.startswith("ExecStart=")]
         assert len(execs) == (1 if src.suffix == ".service" else 0), src.name
-        for i in [*execs, *(i for i, line in enumerate(lines) if line.startswith("ExecStop="))]:
-            key = lines[i].split("=", 1)[0]
-            lines[i] = lines[i].replace(f"{key}={VENV_BIN}", f"{key}={venv}/")
+        for i, line in enumerate(lines):
+            m = re.match(r"(Exec\w+=[-+!@:]*)" + re.escape(VENV_BIN), line)
+            if m:
+                lines[i] = line.replace(m.group(0), f"{m.group(1)}{venv}/", 1)
         text = "".join(lines)
         if mutate and src.name in mutate:
             old, new = mutate[src.name]
@@ -563,11 +566,12 @@ def test_security_exposure_within_the_stated_level(name):
 
 # --------------------------------------------------------------------------- DRA sharing: root template units
 
-#: template unit -> the highest overall exposure `systemd-analyze security` may give it. bcd-mps@ keeps
-#: root's capabilities (NVIDIA's daemon starts each client's server as the client's uid, and what else
-#: it needs was not tried on a GPU here): 5.0 with systemd 252; bcd-timeslice@ (CAP_SYS_ADMIN only) 1.7.
-TEMPLATE_MAX_EXPOSURE = {"bcd-mps@.service": 5.5, "bcd-timeslice@.service": 2.0}
-POLKIT_RULE = UNIT_DIR / "polkit" / "50-bcd-sharing.rules"
+#: template unit -> the highest overall exposure `systemd-analyze security` may give it, with
+#: systemd 252: bcd-mps@ 1.7 (root, CAP_SETUID CAP_SETGID CAP_KILL, the NVIDIA devices, no
+#: network; was 5.0 with root's capabilities), bcd-timeslice@ 1.7 (CAP_SYS_ADMIN only),
+#: bcd-sharing@ 0.7 (root with no capability; the inventory's requests).
+TEMPLATE_MAX_EXPOSURE = {"bcd-mps@.service": 2.0, "bcd-timeslice@.service": 2.0, "bcd-sharing@.service": 1.0}
+SHARING_SOCKET_UNIT = "bcd-sharing.socket"
 CONTROL = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab-0a1b2c"
 GPU_UUID = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 
@@ -575,23 +579,46 @@ GPU_UUID = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 def test_the_sharing_templates_run_the_sharing_unit_as_root_outside_the_target():
     from services.inventory.adapters.nvidia_sharing import MPS_UNIT, TIMESLICE_UNIT
 
-    assert set(TEMPLATES) == {MPS_UNIT.split("@")[0] + "@.service", TIMESLICE_UNIT.split("@")[0] + "@.service"}
+    assert set(TEMPLATES) == {MPS_UNIT.split("@")[0] + "@.service", TIMESLICE_UNIT.split("@")[0] + "@.service", "bcd-sharing@.service"}
     mps, timeslice = TEMPLATES["bcd-mps@.service"], TEMPLATES["bcd-timeslice@.service"]
     module = f"{VENV_BIN}python -m services.inventory.sharing_unit"
-    assert (mps.get("ExecStart"), mps.get("ExecStop")) == (f"{module} mps-start %i", f"{module} mps-stop %i")
+    # the steps in systemd's order; "+" (the host's mount namespace, full privileges) only for
+    # the two that make and remove the directories and the tmpfs, which the containers bind from
+    assert (mps.get("ExecStartPre"), mps.get("ExecStart"), mps.get("ExecStop"), mps.get("ExecStopPost")) == (
+        f"+{module} mps-prepare %i", f"{module} mps-start %i", f"{module} mps-stop %i", f"+{module} mps-cleanup %i",
+    )
     assert (timeslice.get("ExecStart"), timeslice.get("ExecStop")) == (f"{module} timeslice %i", None)
     assert (mps.get("Type"), timeslice.get("Type")) == ("forking", "oneshot")
     target = parse_unit(UNIT_DIR / TARGET)
-    for u in TEMPLATES.values():
+    for u in (mps, timeslice):
         assert u.get("User") is None and u.get("DynamicUser") is None, u.name  # root
         assert u.items("WantedBy", "Install") == [] and u.name not in target.items("Wants", "Unit"), u.name
         assert (u.get("NoNewPrivileges"), u.get("ProtectSystem"), u.get("DevicePolicy")) == ("yes", "strict", "closed"), u.name
         assert u.values("DeviceAllow") == ["char-nvidia* rw"], u.name
         assert u.values("SystemCallFilter") == ["@system-service"], u.name
-    # the daemon writes its directories, under the root the inventory's unit names, and nothing else
-    assert set(mps.items("ReadWritePaths")) == {"/run/bcd/mps"} and set(timeslice.items("ReadWritePaths")) == set()
+        assert (u.get("RestrictNamespaces"), u.get("PrivateNetwork"), u.get("RestrictAddressFamilies")) == ("yes", "yes", "AF_UNIX"), u.name
+    # the daemon's /dev/shm is its own directory, and it writes its pipe and log directories only
+    assert mps.values("BindPaths") == ["-/run/bcd/mps/%i/shm:/dev/shm"]
+    assert set(mps.items("ReadWritePaths")) == {"-/run/bcd/mps/%i/pipe", "-/run/bcd/mps/%i/log"} and timeslice.items("ReadWritePaths") == []
     assert mps.environment()["BCD_MPS_ROOT"] == unit("bcd-inventory.service").environment()["BCD_MPS_ROOT"] == "/run/bcd/mps"
+    assert mps.environment()["BCD_MPS_SHM_SIZE"] == "50%"
+    # what NVIDIA's daemon needs to start each client's server as the client and end it, no more
+    assert mps.items("CapabilityBoundingSet") == ["CAP_SETUID", "CAP_SETGID", "CAP_KILL"]
+    assert (mps.get("PrivateIPC"), mps.get("PrivateMounts"), mps.get("PrivateUsers")) == ("yes", "yes", None)
     assert timeslice.values("CapabilityBoundingSet") == ["CAP_SYS_ADMIN"]
+
+
+def test_the_mps_daemons_tree_is_the_one_mpsroot_lays_out_and_the_inventory_hands_specs_beside_it():
+    from services.inventory import mpsroot
+    from services.inventory.adapters.base import mps_spec_dir
+
+    mps = TEMPLATES["bcd-mps@.service"]
+    shm, _ = mps.get("BindPaths").lstrip("-").split(":")
+    rw = {p.lstrip("-") for p in mps.items("ReadWritePaths")}
+    root = Path(mps.environment()["BCD_MPS_ROOT"])
+    assert {shm, *rw} == {str(root / "%i" / name) for name in mpsroot.DAEMON_DIRS}
+    assert str(mps_spec_dir(root)) in _tmpfiles() and str(mps_spec_dir(root)) in READ_WRITE_PATHS["bcd-inventory.service"]
+    assert mps.environment()["BCD_MPS_SHM_SIZE"] == mpsroot.DEFAULT_SHM_SIZE
 
 
 @needs_analyze
@@ -607,39 +634,32 @@ def test_sharing_template_exposure_within_the_stated_level(name):
     assert float(m.group(1)) <= TEMPLATE_MAX_EXPOSURE[name], f"{name}: exposure {m.group(1)} {m.group(2)}"
 
 
-def _polkit_rules() -> list[tuple[re.Pattern[str], set[str]]]:
-    """(unit name pattern, verbs) of each grant in the polkit rule, read from its JavaScript."""
-    text = POLKIT_RULE.read_text()
-    grants = re.findall(r"if \(/(\^[^/]+\$)/\.test\(unit\)\s*&& \(([^)]*)\)\)", text)
-    assert len(grants) == 2, text
-    return [(re.compile(pattern), set(re.findall(r'verb === "(\w+)"', verbs))) for pattern, verbs in grants]
+def test_the_inventory_reaches_its_sharing_units_only_through_bcd_sharing_socket():
+    """No polkit rule: the inventory connects to a socket only its group may open, and the
+    gate behind it (root, no capability) starts the units with a job mode of its own."""
+    from services.inventory import sharing_gate
+    from services.inventory.adapters.nvidia_sharing import SHARING_SOCKET
 
-
-def test_the_polkit_rule_grants_the_inventory_exactly_the_units_it_starts():
-    """The names the adapter asks systemd for are the ones the rule lets bcd-inventory start, and
-    no other unit (a service of bcd's, a drop-in, a path) matches."""
-    from services.inventory.adapters.nvidia_sharing import MPS_UNIT, TIMESLICE_CODES, TIMESLICE_UNIT
-
-    text = POLKIT_RULE.read_text()
-    assert 'action.id !== "org.freedesktop.systemd1.manage-units"' in text
-    assert 'subject.user !== "bcd-inventory"' in text and USERS["bcd-inventory.service"] == "bcd-inventory"
-    (mps, mps_verbs), (timeslice, timeslice_verbs) = _polkit_rules()
-    assert (mps_verbs, timeslice_verbs) == ({"start", "stop"}, {"start"})
-    assert mps.match(MPS_UNIT.format(control=CONTROL))
-    for interval in TIMESLICE_CODES:
-        assert timeslice.match(TIMESLICE_UNIT.format(uuid=GPU_UUID, interval=interval))
-    others = [
-        "bcd-inventory.service",
-        "bcd-helper.service",
-        "bcd-mps@.service",
-        MPS_UNIT.format(control=CONTROL[:-1]),
-        MPS_UNIT.format(control=CONTROL + "0"),
-        MPS_UNIT.format(control=CONTROL.upper()),
-        MPS_UNIT.format(control=CONTROL) + ".d",
-        "bcd-mps@x.service",
-        TIMESLICE_UNIT.format(uuid=GPU_UUID, interval="Forever"),
-        TIMESLICE_UNIT.format(uuid="MIG-" + GPU_UUID[4:], interval="Long"),
-        "ssh.service",
-    ]
-    for name in others:
-        assert not mps.match(name) and not timeslice.match(name), name
+    assert not (UNIT_DIR / "polkit").exists()
+    sock = parse_unit(UNIT_DIR / SHARING_SOCKET_UNIT)
+    assert sock.values("ListenStream", "Socket") == [str(SHARING_SOCKET)]
+    assert (sock.get("SocketUser", "Socket"), sock.get("SocketGroup", "Socket"), sock.get("SocketMode", "Socket")) == ("root", USERS["bcd-inventory.service"], "0660")
+    assert sock.get("Accept", "Socket") == "yes" and sock.items("WantedBy", "Install") == ["sockets.target"]
+    # the upgrade step: the daemons' directories an older inventory made become root's first
+    assert sock.values("ExecStartPre", "Socket") == [f"-{VENV_BIN}python -m services.inventory.sharing_unit mps-adopt"]
+    assert sock.values("Environment", "Socket") == ["BCD_MPS_ROOT=/run/bcd/mps"]
+    assert str(SHARING_SOCKET.parent) in _tmpfiles()
+    gate = TEMPLATES["bcd-sharing@.service"]
+    assert gate.get("ExecStart") == f"{VENV_BIN}python -m services.inventory.sharing_gate"
+    assert (gate.get("StandardInput"), gate.get("StandardOutput")) == ("socket", "socket")
+    assert gate.environment()["BCD_SHARING_CLIENT"] == USERS["bcd-inventory.service"] == sharing_gate.DEFAULT_CLIENT
+    assert gate.get("User") is None and gate.values("CapabilityBoundingSet") == [""] and gate.values("AmbientCapabilities") == [""]
+    for key, want in HARDENING.items():
+        if key in ("PrivateUsers", "IPAddressAllow", "RestrictAddressFamilies"):
+            continue  # systemd must see the host's uid 0; no IP at all; unix sockets only
+        assert gate.get(key) == want, f"bcd-sharing@.service: {key}={gate.get(key)!r}, want {want!r}"
+    assert (gate.get("PrivateUsers"), gate.get("IPAddressAllow"), gate.get("RestrictAddressFamilies")) == (None, None, "AF_UNIX")
+    assert gate.values("SystemCallFilter") == ["@system-service", "~@privileged @resources"]
+    # the inventory's unit lets it reach the socket (unix sockets; the path is not hidden)
+    inv = unit("bcd-inventory.service")
+    assert "AF_UNIX" in inv.get("RestrictAddressFamilies").split() and str(SHARING_SOCKET.parent) not in inv.items("InaccessiblePaths")

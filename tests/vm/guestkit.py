@@ -289,7 +289,7 @@ def install_bcd(
         "install -D -m 0644 tmpfiles.d/bcd.conf /etc/tmpfiles.d/bcd.conf\n"
         "systemd-sysusers bcd.conf\n"
         "systemd-tmpfiles --create bcd.conf\n"
-        "install -m 0644 *.service bcd.target /etc/systemd/system/\n"
+        "install -m 0644 *.service *.socket bcd.target /etc/systemd/system/\n"
         "systemctl daemon-reload\n",
         timeout=120,
     )

@@ -514,13 +514,18 @@ def test_a_failed_switch_rolls_back_to_the_native_driver(node: Node) -> None:
 # ----------------------------------------------------------------------------- DRA sharing: root template units
 
 MPS_CONTROL = "0b6f4a39-1c1e-4d6b-9a53-0123456789ab-0a1b2c"
+LEGACY_CONTROL = "1b6f4a39-1c1e-4d6b-9a53-0123456789ab-0a1b2c"
 SHARED_GPU = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+#: a card this node does not have
+FOREIGN_GPU = "GPU-5f1c2a90-0000-4000-8000-0000000000ff"
 #: nvidia-cuda-mps-control as the units see it: -d leaves a daemon process behind (what systemd's
-#: Type=forking watches), the control commands are kept beside it, quit ends it
+#: Type=forking watches) and puts a file in its /dev/shm, the control commands are kept beside
+#: it, quit ends it
 FAKE_MPS_CONTROL = r"""#!/bin/sh
 d="$CUDA_MPS_PIPE_DIRECTORY"
 if [ "$1" = "-d" ]; then
   printf 'serves %s uid %s log %s\n' "$CUDA_VISIBLE_DEVICES" "$(id -u)" "$CUDA_MPS_LOG_DIRECTORY" > "$d/fake-daemon"
+  echo "the daemon's shared memory" > /dev/shm/bcd-vm-mps-server
   setsid sleep 100000 </dev/null >/dev/null 2>&1 &
   echo $! > "$d/fake-daemon.pid"
   exit 0
@@ -534,65 +539,133 @@ while IFS= read -r line; do
   esac
 done
 """
-FAKE_NVIDIA_SMI = """#!/bin/sh
-# (/dev/shm: the one place a unit under ProtectSystem=strict and PrivateTmp= can write)
+FAKE_NVIDIA_SMI = f"""#!/bin/sh
+# (/dev/shm: the one place the timeslice unit, under ProtectSystem=strict and PrivateTmp=, can write)
+[ "$1" = "-L" ] && {{ echo "GPU 0: NVIDIA H200 (UUID: {SHARED_GPU})"; exit 0; }}
 echo "$(id -u) $*" >> /dev/shm/bcd-vm-nvidia-smi.log
 """
+SOCKET = "/run/bcd/sharing.sock"
+#: the inventory's own client (services.inventory.adapters.nvidia_sharing.ask_gate), one line
+ASK = "/opt/bcd/venv/bin/python -c 'import sys; from pathlib import Path; from services.inventory.adapters.nvidia_sharing import ask_gate; print(ask_gate(sys.argv[1], Path(sys.argv[2]), 90))'"
 
 
 def _as_inventory(vm: Guest, script: str, check: bool = True) -> Any:
     """`script` as bcd-inventory (its uid, gid and groups), the way its unit runs."""
     argv = ["setpriv", "--reuid=bcd-inventory", "--regid=bcd-inventory", "--init-groups", "sh", "-c", script]
-    return vm.run(argv, timeout=90, check=check)
+    return vm.run(argv, timeout=120, check=check)
 
 
-def test_the_inventory_starts_exactly_its_sharing_units_through_polkit(node: Node) -> None:
-    """The polkit rule and the two root template units under a real systemd and polkit: the
-    inventory's user starts bcd-mps@<control> (the unit runs the daemon from the spec the
-    inventory wrote, as root, in its own unit) and a time slice, stops the daemon, and may
-    do nothing else of systemd's: not start another of bcd's units, not restart its own."""
+def _ask(vm: Guest, line: str, who: tuple[str, ...] = ("--reuid=bcd-inventory", "--regid=bcd-inventory", "--init-groups")) -> Any:
+    """One request line to the gate, as `who` (setpriv's options); the run (stdout: the answer)."""
+    return vm.run(["setpriv", *who, "sh", "-c", f'{ASK} "$1" {SOCKET}', "ask", line], timeout=150)
+
+
+def test_the_inventory_starts_exactly_its_sharing_units_through_the_socket(node: Node) -> None:
+    """bcd-sharing.socket and the root template units under a real systemd: the inventory's user
+    asks the gate for bcd-mps@<control> (the unit makes its directories root's and a tmpfs of its
+    own for the daemon's /dev/shm, runs the daemon from the spec the inventory handed over, as
+    root with three capabilities, in its own unit) and a time slice, stops the daemon, and may
+    do nothing else: not another unit, not a job mode of its own (a job queued meanwhile stays
+    queued), not a bad name, not a card of another node, not as another user, not systemd
+    directly, not write the MPS root. Last, an upgrade: the directories an older inventory made
+    become root's when the socket starts, a symlink among them is removed."""
     vm = node.vm
     vm.put_file("/usr/local/bin/nvidia-cuda-mps-control", FAKE_MPS_CONTROL, 0o755)
     vm.put_file("/usr/local/bin/nvidia-smi", FAKE_NVIDIA_SMI, 0o755)
-    vm.sh(f"install -D -m 0644 {guestkit.SRC}/deploy/systemd/polkit/50-bcd-sharing.rules /etc/polkit-1/rules.d/50-bcd-sharing.rules")
     unit = f"bcd-mps@{MPS_CONTROL}.service"
     control_dir = f"/run/bcd/mps/{MPS_CONTROL}"
     spec = '{"control":"%s","uuids":["%s"],"active_thread_percentage":40}' % (MPS_CONTROL, SHARED_GPU)
+    t0 = time.monotonic()
     try:
-        assert vm.sh("stat -c '%U %G %a' /run/bcd/mps").split() == ["root", "bcd-inventory", "770"]
-        _as_inventory(vm, f"mkdir -p {control_dir}/pipe {control_dir}/log && printf '%s' '{spec}' > {control_dir}/spec.json")
-        # polkitd reads the new rule file by itself; bounded, as the guest is slow
-        started = wait_for(
-            f"bcd-inventory may start {unit}",
-            lambda: _as_inventory(vm, f"systemctl --no-ask-password start {unit}", check=False).rc == 0 or None,
-            60,
-            lambda: journal(vm, unit),
-        )
-        assert started
+        # docs/install.md, "DRA sharing" (the units are in /etc/systemd/system since section 2)
+        vm.sh("systemctl enable --now bcd-sharing.socket", timeout=90)
+        assert vm.sh("stat -c '%U %G %a' /run/bcd/mps /run/bcd/mps-specs").split("\n")[:2] == ["root root 755", "bcd-inventory bcd-inventory 755"]
+        assert vm.sh(f"stat -c '%U %G %a %F' {SOCKET}").strip() == "root bcd-inventory 660 socket"
+        # the inventory cannot write the MPS root (a symlink planted there would reach a container)
+        assert _as_inventory(vm, f"ln -s /etc /run/bcd/mps/{MPS_CONTROL}", check=False).rc != 0
+        # nor ask systemd for anything itself: there is no polkit rule any more
+        r = _as_inventory(vm, f"systemctl --no-ask-password start {unit}", check=False)
+        assert r.rc != 0 and ("authentication required" in r.stderr or "Access denied" in r.stderr), (r.rc, r.stderr)
+
+        # a job queued meanwhile (a start that takes a minute): a flush would cancel it
+        vm.sh("systemd-run --unit=bcd-vm-queued --no-block -p Type=oneshot /bin/sleep 120", timeout=60)
+        _as_inventory(vm, f"printf '%s' '{spec}' > /run/bcd/mps-specs/{MPS_CONTROL}.json")
+        r = _ask(vm, f"mps-start {MPS_CONTROL}")
+        assert r.stdout.strip() == f"done start {unit}", f"{r.stdout}{r.stderr}\n{journal(vm, unit)}\n{journal(vm, 'bcd-sharing@*')}"
         assert vm.sh(f"systemctl is-active {unit}").strip() == "active"
-        # the daemon is root's, in its own unit's cgroup, with the claim's environment and limits
+        assert "bcd-vm-queued.service" in vm.sh("systemctl list-jobs --no-legend"), "a job queued before the request is gone"
+
+        # the daemon is root's, in its own unit's cgroup, with the claim's environment and limits,
+        # and the three capabilities its unit keeps (CAP_KILL, CAP_SETGID, CAP_SETUID: bits 5-7)
         daemon = vm.sh(f"cat {control_dir}/pipe/fake-daemon").splitlines()
         assert daemon == [f"serves {SHARED_GPU} uid 0 log {control_dir}/log", "set_default_active_thread_percentage 40"], daemon
         pid = vm.sh(f"cat {control_dir}/pipe/fake-daemon.pid").strip()
         assert unit in vm.sh(f"cat /proc/{pid}/cgroup"), "the daemon is not in its unit"
-        # the grant is exactly these names and verbs
-        for denied in (f"restart {unit}", "start bcd-helper.service", "stop bcd-converger.service", "start bcd-mps@x.service"):
-            r = _as_inventory(vm, f"systemctl --no-ask-password {denied}", check=False)
-            assert r.rc != 0 and ("authentication required" in r.stderr or "Access denied" in r.stderr), (denied, r.rc, r.stderr)
-        slice_unit = f"bcd-timeslice@{SHARED_GPU}:Long.service"
-        r = _as_inventory(vm, f"systemctl --no-ask-password start {slice_unit}", check=False)
-        assert r.rc == 0, f"{r.stderr}\n{journal(vm, slice_unit)}"
-        assert vm.sh("cat /dev/shm/bcd-vm-nvidia-smi.log").splitlines() == [
-            f"0 -i {SHARED_GPU} -c DEFAULT",
-            f"0 compute-policy -i {SHARED_GPU} --set-timeslice 3",
+        caps = dict(line.split(":\t") for line in vm.sh(f"grep ^Cap /proc/{pid}/status").splitlines())
+        assert caps["CapBnd"] == caps["CapEff"] == "00000000000000e0", caps
+        # what a container mounts is root's; the daemon's /dev/shm a tmpfs of its own, not the host's
+        assert vm.sh(f"stat -c '%n %U %a' {control_dir} {control_dir}/pipe {control_dir}/log").split("\n")[:3] == [
+            f"{control_dir} root 755", f"{control_dir}/pipe root 755", f"{control_dir}/log root 755",
         ]
-        r = _as_inventory(vm, f"systemctl --no-ask-password stop {unit}", check=False)
-        assert r.rc == 0, f"{r.stderr}\n{journal(vm, unit)}"
-        assert vm.run(["test", "-e", f"{control_dir}/pipe/fake-daemon"]).rc != 0, "the daemon was not quit"
+        mount = vm.sh(f"findmnt -n -o FSTYPE,OPTIONS {control_dir}/shm").split()
+        assert mount[0] == "tmpfs" and {"nosuid", "nodev", "noexec"} <= set(mount[1].split(",")), mount
+        assert vm.sh(f"stat -c '%U %a' {control_dir}/shm").strip() == "root 1777"
+        assert vm.sh(f"cat {control_dir}/shm/bcd-vm-mps-server").strip() == "the daemon's shared memory"
+        assert vm.run(["test", "-e", "/dev/shm/bcd-vm-mps-server"]).rc != 0, "the daemon wrote the host's /dev/shm"
+
+        # what must be refused, each before systemctl runs
+        for line in (
+            "start bcd-helper.service",
+            f"mps-start {MPS_CONTROL} --job-mode=flush",
+            f"mps-stop {MPS_CONTROL} flush",
+            "mps-start ../../etc",
+            "mps-stop bcd-converger",
+            f"timeslice {SHARED_GPU}:Forever",
+        ):
+            r = _ask(vm, line)
+            assert r.stdout.startswith("refused "), (line, r.stdout, r.stderr)
+        # a peer outside the group cannot connect; one in the group that is not the inventory's uid is refused
+        r = _ask(vm, f"mps-stop {MPS_CONTROL}", ("--reuid=nobody", "--regid=nogroup", "--clear-groups"))
+        assert r.rc != 0 and "Permission denied" in r.stderr, (r.rc, r.stdout, r.stderr)
+        r = _ask(vm, f"mps-stop {MPS_CONTROL}", ("--reuid=nobody", "--regid=bcd-inventory", "--clear-groups"))
+        assert r.stdout.startswith("refused uid 65534 is not the inventory's"), (r.stdout, r.stderr)
+        assert vm.sh(f"systemctl is-active {unit}").strip() == "active"
+
+        # a time slice on a card of this node; none on a card of another
+        assert _ask(vm, f"timeslice {SHARED_GPU}:Long").stdout.strip() == f"done start bcd-timeslice@{SHARED_GPU}:Long.service"
+        assert vm.sh("cat /dev/shm/bcd-vm-nvidia-smi.log").splitlines() == [f"0 -i {SHARED_GPU} -c DEFAULT", f"0 compute-policy -i {SHARED_GPU} --set-timeslice 3"]
+        r = _ask(vm, f"timeslice {FOREIGN_GPU}:Long")
+        assert r.stdout.startswith("failed ") and f"journalctl -u bcd-timeslice@{FOREIGN_GPU}:Long.service" in r.stdout, r.stdout
+        assert "not a device of this node" in journal(vm, f"bcd-timeslice@{FOREIGN_GPU}:Long.service")
+        assert len(vm.sh("cat /dev/shm/bcd-vm-nvidia-smi.log").splitlines()) == 2
+
+        # the stop quits the daemon and takes its directories and tmpfs away
+        assert _ask(vm, f"mps-stop {MPS_CONTROL}").stdout.strip() == f"done stop {unit}"
         assert vm.run(["kill", "-0", pid]).rc != 0, "the daemon process is still there"
+        assert vm.run(["test", "-e", control_dir]).rc != 0, vm.sh(f"ls -la {control_dir}", check=False)
+        assert vm.sh(f"findmnt -n {control_dir}/shm", check=False).strip() == ""
+        TIMES["units.sharing.socket_and_units"] = time.monotonic() - t0
+
+        # an upgrade: the layout an older inventory made (its group's 0770 root, its directories,
+        # a symlink of its own among them); the socket's start takes it over for root
+        t1 = time.monotonic()
+        legacy = f"/run/bcd/mps/{LEGACY_CONTROL}"
+        vm.sh(
+            "set -e; chmod 0770 /run/bcd/mps; chgrp bcd-inventory /run/bcd/mps\n"
+            f"mkdir -p {legacy}/pipe {legacy}/log; mkfifo {legacy}/pipe/control\n"
+            f"chown -R bcd-inventory:bcd-inventory {legacy}\n"
+            f"ln -s /etc /run/bcd/mps/{MPS_CONTROL}; chown -h bcd-inventory /run/bcd/mps/{MPS_CONTROL}"
+        )
+        vm.sh("systemctl restart bcd-sharing.socket", timeout=90)
+        assert vm.sh(f"stat -c '%U %G %a' /run/bcd/mps {legacy} {legacy}/pipe {legacy}/log {legacy}/shm").splitlines() == ["root root 755"] * 5
+        assert vm.sh(f"stat -c %F {legacy}/pipe/control").strip() == "fifo", "the running daemon's pipe went"
+        assert vm.run(["test", "-L", f"/run/bcd/mps/{MPS_CONTROL}"]).rc != 0, "the symlink was left"
+        assert vm.run(["test", "-e", "/etc/passwd"]).rc == 0
+        TIMES["units.sharing.upgrade"] = time.monotonic() - t1
     finally:
         vm.sh(
-            f"systemctl stop {unit}; rm -rf {control_dir} /etc/polkit-1/rules.d/50-bcd-sharing.rules"
+            f"systemctl stop {unit} bcd-vm-queued.service; systemctl disable --now bcd-sharing.socket; systemctl reset-failed;"
+            f" rm -rf /run/bcd/mps/{LEGACY_CONTROL} /run/bcd/mps-specs/{MPS_CONTROL}.json; rm -f /run/bcd/mps/{MPS_CONTROL}"
             " /usr/local/bin/nvidia-cuda-mps-control /usr/local/bin/nvidia-smi /dev/shm/bcd-vm-nvidia-smi.log",
             check=False,
         )

@@ -11,8 +11,10 @@ at a time at a placement (DRA's prepare and unprepare), one NVML step per call,
 so the converger can journal each step before it asks for the next.
 `GpuSharer` does the same for sharing (DRA's MPS and time-slicing configs): one
 MPS control daemon started, stopped or listed, or one card's time slice set, per
-call. An MPS daemon's directories are `<mps root>/<control>/pipe` and `.../log`,
-built here (`mps_dirs`) only from a control id that matches MPS_CONTROL_PATTERN.
+call. An MPS daemon's directories are `<mps root>/<control>/pipe`, `.../log` and
+`.../shm` (made by root on a real host: services/inventory/mpsroot.py), their
+paths built here (`mps_dirs`) only from a control id that matches
+MPS_CONTROL_PATTERN.
 
 The facts an adapter returns are frozen dataclasses with no atom ids in them:
 naming atoms is the vendor-neutral core's job (build.py), so two adapters that
@@ -353,10 +355,10 @@ class GpuSharer(Protocol):
     """
 
     def mps_start(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> None:
-        """Start the control daemon serving spec.uuids with its pipe and log directories (made 0755
-        when missing), set its limits, return once it answers. A daemon already running for
-        spec.control with the same spec: done (the converger retries after a crash); with another
-        spec: refused."""
+        """Start the control daemon serving spec.uuids with its pipe, log and shm directories
+        (`<mps root>/<control>/`, made for it), set its limits, return once it answers. A daemon
+        already running for spec.control with the same spec: done (the converger retries after
+        a crash); with another spec: refused."""
         ...
 
     def mps_stop(self, control: str, pipe_dir: Path, log_dir: Path) -> None:
@@ -444,7 +446,7 @@ class DomainLister(Protocol):
 # --------------------------------------------------------------------------- MPS directories
 
 _MPS_CONTROL_RE = re.compile(MPS_CONTROL_PATTERN)
-#: the mode of the directories made for a daemon (a container bind-mounts the pipe directory)
+#: the mode of the directories made for a daemon (a container bind-mounts them)
 MPS_DIR_MODE = 0o755
 
 
@@ -459,6 +461,20 @@ def mps_dirs(root: Path, control: str) -> tuple[Path, Path]:
     if not is_mps_control(control):
         raise ValueError(f"{control!r} is not an MPS control id (<claim uid>-<6 hex digits>)")
     return root / control / "pipe", root / control / "log"
+
+
+def mps_spec_dir(root: Path) -> Path:
+    """`<root>-specs`: the inventory's own directory beside root's MPS root, where it hands root
+    each daemon's spec (tmpfiles.d makes /run/bcd/mps-specs the inventory's)."""
+    return root.parent / f"{root.name}-specs"
+
+
+def mps_spec_file(root: Path, control: str) -> Path:
+    """`<root>-specs/<control>.json`, the spec of the daemon `control` (services/inventory/mpsroot.py
+    reads it as root, without following); ValueError for a name that is not a control id."""
+    if not is_mps_control(control):
+        raise ValueError(f"{control!r} is not an MPS control id (<claim uid>-<6 hex digits>)")
+    return mps_spec_dir(root) / f"{control}.json"
 
 
 def mps_control_dir(control: str, pipe_dir: Path, log_dir: Path) -> Path:
@@ -536,6 +552,8 @@ __all__ = [
     "is_mps_control",
     "mps_dirs",
     "mps_control_dir",
+    "mps_spec_dir",
+    "mps_spec_file",
     "make_mps_dirs",
     "mps_dirs_under",
     "remove_mps_dir",

@@ -19,9 +19,11 @@ lives); a placement is a start in memory slices, its size the profile's.
 
 Sharing in the file (`GpuSharer`): the MPS control daemons running are the
 top-level `mps_daemons` (each with its spec and directories), and a card's time
-slice is its `timeslice`. Starting a daemon makes its pipe and log directories
-for real, with a FIFO `<pipe>/control` standing in for the daemon's control
-pipe, so a container runtime can bind-mount the pipe directory as on a real host.
+slice is its `timeslice`. Starting a daemon makes its pipe, log and shm
+directories for real (as the user running the fake host: on a real host they
+are root's, services/inventory/mpsroot.py), with a FIFO `<pipe>/control`
+standing in for the daemon's control pipe, so a container runtime can
+bind-mount them as on a real host.
 """
 
 from __future__ import annotations
@@ -140,9 +142,16 @@ def _daemon_record(spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path) -> dict[s
 MPS_CONTROL_FIFO = "control"
 
 
+#: a daemon's shared memory directory, beside its pipe and log directories (the claim's /dev/shm)
+MPS_SHM_DIR = "shm"
+
+
 def _make_daemon_dirs(pipe_dir: Path, log_dir: Path) -> None:
-    """The daemon's directories (0755) and the FIFO `<pipe>/control` its clients would open."""
-    make_mps_dirs(pipe_dir, log_dir)
+    """The daemon's directories (0755; its shm 1777, as a /dev/shm) and the FIFO
+    `<pipe>/control` its clients would open."""
+    shm = pipe_dir.parent / MPS_SHM_DIR
+    make_mps_dirs(pipe_dir, log_dir, shm)
+    os.chmod(shm, 0o1777)
     fifo = pipe_dir / MPS_CONTROL_FIFO
     if not os.path.lexists(fifo):
         os.mkfifo(fifo, 0o600)

@@ -278,7 +278,8 @@ def test_two_mps_claims_share_a_card_with_limits_and_a_third_over_capacity_is_re
     assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}" in spec["containerEdits"]["env"]
     log = f"{MPS_ROOT}/{da.control}/log"
     assert [m["containerPath"] for m in spec["containerEdits"]["mounts"]] == [pipe, log, "/dev/shm"]
-    assert all(m["hostPath"] == m["containerPath"] for m in spec["containerEdits"]["mounts"])
+    # the daemon's own shm at /dev/shm, never the host's
+    assert [m["hostPath"] for m in spec["containerEdits"]["mounts"]] == [pipe, log, f"{MPS_ROOT}/{da.control}/shm"]
     assert [d["name"] for d in spec["devices"]] == [f"{GPU[0]}_{SHARE1}"]
     # the journal had the daemon before it was asked
     starts = [j for j in rig.journal() if j and j.get("mps")]
