@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from shared.runtime import Option, StartupError
 from shared.schemas import SIGNED_NODE_SPEC_CODEC, BadMessage, NodeSpec, SignedNodeSpec
 from shared.signing import Ed25519PublicKey, VerificationError, key_id, load_public_key_file, verify_node_spec
@@ -99,10 +101,15 @@ def load_trust(cp_key: str, accept_unsigned: bool) -> SpecTrust:
     return SpecTrust(tuple(keys), accept_unsigned)
 
 
-def announce(trust: SpecTrust, *, metadata: dict[str, str], log: Any, unsigned_gauge: Any) -> None:
-    """Say at start how specs are checked: the log, the PING metadata `bcd doctor` reads, the gauge."""
+def announce(trust: SpecTrust, *, metadata: dict[str, str], log: Any, registry: CollectorRegistry | None) -> None:
+    """Say at start how specs are checked: the log, the PING metadata `bcd doctor` reads, the gauge.
+
+    The gauge is made here, once for both services (one name, one meaning; each
+    service's scrape adds its `service` label).
+    """
     metadata["cp_keys"] = str(len(trust.keys))
-    unsigned_gauge.set(1 if trust.accept_unsigned else 0)
+    unsigned = Gauge("bcd_unsigned_specs_accepted", "1 when it takes unsigned node specs (--accept-unsigned-specs, lab only)", registry=registry)
+    unsigned.set(1 if trust.accept_unsigned else 0)
     if trust.accept_unsigned:
         metadata["unsigned_specs"] = "accepted"
         log.warning(

@@ -3,6 +3,11 @@
 `NodeBus` starts the wheel's nats-server on a free port with the config
 `bcd.nodebus` writes (the same users and permissions as production), and
 starts services with `python -m services.<name>` under their own NATS user.
+Each bus has a control-plane key of its own (`<root>/cp`, as `bcd up` keeps
+it): every service gets its public half as `BCD_CP_KEY`, so the bridge and the
+converger start as in production (no key, no start), and a test that plays
+the bridge hands the converger `signed_spec(...)`, the envelope the bridge
+relays - one helper, so no test carries its own copy of the signing.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import nats
 from nats.aio.client import Client
 
 from bcd.nodebus import NatsServer, prepare_node_bus
+from controlplane.keys import load_or_create_cp_key
+from shared.schemas import NodeSpec, encode
+from shared.signing import Ed25519PrivateKey, sign_node_spec
 from shared.subjects import inbox_prefix
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +85,24 @@ class NodeBus:
     def password(self, user: str) -> str:
         return self.creds[user].read_text().strip()
 
+    @property
+    def cp_dir(self) -> Path:
+        return self.root / "cp"
+
+    @property
+    def cp_key(self) -> Ed25519PrivateKey:
+        """The control plane's signing key for this bus (made on first use, kept in `cp_dir`)."""
+        return load_or_create_cp_key(self.cp_dir)[0]
+
+    @property
+    def cp_pub(self) -> Path:
+        return load_or_create_cp_key(self.cp_dir)[1]
+
+    def signed_spec(self, spec: NodeSpec | bytes, key: Ed25519PrivateKey | None = None) -> bytes:
+        """The SignedNodeSpec JSON the bridge relays to `converger.spec`: `spec` (or its exact JSON
+        bytes) signed by this bus's control-plane key, or by `key` (a forger's)."""
+        return signed_spec(key or self.cp_key, spec)
+
     def env(self, user: str, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
         env.update(
@@ -90,6 +116,8 @@ class NodeBus:
             BCD_CDI_DIR=str(self.root / "cdi"),
             # never the host's /var/run/cdi, whatever a service's own default
             BCD_CDI_CONSUMER_DIR=str(self.root / "run" / "cdi"),
+            # the bridge and the converger refuse to start without a key (issue 40)
+            BCD_CP_KEY=str(self.cp_pub),
         )
         env.update(extra)
         return env
@@ -153,6 +181,11 @@ class NodeBus:
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
         # A service that had to be killed or crashed is a failure of the test.
         assert not bad or all(c == -signal.SIGKILL for c in bad.values()), f"services exited badly: {bad}"
+
+
+def signed_spec(key: Ed25519PrivateKey, spec: NodeSpec | bytes) -> bytes:
+    """`spec` (or its exact JSON bytes) as a SignedNodeSpec by `key`, encoded as the bus carries it."""
+    return encode(sign_node_spec(key, spec))
 
 
 async def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # noqa: ANN001, ANN201
