@@ -56,6 +56,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = logs.get_logger("bcd.up")
     state: Path = args.state_dir.resolve()
     paths = layout(state)
+    embedded = not args.upstream
+    # first: options that would leave a hop unchecked start nothing, not even the bus
+    problem = spec_trust_problem(embedded, args.cp_key, args.accept_unsigned_specs)
+    if problem:
+        print(f"bcd up: {problem}", file=sys.stderr)
+        return 2
     running = _running_supervisor(state)
     if running:
         # before the port check: a second `make run` on the same state would otherwise
@@ -87,11 +93,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             shutil.copyfile(fake_host, copy)
         log.info("fake host: working on a copy of the example", example=str(fake_host), copy=str(copy))
         fake_host = copy
-    embedded = not args.upstream
-    problem = spec_trust_problem(embedded, args.cp_key, args.accept_unsigned_specs)
-    if problem:
-        print(f"bcd up: {problem}", file=sys.stderr)
-        return 2
     if not embedded and bool(args.upstream_cert) != bool(args.upstream_key):
         print("bcd up: --upstream-cert and --upstream-key go together (a client certificate and its key)", file=sys.stderr)
         return 2

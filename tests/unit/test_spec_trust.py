@@ -8,6 +8,9 @@ stored spec verified again when read back (services/converger/state.py), and
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -197,3 +200,22 @@ def test_save_keeps_the_envelope_byte_for_byte(tmp_path: Path) -> None:
 def test_bcd_up_starts_no_node_with_a_hop_unchecked(embedded: bool, cp_key: str, accept: bool, problem: str) -> None:
     got = spec_trust_problem(embedded, cp_key, accept)
     assert (got.startswith(problem) if problem else got == ""), got
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        ([], "bcd up: --upstream needs --cp-key FILE"),
+        (["--cp-key", ""], "bcd up: --upstream needs --cp-key FILE"),
+        (["--cp-key", "cp.pub", "--accept-unsigned-specs"], "bcd up: --cp-key and --accept-unsigned-specs together"),
+    ],
+    ids=["no-key", "empty-key", "both"],
+)
+def test_bcd_up_refuses_in_one_line_before_starting_anything(tmp_path: Path, args: list[str], line: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "bcd.cli", "up", "--state-dir", str(tmp_path / "state"), "--any-ports", "--upstream", "nats://127.0.0.1:1", *args],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
+    assert not (tmp_path / "state" / "bus" / "nats.conf").exists()  # no bus was started
