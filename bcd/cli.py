@@ -717,6 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--upstream", default=_env_default("BCD_UPSTREAM_URL", ""), help="join this upstream NATS instead of the embedded control plane [env BCD_UPSTREAM_URL]")
     _path(up.add_argument("--cp-key", default=_env_default("BCD_CP_KEY", ""), help="control-plane public key file(s), comma-separated (with --upstream) [env BCD_CP_KEY]"), _FILE)
+    up.add_argument(
+        "--accept-unsigned-specs",
+        action="store_true",
+        default=_env_default("BCD_ACCEPT_UNSIGNED_SPECS", "").strip().lower() in ("1", "true", "yes", "on"),
+        help="LAB ONLY, with --upstream and no --cp-key: the node takes unsigned specs (said at start and by `bcd doctor`) [env BCD_ACCEPT_UNSIGNED_SPECS=1]",
+    )
     up.add_argument("--upstream-user", help="upstream NATS user (with --upstream; default node-<node-id>)")
     _path(up.add_argument("--upstream-password-file", type=Path, help="file holding the upstream user's password (with --upstream)"), _FILE)
     _path(up.add_argument("--upstream-token-file", type=Path, help="file holding an upstream token (with --upstream)"), _FILE)

@@ -18,7 +18,8 @@ with its own NATS user. This writes, under DIR:
   directory, and a lock file beside it); every other container reads it;
 - with the `upstream` profile's parts: `upstream/nats.conf` (a separate upstream
   nats-server with the control plane's user and this node's, each limited to its
-  subjects), `controlplane/` (its signing key, owned by its user) and `bus/cp.pub`;
+  subjects), `controlplane/` (its signing key, owned by its user) and `bus/cp.pub`
+  (0644: its public half, which the bridge and the converger both verify specs with);
 - `pki/`, the upstream's mutual TLS: a private CA (`pki/ca/`, root's alone) and one
   directory per reader, `pki/<reader>/` holding `ca.crt`, `tls.crt` and `tls.key` (the
   key 0400, its reader's): the upstream server's certificate (for `upstream`, the name

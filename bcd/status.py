@@ -721,6 +721,38 @@ def _loopback_only(url: str) -> bool:
     return all(h in ("localhost", "::1") or h.startswith("127.") for h in hosts)
 
 
+#: the services that take a node spec and check its signature (shared/spectrust.py)
+SPEC_CHECKERS = ("gateway_bridge", "converger")
+
+
+def spec_trust_checks(report: NodeReport) -> list[tuple[str, str, str]]:
+    """One row: every service that takes specs verifies them (ok), or which take them UNSIGNED (warn)."""
+    unsigned: list[str] = []
+    keys: dict[str, str] = {}
+    for name in SPEC_CHECKERS:
+        meta = (report.services.get(name) or {}).get("metadata") or {}
+        if "cp_keys" not in meta:
+            continue  # not running, or a converger of a release that left the check to the bridge
+        # cp_keys "0" without the flag: a bridge of an earlier release, which took unsigned specs silently
+        if meta.get("unsigned_specs") == "accepted" or meta["cp_keys"] == "0":
+            unsigned.append(name)
+        else:
+            keys[name] = meta["cp_keys"]
+    if unsigned:
+        return [
+            (
+                "warn",
+                "unsigned-specs",
+                f"{' and '.join(unsigned)} accept{'s' if len(unsigned) == 1 else ''} UNSIGNED node specs "
+                "(--accept-unsigned-specs, lab only): whoever can put this node's spec owns its holds; give them --cp-key",
+            )
+        ]
+    if keys:
+        said = ", ".join(f"{n} {k}" for n, k in keys.items())
+        return [("ok", "signed-specs", f"node specs verified against the control-plane key(s) ({said})")]
+    return []
+
+
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     """(level ok|warn|fail, check name, message) per check."""
     out: list[tuple[str, str, str]] = []
@@ -732,13 +764,9 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             out.append(("ok", f"service.{name}", "answers $SRV.PING"))
         else:
             out.append(("fail", f"service.{name}", "does not answer $SRV.PING"))
+    out.extend(spec_trust_checks(report))
     bridge = report.services.get("gateway_bridge")
     if bridge is not None:
-        keys = (bridge.get("metadata") or {}).get("cp_keys", "0")
-        if keys == "0":
-            out.append(("warn", "unsigned-specs", "no control-plane key configured: the node accepts UNSIGNED specs (--cp-key)"))
-        else:
-            out.append(("ok", "signed-specs", f"node specs verified against {keys} control-plane key(s)"))
         out.extend(upstream_checks(bridge.get("metadata") or {}))
     conv, inv = report.converger, report.inventory
     if conv is not None:

@@ -3,7 +3,10 @@
 Embedded (the default): one nats-server carries two accounts - the node bus
 and an upstream with the reference control plane - and every service plus the
 control plane runs as its own supervised process. With `--upstream URL
---cp-key FILE` the bridge joins an existing control plane instead. Service
+--cp-key FILE` the bridge joins an existing control plane instead. Both hops
+that take a spec, the bridge and the converger, get the control plane's key
+(the embedded one's own, or --cp-key); `--accept-unsigned-specs` (lab only,
+--upstream without a key) is the one way to run without. Service
 logs go to `<state>/logs/<service>.log` (`--verbose` shows them here).
 With `--apply SPEC`, the spec is applied once the node is up and the status
 table and the verified events are printed.
@@ -54,6 +57,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = logs.get_logger("bcd.up")
     state: Path = args.state_dir.resolve()
     paths = layout(state)
+    embedded = not args.upstream
+    # first: options that would leave a hop unchecked start nothing, not even the bus
+    problem = spec_trust_problem(embedded, args.cp_key, args.accept_unsigned_specs)
+    if problem:
+        print(f"bcd up: {problem}", file=sys.stderr)
+        return 2
     running = _running_supervisor(state)
     if running:
         # before the port check: a second `make run` on the same state would otherwise
@@ -85,11 +94,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             shutil.copyfile(fake_host, copy)
         log.info("fake host: working on a copy of the example", example=str(fake_host), copy=str(copy))
         fake_host = copy
-    embedded = not args.upstream
-    if not embedded and not args.cp_key:
-        print("bcd up: --upstream needs --cp-key FILE (the control plane's public key); "
-              "pass --cp-key '' to accept unsigned specs knowingly", file=sys.stderr)
-        return 2
     if not embedded and bool(args.upstream_cert) != bool(args.upstream_key):
         print("bcd up: --upstream-cert and --upstream-key go together (a client certificate and its key)", file=sys.stderr)
         return 2
@@ -154,13 +158,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         common["BCD_FAKE_HOST"] = str(fake_host)
     if embedded:
         _, cp_pub = load_or_create_cp_key(paths["cp"])
+        trust_env = {"BCD_CP_KEY": str(cp_pub), "BCD_ACCEPT_UNSIGNED_SPECS": "0"}
         bridge_env = {
             "BCD_UPSTREAM_URL": bus.url,
             "BCD_UPSTREAM_PASSWORD_FILE": str(creds[upstream_node_user(args.node_id)]),
-            "BCD_CP_KEY": str(cp_pub),
         }
     else:
-        bridge_env = {"BCD_UPSTREAM_URL": args.upstream, "BCD_CP_KEY": args.cp_key}
+        # the services run from another directory: a relative key file is this shell's
+        keys = ",".join(str(Path(k.strip()).resolve()) for k in args.cp_key.split(",") if k.strip())
+        # both said outright: a BCD_* of the shell the services inherit must not contradict them
+        trust_env = {"BCD_CP_KEY": keys, "BCD_ACCEPT_UNSIGNED_SPECS": "1" if args.accept_unsigned_specs else "0"}
+        bridge_env = {"BCD_UPSTREAM_URL": args.upstream}
         for opt, env in (
             ("upstream_user", "BCD_UPSTREAM_USER"),
             ("upstream_password_file", "BCD_UPSTREAM_PASSWORD_FILE"),
@@ -211,6 +219,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "BCD_NATS_PASSWORD_FILE": str(creds[name]),
             "BCD_METRICS_PORT": str(port),
             **(bridge_env if name == "gateway_bridge" else {}),
+            # both hops that take a spec check the control plane's signature (issue 40)
+            **(trust_env if name in ("gateway_bridge", "converger") else {}),
             **(reaper_env if name == "kube_reaper" else {}),
             **(plugin_env if name == "device_plugin" else {}),
             **(dra_env if name == "dra_plugin" else {}),
@@ -257,6 +267,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"bcd node {args.node_id!r} is starting on {'fake host ' + str(fake_host) if fake_host else 'this host (NVML)'}",
             f"  node bus     {bus.url}  (config {conf})",
             f"  upstream     {'embedded reference control plane (' + str(paths['cp']) + ')' if embedded else args.upstream}",
+            *(["  specs        UNSIGNED ACCEPTED (--accept-unsigned-specs, lab only): whoever can put this node's spec owns its holds"]
+              if args.accept_unsigned_specs else []),
             *([f"  monitoring   {info.monitor_url}/varz  /connz  /subsz  /jsz"] if info.monitor_url else []),
             *[f"  metrics      {n:<15} {u}" for n, u in metrics.items()],
             f"  logs         {paths['logs']}/<service>.log" if not args.verbose else "  logs         here",
@@ -294,6 +306,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         bus.stop()
         log.debug("node bus stopped")
+
+
+def spec_trust_problem(embedded: bool, cp_key: str, accept_unsigned: bool) -> str:
+    """Why these spec-trust options cannot start a node ("" when they can).
+
+    Embedded, the control plane's own key is given to the bridge and the
+    converger: unsigned specs have no place there. With --upstream, exactly one of
+    --cp-key and --accept-unsigned-specs. An empty --cp-key is no key: it is
+    what an unset variable expands to, so it never stands for "unsigned" (the
+    opt-out is named, DESIGN 3).
+    """
+    has_key = bool(cp_key.strip(", "))
+    if embedded:
+        return "--accept-unsigned-specs goes with --upstream only: the embedded control plane signs every spec" if accept_unsigned else ""
+    if has_key and accept_unsigned:
+        return "--cp-key and --accept-unsigned-specs together: with a control-plane key unsigned specs are refused; drop one"
+    if not has_key and not accept_unsigned:
+        return ("--upstream needs --cp-key FILE (the control plane's public key); in a lab only, "
+                "--accept-unsigned-specs takes unsigned specs knowingly")  # fmt: skip
+    return ""
 
 
 def look_lines(state_dir: Path | str, upstream: str = "") -> list[str]:

@@ -4,6 +4,9 @@ This module owns what each verdict becomes:
 - rejected: counted;
 - a duplicate: counted, whether it was applied before (state.json's processed
   ids, or an applied line in events.jsonl) or earlier in the same batch;
+- refused after all when it carries a generation this control plane never put
+  for its node (issue 40: a Bound at a made-up generation must not make a
+  reservation active, however well signed): rejected, logged, counted;
 - applied: through the state machine (state.apply_event).
 
 It also covers an event that was saved but whose line was lost to a crash: it
@@ -17,9 +20,9 @@ from __future__ import annotations
 
 from shared.schemas import GpuChanged
 
-from .judge import Verdict
+from .judge import Verdict, refuse
 from .ledger import EventRecord
-from .state import ControlPlaneState, StateStore, apply_event, remember_processed
+from .state import ControlPlaneState, StateStore, apply_event, generation_issued, remember_processed
 
 
 def commit_batch(store: StateStore, verdicts: list[Verdict], logged_applied: set[str]) -> list[EventRecord]:
@@ -73,8 +76,14 @@ def settle(st: ControlPlaneState | None, v: Verdict, applied: set[str], logged_a
             return EventRecord(**v.fields, outcome="applied", state=res.state if res else "")
         st.duplicate_count += 1
         return EventRecord(**v.fields, outcome="duplicate")
+    node_id, generation = v.fields["node_id"], v.fields.get("generation")
+    if generation is not None and not generation_issued(st, node_id, generation):
+        # checked here, under the state's lock: a put in another process (bcd apply) is seen
+        st.rejected_count += 1
+        refused = refuse(v, f"generation {generation} was never put for {node_id} by this control plane")
+        return EventRecord(**refused.fields, outcome="rejected")
     now = v.fields["received_at"]
-    moved = apply_event(st, v.fields["node_id"], v.event, event_id, now)
+    moved = apply_event(st, node_id, v.event, event_id, now)
     remember_processed(st, event_id, now)
     applied.add(event_id)
     return EventRecord(**v.fields, outcome="applied", state=moved.state if moved else "")

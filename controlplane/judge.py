@@ -8,7 +8,10 @@ This module owns the checks every event passes:
 - any other event must be a plain node event of its subject's type.
 
 The answer is a Verdict: the fields of the event's record and the event to
-apply, or a rejection with its reason. Nothing is applied or acked here, so the
+apply, or a rejection with its reason. One check needs the state and is made
+where the state is, under its lock (commit.py): the event's generation must be
+one this control plane put for the node; `refuse` turns such a verdict into a
+rejection logged and recorded like every other. Nothing is applied or acked here, so the
 serve loop can judge a whole batch first and commit it with one state write
 (commit.py). A Hello lookup that the upstream does not answer raises Transient:
 the message is retried, never judged on a network failure.
@@ -132,6 +135,11 @@ class Judge:
             raise Transient(f"{type(exc).__name__}: {exc}") from None
 
 
+def refuse(v: Verdict, reason: str) -> Verdict:
+    """A verdict refused after judging (commit.py: a generation never put), logged and recorded like any rejection."""
+    return _reject(v.msg, v.fields, reason, v.event_id, verified=v.fields.get("verified"), event=v.event)
+
+
 def _judge_plain(msg: Msg, base: dict[str, Any], node_id: str, etype: str, header_id: str | None) -> Verdict:
     try:
         event = NODE_EVENT_CODEC.decode(msg.data)
@@ -197,4 +205,4 @@ def _claimed_fields(body: ReportBody) -> dict[str, Any]:
     )
 
 
-__all__ = ["ATTESTED_TYPES", "Transient", "Verdict", "Judge"]
+__all__ = ["ATTESTED_TYPES", "Transient", "Verdict", "Judge", "refuse"]

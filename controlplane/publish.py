@@ -25,7 +25,7 @@ from shared.subjects import UPSTREAM_NODESPECS_BUCKET
 from .buckets import UpstreamObjects
 from .nodes import Nodes
 from .specs import PutResult, UnknownNode, check_spec
-from .state import StateStore, apply_spec, next_generation, now_utc
+from .state import StateStore, apply_spec, next_generation, now_utc, reserve_generation
 
 log = logs.get_logger("controlplane")
 
@@ -65,8 +65,9 @@ class SpecPublisher:
         published = await self.published_generation(node_id)
         with self._store.transaction() as st:
             gen, note = next_generation(st, node_id, requested, published)
-            # reserve it now: a concurrent put (another process) gets the next one.
-            st.node(node_id).last_generation = gen
+            # reserve it now: a concurrent put (another process) gets the next one, and an
+            # event at it is believed (commit.py refuses generations never issued)
+            reserve_generation(st, node_id, gen)
         final = msgspec.structs.replace(draft, generation=gen)
         # fields this schema does not know (allowed) travel as given: they are for a newer node
         signed = sign_node_spec(self.key, encode({**checked.fields, "generation": gen}) if checked.unknown else final)

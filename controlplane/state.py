@@ -2,10 +2,12 @@
 
 This module owns what the control plane decides and must remember across a restart:
 reservations, processed event ids, the boot ids each node announced, its key and
-the last generation put per node. It also owns the one way that file is read and
+the generations put per node (the last, and which were issued at all: an event
+naming a generation this control plane never put is refused, commit.py). It also owns the one way that file is read and
 written, StateStore: atomic writes under a file lock, so `bcd apply` in another
 process and the running consumer never lose each other's updates. The transitions
-(next_generation, apply_spec, apply_event, remember_*) are pure functions of the
+(next_generation, reserve_generation, apply_spec, apply_event, remember_*,
+generation_issued) are pure functions of the
 state. The serve loop and a put call them inside one transaction, and
 `bcd apply` and `bcd up` read it as it stands with peek_state.
 
@@ -53,6 +55,10 @@ log = logs.get_logger("controlplane")
 
 #: how many processed event ids state.json remembers (oldest forgotten first).
 MAX_PROCESSED_IDS = 20_000
+#: how many runs of issued generations a node's record keeps (oldest forgotten first). A put at
+#: last + 1 widens the last run; only a jump (a requested generation, a bucket found ahead)
+#: starts one, so this bounds the record, not the number of puts.
+MAX_ISSUED_RUNS = 256
 
 STATE_FILE = "state.json"
 #: the largest state file read back (nodes, bookings, up to MAX_PROCESSED_IDS event ids).
@@ -87,6 +93,11 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     """Per-node memory: generations, announced boot ids, the last key, conditions, sections."""
 
     last_generation: int = 0
+    #: the generations this control plane reserved for the node (each signed and put at most
+    #: once), as [first, last] runs of consecutive generations, oldest first; at most
+    #: MAX_ISSUED_RUNS. Empty with a last_generation above 0: a record from a release that did
+    #: not keep them, read as 1..last_generation (issued_runs).
+    issued: list[tuple[int, int]] = []
     #: every boot id the node announced in a Hello, oldest first.
     boot_ids: list[str] = []
     key_id: str = ""
@@ -142,10 +153,50 @@ def next_generation(state: ControlPlaneState, node_id: str, requested: int | Non
     return last + 1, f"generation {requested} is not above the last put generation {last}; put as {last + 1}"
 
 
+def issued_runs(rec: NodeRecord) -> list[tuple[int, int]]:
+    """The node's issued generations as runs; a record written before they were kept: 1..last_generation."""
+    if not rec.issued and rec.last_generation > 0:
+        return [(1, rec.last_generation)]
+    return list(rec.issued)
+
+
+def generation_issued(state: ControlPlaneState, node_id: str, generation: int) -> bool:
+    """Did this control plane ever put `generation` for `node_id` (or reserve it for a put)?"""
+    rec = state.nodes.get(node_id)
+    return rec is not None and any(first <= generation <= last for first, last in issued_runs(rec))
+
+
+def _record_issued(rec: NodeRecord, generation: int) -> None:
+    runs = issued_runs(rec)
+    if any(first <= generation <= last for first, last in runs):
+        return
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted([*runs, (generation, generation)]):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
+        else:
+            merged.append((first, last))
+    # bounded: the oldest runs go first, and their generations count as never issued from then on
+    rec.issued = merged[-MAX_ISSUED_RUNS:]
+
+
+def reserve_generation(state: ControlPlaneState, node_id: str, generation: int) -> None:
+    """`generation` is taken for a put to `node_id`: the last put, and issued from now on.
+
+    Recorded before the put itself (publish.py), so a crash between the two leaves
+    it issued: a generation is signed at most once, and a node can only report one
+    that was put.
+    """
+    rec = state.node(node_id)
+    # runs first: a record with no runs and a last_generation reads as an earlier release's
+    _record_issued(rec, generation)
+    rec.last_generation = max(rec.last_generation, generation)
+
+
 def apply_spec(state: ControlPlaneState, spec: NodeSpec, at: datetime) -> None:
     """A spec was put: its reservations are binding unless already active for the same allocation."""
+    reserve_generation(state, spec.node_id, spec.generation)
     rec = state.node(spec.node_id)
-    rec.last_generation = max(rec.last_generation, spec.generation)
     named: set[str] = set()
     for a in spec.devices:
         named.add(a.reservation_id)
@@ -340,6 +391,10 @@ __all__ = [
     "ControlPlaneState",
     "now_utc",
     "next_generation",
+    "MAX_ISSUED_RUNS",
+    "issued_runs",
+    "generation_issued",
+    "reserve_generation",
     "apply_spec",
     "apply_event",
     "remember_processed",

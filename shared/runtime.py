@@ -65,7 +65,12 @@ STOP_GRACE_S = 3.0
 
 @dataclass(frozen=True)
 class Option:
-    """One option, taken as `--flag` or from the env var `BCD_FLAG` (flag wins)."""
+    """One option, taken as `--flag` or from the env var `BCD_FLAG` (flag wins).
+
+    A `switch` takes no value: `--flag` turns it on, and so does `BCD_FLAG=1`
+    (`true`, `yes`, `on`; `0`, `false`, `no`, `off` or empty leave it off, any
+    other value is refused rather than guessed).
+    """
 
     flag: str
     help: str
@@ -73,6 +78,7 @@ class Option:
     type: Callable[[str], Any] = str
     required: bool = False
     choices: Sequence[str] | None = None
+    switch: bool = False
 
     @property
     def dest(self) -> str:
@@ -100,6 +106,10 @@ def parse_options(service: str, options: Sequence[Option], argv: Sequence[str] |
     env = dict(os.environ) if env is None else env
     parser = argparse.ArgumentParser(prog=f"bcd-{service.replace('_', '-')}", description=f"bcd {service} service")
     for opt in options:
+        if opt.switch:
+            on = _switch_value(parser, opt.env, env.get(opt.env) or "")
+            parser.add_argument(opt.flag, dest=opt.dest, action="store_true", default=on, help=f"{opt.help} [env {opt.env}=1]")
+            continue
         default = opt.default
         from_env = env.get(opt.env)
         if from_env is not None and from_env != "":
@@ -119,6 +129,20 @@ def parse_options(service: str, options: Sequence[Option], argv: Sequence[str] |
         if opt.choices and getattr(ns, opt.dest) not in opt.choices:
             parser.error(f"{opt.env}: {getattr(ns, opt.dest)!r} is not one of {', '.join(opt.choices)}")
     return ns
+
+
+_SWITCH_ON = ("1", "true", "yes", "on")
+_SWITCH_OFF = ("", "0", "false", "no", "off")
+
+
+def _switch_value(parser: argparse.ArgumentParser, name: str, value: str) -> bool:
+    # a typo in a switch that weakens a check must not read as either answer: refused
+    text = value.strip().lower()
+    if text in _SWITCH_ON:
+        return True
+    if text not in _SWITCH_OFF:
+        parser.error(f"{name}: {value!r} is neither 1 nor 0 (true/false, yes/no, on/off)")
+    return False
 
 
 # --------------------------------------------------------------------------- bus calls

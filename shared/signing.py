@@ -2,8 +2,8 @@
 
 Each signature covers `purpose + b"\\0" + payload`, so a signature made for one
 purpose can never be replayed as another. `verify_report` is what a control
-plane runs on every AttestedReport; `verify_node_spec` is what the bridge runs
-on every SignedNodeSpec. The node's private key never leaves the signer; this
+plane runs on every AttestedReport; `verify_node_spec` is what the bridge and
+the converger run on every SignedNodeSpec. The node's private key never leaves the signer; this
 module only holds the arithmetic.
 
 Ed25519 is PyNaCl's (libsodium; already here for nats-py's nkeys): a process
@@ -155,8 +155,15 @@ def unsigned_node_spec(spec: NodeSpec) -> SignedNodeSpec:
     return SignedNodeSpec(spec=encode(spec))
 
 
-def verify_node_spec(signed: SignedNodeSpec, keys: list[VerifyKey]) -> NodeSpec:
-    """Verify against any of the configured control-plane keys (none: accept unsigned)."""
+def verify_node_spec(signed: SignedNodeSpec, keys: list[VerifyKey], *, accept_unsigned: bool = False) -> NodeSpec:
+    """Verify against any of the configured control-plane keys.
+
+    With no key the spec is refused, unless `accept_unsigned` (the lab-only
+    opt-out, shared/spectrust.py): then it is decoded unchecked. Fail closed:
+    an empty key list never means "anything goes" by itself.
+    """
+    if not keys and not accept_unsigned:
+        raise VerificationError("no control-plane key is configured to verify the node spec against")
     if keys:
         by_id = {key_id(k): k for k in keys}
         key = by_id.get(signed.key_id)

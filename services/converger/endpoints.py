@@ -1,8 +1,10 @@
 """The converger's NATS surface: every endpoint and subscription it serves, and the answers
 that are reads (status, holder, claims) or hand-overs (spec, pass).
 
-Endpoints: `spec` (the bridge hands over a verified NodeSpec; kept on disk so
-a restart converges without it), `status`, `holder` (which allocation,
+Endpoints: `spec` (the bridge relays the control plane's SignedNodeSpec as it
+came; verified here again against the control-plane keys - whoever reaches the
+subject without the control plane's signature changes nothing - and kept on
+disk, envelope and all, so a restart converges without it), `status`, `holder` (which allocation,
 instance or domain holds a GPU - asked before a VFIO switch, reset or MIG
 change), `claims` (every card's claims, and the cards the converger put on
 vfio-pci: what the inventory derives managementState from), `pass` (run one
@@ -37,7 +39,7 @@ from shared.schemas import (
     GPU_OP_REQUEST_CODEC,
     HOLDER_QUERY_CODEC,
     HOLDER_REPLY_CODEC,
-    NODE_SPEC_CODEC,
+    SIGNED_NODE_SPEC_CODEC,
     SPEC_ACK_CODEC,
     BadMessage,
     Claims,
@@ -48,11 +50,14 @@ from shared.schemas import (
     HoldSummary,
     NodeSpec,
     PendingReleaseSummary,
+    SignedNodeSpec,
     SpecAck,
 )
 from shared.schemas.bus import PASSTHROUGH_CLAIM, PROBLEMS_MAX
 from shared.schemas.common import clip
 from shared.schemas.strict import unknown_fields_of_json
+from shared.signing import VerificationError
+from shared.spectrust import SpecTrust
 from shared.vendorcdi import VENDOR_CDI_FILE, VendorSpecError
 
 from .cardclaims import CardClaims
@@ -82,6 +87,7 @@ class Endpoints:
         facts: NodeFacts,
         *,
         node_id: str,
+        trust: SpecTrust,
         loop: PassLoop,
         last_pass: LastPass,
         intake: InventoryIntake,
@@ -96,6 +102,8 @@ class Endpoints:
     ) -> None:
         self.facts = facts
         self.node_id = node_id
+        #: the control-plane keys every spec must be signed with (or the lab opt-out)
+        self.trust = trust
         self.loop = loop
         self.last_pass = last_pass
         self.intake = intake
@@ -111,10 +119,18 @@ class Endpoints:
 
     # ------------------------------------------------------------------ hand-overs
 
-    async def take_spec(self, spec: NodeSpec, body: bytes = b"") -> SpecAck:
+    async def take_spec(self, signed: SignedNodeSpec, envelope: bytes) -> SpecAck:
+        """A SignedNodeSpec as the control plane put it (`envelope`, the bytes it decoded from):
+        verified and for this node, or refused 400 and nothing changes."""
         facts = self.facts
-        if spec.node_id != self.node_id:
-            raise Refused(f"spec is for node {spec.node_id}, this is {self.node_id}", code="400")
+        try:
+            spec = self.trust.verify(signed, self.node_id)
+        except VerificationError as exc:
+            # whoever sent it, it is not the control plane's word: said loudly, nothing applied
+            applied = facts.spec.generation if facts.spec is not None else None
+            self.log.warning("node spec refused; nothing applied", reason=str(exc), applied_generation=applied)
+            raise Refused(f"refused: {exc}", code="400") from None
+        body = signed.spec
         current = facts.spec.generation if facts.spec is not None else -1
         if spec.generation < current:
             raise Refused(f"generation {spec.generation} is lower than the applied {current}", code="409")
@@ -122,11 +138,20 @@ class Endpoints:
             return SpecAck(generation=spec.generation, changed=False)
         if spec.generation == current:
             raise Refused(f"generation {spec.generation} is already applied with different content", code="409")
-        # decoded already (within its bounds): what the typed spec dropped is named here
-        unknown = tuple(str(f) for f in unknown_fields_of_json(NodeSpec, body)) if body else ()
-        await asyncio.to_thread(facts.store.save_spec, spec, bytes(body) if unknown else None)
+        # decoded already (within its bounds): what the typed spec dropped is named here,
+        # from the exact bytes the control plane signed
+        unknown = tuple(str(f) for f in unknown_fields_of_json(NodeSpec, body))
+        # the envelope as received: a restart verifies it again (StateStore.load_spec_with_unknown)
+        await asyncio.to_thread(facts.store.save_spec, bytes(envelope))
         facts.spec, facts.spec_unknown = spec, unknown
-        self.log.info("spec accepted", generation=spec.generation, assignments=len(spec.devices), instances=len(spec.instances))
+        self.log.info(
+            "spec accepted",
+            generation=spec.generation,
+            assignments=len(spec.devices),
+            instances=len(spec.instances),
+            # False: taken unchecked under --accept-unsigned-specs (lab only)
+            signed=not self.trust.accept_unsigned,
+        )
         if unknown:
             self.log.warning("the spec carries fields this node does not know; ignored", generation=spec.generation, fields=list(unknown[:20]), count=len(unknown))
         self.loop.trigger(f"spec generation {spec.generation}")
@@ -248,7 +273,8 @@ async def serve(ctx: ServiceContext, endpoints: Endpoints, *, intake: InventoryI
     subjects, log = ctx.subjects, ctx.log
     await ctx.nc.subscribe(subjects.inventory_changed, cb=guarded(log, "inventory notice")(intake.on_notice))
     await ctx.nc.subscribe(subjects.reaper_freed, cb=guarded(log, "freed notice")(endpoints.on_freed))
-    await ctx.endpoint("spec", subjects.converger_spec, endpoints.take_spec, NODE_SPEC_CODEC, reply=SPEC_ACK_CODEC, with_body=True)
+    # the envelope decoded at the boundary (a 400 naming the field otherwise), verified by take_spec
+    await ctx.endpoint("spec", subjects.converger_spec, endpoints.take_spec, SIGNED_NODE_SPEC_CODEC, reply=SPEC_ACK_CODEC, with_body=True)
     await ctx.endpoint("status", subjects.converger_status, endpoints.status, EMPTY_CODEC, allow_empty=True, reply=CONVERGER_STATUS_CODEC)
     await ctx.endpoint("holder", subjects.converger_holder, endpoints.holder, HOLDER_QUERY_CODEC, reply=HOLDER_REPLY_CODEC)
     await ctx.endpoint("claims", subjects.converger_claims, endpoints.claims, EMPTY_CODEC, allow_empty=True, reply=CLAIMS_CODEC)

@@ -14,6 +14,11 @@ tasks it starts and the stop. The work is done in the rooms:
 - holddirs.py / holdwatch.py: the hold directories, and the watch on them;
 - metrics.py: the Prometheus metrics; facts.py: what the rooms share.
 
+Specs: every one it takes must carry the control plane's signature
+(`--cp-key`, shared/spectrust.py), checked here and not only at the bridge; a
+converger with no key refuses to start unless told, lab only, to accept
+unsigned specs (`--accept-unsigned-specs`), and then says so.
+
 The VFIO side: GPUs named by spec.instances are switched to vfio-pci through
 vfio_switcher (and back when no instance or running domain has them); see
 vfio.py for the rules and apply.py for the record and the retries.
@@ -33,6 +38,7 @@ from shared.host import HostFactError, read_boot_id
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, main_for
 from shared.schemas import GpuOp, GpuOpRequest
 from shared.slices import CGROUP_ROOT, FakeSlices, Slices, SystemdSlices
+from shared.spectrust import announce, load_trust, trust_options
 
 from . import gpuops
 from .apply import Applier
@@ -67,6 +73,7 @@ class ConvergerApp(ServiceApp):
 
     def options(self) -> list[Option]:
         return [
+            *trust_options(),
             Option("--cdi-dir", "CDI spec directory", default=Path("/etc/cdi"), type=Path),
             Option(
                 "--cdi-consumer-dir",
@@ -125,6 +132,8 @@ class ConvergerApp(ServiceApp):
         o = self.opts = ctx.opts
         self.ctx = ctx
         log = ctx.log
+        # first: a converger that cannot tell the control plane's specs from anyone else's does not start
+        trust = load_trust(o.cp_key, o.accept_unsigned_specs)
         fake = o.fake_host is not None
         backend = o.slices if o.slices != "auto" else ("fake" if fake else "systemd")
         slices: Slices = FakeSlices(o.run_dir) if backend == "fake" else SystemdSlices(cgroup_root=CGROUP_ROOT)
@@ -163,7 +172,7 @@ class ConvergerApp(ServiceApp):
         interrupted = start_journal(state, boot=boot, mig_layouts=o.mig_layouts, log=log)
         store.save(state)
         facts = self.facts = NodeFacts(state=state, store=store, config=config)
-        spec, unknown = store.load_spec_with_unknown()
+        spec, unknown = store.load_spec_with_unknown(trust, o.node_id)
         facts.spec, facts.spec_unknown = spec, tuple(unknown)
         if not privileged:
             log.warning(
@@ -182,6 +191,7 @@ class ConvergerApp(ServiceApp):
         await outbox.recheck()
 
         metrics = ConvergerMetrics(ctx.registry)
+        announce(trust, metadata=ctx.metadata, log=log, registry=ctx.registry)
         switcher = BusSwitcher(ctx.nc, ctx.subjects, timeout=o.switch_reply_timeout)
         applier = Applier(
             node_id=o.node_id,
@@ -259,6 +269,7 @@ class ConvergerApp(ServiceApp):
         endpoints = Endpoints(
             facts,
             node_id=o.node_id,
+            trust=trust,
             loop=self.loop,
             last_pass=self.passes,
             intake=intake,

@@ -33,7 +33,6 @@ class BridgeMetrics:
         self.forwarded = Counter("bcd_outbox_forwarded", "Events acknowledged by upstream, by type", ["type"], registry=reg)
         self.forward_errors = Counter("bcd_outbox_forward_errors", "Failed forwards (retried)", registry=reg)
         self.specs = Counter("bcd_node_specs", "Node specs received, by outcome", ["outcome"], registry=reg)
-        self.unsigned = Gauge("bcd_unsigned_specs_accepted", "1 when no control-plane key is configured", registry=reg)
         for outcome in ("accepted", "rejected"):
             self.specs.labels(outcome=outcome)
 

@@ -8,8 +8,9 @@ its own, with what it needs handed in:
   `upstream_state`/`upstream_error` in the PING metadata, the upstream
   buckets and streams waited for);
 - specs.py: specs in: read `bcd_nodespecs/<node_id>`, verify against the
-  control-plane keys, hand the newest good one to the converger, never
-  backwards (NodeSpecRejected otherwise);
+  control-plane keys (shared/spectrust.py: no key and no lab opt-out, no
+  start), hand the newest good one to the converger as the signed envelope it
+  came in, never backwards (NodeSpecRejected otherwise);
 - records.py: the Hello and the Inventory put into `bcd_nodes` / `bcd_inventory`;
 - forward.py: the node-bus outbox forwarded to `BCD_EVENTS` in sequence order
   with `Nats-Msg-Id`, a sliding window in flight; outbox.py reads the outbox,
@@ -39,7 +40,7 @@ from services.gateway_bridge.records import Records
 from services.gateway_bridge.specs import SpecIntake
 from services.gateway_bridge.upstream import UPSTREAM_PING_S, Upstream
 from shared.runtime import Option, ServiceApp, ServiceContext, StartupError, guarded, main_for
-from shared.signing import load_public_key_file
+from shared.spectrust import announce, load_trust, trust_options
 from shared.tlsconfig import TlsConfigError, upstream_tls
 
 
@@ -48,7 +49,6 @@ class BridgeApp(ServiceApp):
     description = "the node's only upstream connection: specs in, records and events out"
 
     def __init__(self) -> None:
-        self.keys: list[Any] = []
         self.started_at = datetime.now(timezone.utc)
 
     def options(self) -> list[Option]:
@@ -59,7 +59,7 @@ class BridgeApp(ServiceApp):
             Option("--upstream-token-file", "file holding an upstream token", type=Path),
             Option("--upstream-nkey-file", "upstream nkey seed file", type=Path),
             Option("--upstream-creds", "upstream .creds file (JWT + nkey)", type=Path),
-            Option("--cp-key", "control-plane public key files (PEM or base64 raw), comma-separated", default=""),
+            *trust_options(),
             Option("--resync-interval", "seconds between re-reads of the spec and re-puts of the records", default=30.0, type=float),
             Option(
                 "--upstream-ping-interval",
@@ -92,12 +92,9 @@ class BridgeApp(ServiceApp):
         o = self.opts = ctx.opts
         self.ctx = ctx
         self.log = ctx.log
-        for name in [p for p in str(o.cp_key).split(",") if p.strip()]:
-            try:
-                self.keys.append(load_public_key_file(Path(name.strip())))
-            except (OSError, ValueError) as exc:
-                raise StartupError(f"--cp-key {name}: {exc}") from None
-        ctx.metadata["cp_keys"] = str(len(self.keys))
+        # before anything else: a bridge that cannot tell the control plane's specs from
+        # anyone else's does not start (DESIGN 3), it does not merely warn
+        self.trust = load_trust(o.cp_key, o.accept_unsigned_specs)
         ctx.metadata["upstream"] = o.upstream_url
         try:
             tls = upstream_tls(
@@ -112,14 +109,10 @@ class BridgeApp(ServiceApp):
             raise StartupError(str(exc)) from None
         m = self.metrics = BridgeMetrics(ctx.registry)
         self.upstream = Upstream(o, tls, ctx.metadata, ctx.log, ctx.stopping, m.up, on_reconnect=self._reconnected)
-        if self.keys:
-            ctx.log.info("verifying node specs", keys=len(self.keys))
-        else:
-            ctx.log.warning("no control-plane keys configured: accepting UNSIGNED node specs (set --cp-key)")
-        m.unsigned.set(0 if self.keys else 1)
+        announce(self.trust, metadata=ctx.metadata, log=ctx.log, registry=ctx.registry)
         s = ctx.subjects
         self.depth = OutboxDepth(ctx.nc, s.outbox_stream, m.depth, m.age, ctx.log)
-        self.specs = SpecIntake(ctx.nc, s, o.node_id, self.keys, self.upstream, o.resync_interval, m.specs, ctx.log, ctx.stopping)
+        self.specs = SpecIntake(ctx.nc, s, o.node_id, self.trust, self.upstream, o.resync_interval, m.specs, ctx.log, ctx.stopping)
         self.records = Records(ctx.nc, s, o.node_id, self.upstream, o.resync_interval, self.started_at, ctx.log, ctx.stopping)
         self.forward = Forwarder(
             ctx.nc,

@@ -1,15 +1,19 @@
 """Spec intake: the node's signed spec from upstream, verified, handed to the converger.
 
-The only way a spec reaches the node, so the checks live here and nowhere
-else. It reads `bcd_nodespecs/<node_id>` by direct get and follows the key's
-subject (a KV put is a publish there); verifies the SignedNodeSpec against the
-configured control-plane keys (none: accept unsigned, and say so); refuses a
-bad signature, another node's spec or an older generation (the last good spec
+The only way a spec reaches the node. It reads `bcd_nodespecs/<node_id>` by
+direct get and follows the key's subject (a KV put is a publish there);
+verifies the SignedNodeSpec against the configured control-plane keys
+(shared/spectrust.py: unsigned only with the lab-only opt-out); refuses a bad
+signature, another node's spec or an older generation (the last good spec
 stays; condition NodeSpecRejected is raised, through the outbox like every
-event); hands the rest to the converger. Never backwards: the newest verified
-spec waits as `pending` until the converger acknowledges it and is handed over
-again every HANDOVER_RETRY_S while the converger does not answer; an older one
-is refused, never handed over after a newer.
+event); hands the rest to the converger as the signed envelope, byte for byte
+as it came from upstream. The converger verifies it again itself (issue 40:
+every hop checks, so whoever reaches `converger.spec` without the control
+plane's signature owns nothing); checking here too refuses early, and raises
+NodeSpecRejected upstream. Never backwards: the newest verified spec waits as
+`pending` until the converger acknowledges it and is handed over again every
+HANDOVER_RETRY_S while the converger does not answer; an older one is
+refused, never handed over after a newer.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from shared.eventids import condition_id
 from shared.runtime import LoopGuard, ServiceCallError, call, describe
 from shared.schemas import (
     NODE_EVENT_CODEC,
-    SIGNED_NODE_SPEC_CODEC,
     SPEC_ACK_CODEC,
     BadMessage,
     Condition,
@@ -36,7 +39,8 @@ from shared.schemas import (
     SchemaViolation,
     clip,
 )
-from shared.signing import VerificationError, verify_node_spec
+from shared.signing import VerificationError
+from shared.spectrust import SpecTrust
 from shared.subjects import MSG_ID_HEADER, NodeSubjects, upstream_spec_get_subject, upstream_spec_key_subject
 
 if TYPE_CHECKING:
@@ -52,8 +56,8 @@ HANDOVER_RETRY_S = 0.5
 class SpecIntake:
     """Specs in: `nc` is the node bus (the converger, the outbox), `upstream` where specs come from.
 
-    `keys` are the control-plane public keys (empty: unsigned specs are
-    accepted); `outcomes` is bcd_node_specs.
+    `trust` is how specs are checked (the control-plane keys, or the lab
+    opt-out); `outcomes` is bcd_node_specs.
     """
 
     def __init__(
@@ -61,7 +65,7 @@ class SpecIntake:
         nc: Client,
         subjects: NodeSubjects,
         node_id: str,
-        keys: list[Any],
+        trust: SpecTrust,
         upstream: Upstream,
         resync_interval: float,
         outcomes: Counter,
@@ -71,7 +75,7 @@ class SpecIntake:
         self.nc = nc
         self.subjects = subjects
         self.node_id = node_id
-        self.keys = keys
+        self.trust = trust
         self.upstream = upstream
         self.resync_interval = resync_interval
         self.outcomes = outcomes
@@ -83,8 +87,9 @@ class SpecIntake:
         #: the newest verified spec the converger has not acknowledged yet: handed
         #: over again every HANDOVER_RETRY_S until it is; a newer one replaces it.
         self.pending: NodeSpec | None = None
-        #: the exact JSON bytes `pending` was verified from: what the converger gets, so
-        #: it sees the fields this schema does not know too (NodeSpecUnknownFields).
+        #: the SignedNodeSpec JSON `pending` was verified from, as upstream put it: what the
+        #: converger gets, to verify itself; its inner bytes carry the fields this schema
+        #: does not know too (NodeSpecUnknownFields).
         self.pending_raw: bytes | None = None
         #: the converger answered the last hand-over (False: the next success is logged).
         self.converger_reachable = True
@@ -159,15 +164,15 @@ class SpecIntake:
         Never goes backwards: a spec older than the applied generation, or
         than the one already waiting for the converger, is refused.
         """
-        node = self.node_id
         try:
-            signed = SIGNED_NODE_SPEC_CODEC.decode(data)
-            spec = verify_node_spec(signed, self.keys)
-        except (BadMessage, VerificationError) as exc:
+            _, spec = self.trust.open(data, self.node_id)
+        except VerificationError as exc:
             await self.reject(f"refused: {exc}")
             return
-        if spec.node_id != node:
-            await self.reject(f"refused: the spec names node {spec.node_id}, this is {node}")
+        limit = self.nc.max_payload
+        if len(data) > limit:
+            # relayed as it came: an envelope the node bus cannot carry would be retried forever
+            await self.reject(f"refused: the signed spec is {len(data)} bytes, above the node bus's max_payload of {limit}")
             return
         if spec.generation < self.applied_generation:
             await self.reject(f"refused: generation {spec.generation} is lower than the applied {self.applied_generation}")
@@ -178,15 +183,15 @@ class SpecIntake:
                 "which waits for the converger"
             )
             return
-        self.pending, self.pending_raw = spec, signed.spec
+        self.pending, self.pending_raw = spec, bytes(data)
 
     async def hand_over(self) -> None:
         """Hand the pending spec to the converger; kept pending (retried soon) when it does not answer."""
-        spec = self.pending
-        assert spec is not None
-        # the verified bytes as signed (they decoded as this spec), not a re-encoding:
-        # fields a newer control plane added reach the converger, which reports them
-        payload = self.pending_raw if self.pending_raw is not None else spec
+        spec, payload = self.pending, self.pending_raw
+        assert spec is not None and payload is not None
+        # the envelope as upstream put it, not a re-encoding: the converger checks the
+        # control plane's signature over it itself, and reports the fields a newer
+        # control plane added (inside the signed bytes)
         try:
             ack = await call(self.nc, self.subjects.converger_spec, payload, SPEC_ACK_CODEC, timeout=HANDOVER_TIMEOUT_S)
         except ServiceCallError as exc:
@@ -207,7 +212,7 @@ class SpecIntake:
             self.log.info("converger reachable again; spec handed over", generation=ack.generation, changed=ack.changed)
         if ack.changed:
             self.outcomes.labels(outcome="accepted").inc()
-            self.log.info("node spec handed to the converger", generation=ack.generation, signed=bool(self.keys))
+            self.log.info("node spec handed to the converger", generation=ack.generation, signed=not self.trust.accept_unsigned)
         await self.clear_rejection()
 
     def _handed(self, spec: NodeSpec) -> None:

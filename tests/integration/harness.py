@@ -6,6 +6,11 @@ makes the node's streams as the bus setup does (BUS_ADMIN_USER), and starts
 services with `python -m services.<name>` under their own NATS user, each in
 its own account (`connect(user)` is a client of that identity; `admin` reaches
 only the store account's JetStream, never a service).
+Each bus has a control-plane key of its own (`<root>/cp`, as `bcd up` keeps
+it): every service gets its public half as `BCD_CP_KEY`, so the bridge and the
+converger start as in production (no key, no start), and a test that plays
+the bridge hands the converger `signed_spec(...)`, the envelope the bridge
+relays - one helper, so no test carries its own copy of the signing.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import nats
 from nats.aio.client import Client
 
 from bcd.nodebus import NatsServer, prepare_node_bus, setup_streams
+from controlplane.keys import load_or_create_cp_key
 from shared.busstreams import OutboxResult
+from shared.schemas import NodeSpec, encode
+from shared.signing import Ed25519PrivateKey, sign_node_spec
 from shared.subjects import BUS_ADMIN_USER, inbox_prefix
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +101,24 @@ class NodeBus:
     def password(self, user: str) -> str:
         return self.creds[user].read_text().strip()
 
+    @property
+    def cp_dir(self) -> Path:
+        return self.root / "cp"
+
+    @property
+    def cp_key(self) -> Ed25519PrivateKey:
+        """The control plane's signing key for this bus (made on first use, kept in `cp_dir`)."""
+        return load_or_create_cp_key(self.cp_dir)[0]
+
+    @property
+    def cp_pub(self) -> Path:
+        return load_or_create_cp_key(self.cp_dir)[1]
+
+    def signed_spec(self, spec: NodeSpec | bytes, key: Ed25519PrivateKey | None = None) -> bytes:
+        """The SignedNodeSpec JSON the bridge relays to `converger.spec`: `spec` (or its exact JSON
+        bytes) signed by this bus's control-plane key, or by `key` (a forger's)."""
+        return signed_spec(key or self.cp_key, spec)
+
     def env(self, user: str, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BCD_")}
         env.update(
@@ -106,6 +132,8 @@ class NodeBus:
             BCD_CDI_DIR=str(self.root / "cdi"),
             # never the host's /var/run/cdi, whatever a service's own default
             BCD_CDI_CONSUMER_DIR=str(self.root / "run" / "cdi"),
+            # the bridge and the converger refuse to start without a key (issue 40)
+            BCD_CP_KEY=str(self.cp_pub),
         )
         env.update(extra)
         return env
@@ -178,6 +206,11 @@ def upstream_only(conf: Path) -> dict:
     cfg["accounts"] = {name: a for name, a in cfg["accounts"].items() if name.startswith("UPSTREAM")}
     conf.write_text(json.dumps(cfg))
     return cfg
+
+
+def signed_spec(key: Ed25519PrivateKey, spec: NodeSpec | bytes) -> bytes:
+    """`spec` (or its exact JSON bytes) as a SignedNodeSpec by `key`, encoded as the bus carries it."""
+    return encode(sign_node_spec(key, spec))
 
 
 async def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # noqa: ANN001, ANN201

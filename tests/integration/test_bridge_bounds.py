@@ -35,6 +35,7 @@ from shared.schemas import (
     EMPTY_CODEC,
     NODE_SPEC_CODEC,
     NODE_SPEC_PURPOSE,
+    SIGNED_NODE_SPEC_CODEC,
     SPEC_ACK_CODEC,
     ConvergerStatus,
     Empty,
@@ -289,7 +290,8 @@ async def test_a_converger_status_the_schema_refuses_does_not_kill_the_bridge(no
         await msg.respond(encode(body))
 
     async def on_spec(msg) -> None:
-        await msg.respond(encode(SpecAck(generation=json.loads(msg.data)["generation"])))
+        # the bridge relays the signed envelope; the spec is inside it
+        await msg.respond(encode(SpecAck(generation=NODE_SPEC_CODEC.decode(SIGNED_NODE_SPEC_CODEC.decode(msg.data).spec).generation)))
 
     standin = await node.bus.connect("converger")
     await standin.subscribe(node.subjects.converger_status, cb=on_status)

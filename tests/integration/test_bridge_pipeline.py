@@ -29,7 +29,8 @@ from bcd.nodebus import NatsServer, prepare_node_bus
 from controlplane.keys import load_or_create_cp_key
 from controlplane.serve import ControlPlane
 from shared.eventorder import gpus_header
-from shared.schemas import ConvergerStatus, Inventory, encode
+from shared.schemas import NODE_SPEC_CODEC, SIGNED_NODE_SPEC_CODEC, ConvergerStatus, Inventory, NodeSpec, SpecAck, encode
+from shared.signing import sign_node_spec
 from shared.subjects import (
     CONTROLPLANE_USER,
     MSG_ID_HEADER,
@@ -486,6 +487,38 @@ async def test_a_message_over_upstream_max_payload_is_not_sent_and_nothing_after
     await rig.js.delete_msg(rig.subjects.outbox_stream, big_seq)
     ids = await rig.wait_drained(before + after, timeout=30)
     assert ids == before + after
+    assert rig.bridge.proc.poll() is None
+
+
+async def test_a_signed_spec_the_node_bus_cannot_carry_is_refused_and_the_next_is_handed_over(rig):
+    """The bridge relays the envelope as it came (the converger verifies it itself): one that fits
+    upstream's max_payload but not the node bus's is refused with that reason, never retried forever."""
+    await rig.start(max_payload=4 * 1024 * 1024)
+    handed: list[bytes] = []
+
+    async def converger_spec(msg) -> None:  # a stand-in converger: what reaches it, as it came
+        handed.append(msg.data)
+        signed = SIGNED_NODE_SPEC_CODEC.decode(msg.data)
+        await msg.respond(encode(SpecAck(generation=NODE_SPEC_CODEC.decode(signed.spec).generation)))
+
+    await rig.admin.subscribe(rig.subjects.converger_spec, cb=converger_spec)
+    await rig.admin.flush()
+    await rig.start_bridge()
+    cp_key, _ = load_or_create_cp_key(rig.root / "cp")
+    # a spec the node takes (its unknown field is ignored), whose envelope is above the node bus's 1 MiB
+    big = sign_node_spec(cp_key, json.dumps({"node_id": NODE, "generation": 5, "pad": "x" * 900_000}).encode())
+    small = encode(sign_node_spec(cp_key, NodeSpec(node_id=NODE, generation=6)))
+    cp = await rig.cp_connect()
+    try:
+        await cp.jetstream().publish(f"$KV.bcd_nodespecs.{NODE}", encode(big))
+        await wait_until(lambda: "above the node bus's max_payload of 1048576" in rig.bridge_log(), 30, "the big spec refused")
+        assert handed == []
+        await cp.jetstream().publish(f"$KV.bcd_nodespecs.{NODE}", small)
+        await wait_until(lambda: handed, 30, "the next spec handed over")
+    finally:
+        await cp.close()
+    assert handed == [small]  # byte for byte as upstream has it
+    assert rig.bridge_log().count("above the node bus's max_payload") == 1  # said once, not retried
     assert rig.bridge.proc.poll() is None
 
 

@@ -34,7 +34,7 @@ from bcd.nodebus import NatsServer, prepare_node_bus
 from controlplane.keys import load_or_create_cp_key
 from controlplane.ledger import EVENTS_FILE
 from controlplane.serve import CONSUMER_NAME, ControlPlane
-from controlplane.state import STATE_FILE
+from controlplane.state import STATE_FILE, reserve_generation
 from shared.schemas import (
     SIGNED_NODE_SPEC_CODEC,
     AllocationBound,
@@ -219,6 +219,14 @@ def spec(node: str = "node-1", *allocs: tuple[str, str, str], generation: int | 
     return d
 
 
+def issued(cp: ControlPlane, *generations: int, node: str = "node-1") -> None:
+    """Record `generations` as put for `node` (what the puts that precede a node's events leave):
+    an event at a generation this control plane never put is refused (issue 40)."""
+    with cp.store.transaction() as st:
+        for g in generations:
+            reserve_generation(st, node, g)
+
+
 WHOLE = ("whole", "rsv-whole", GPU0)
 SECOND = ("second", "rsv-second", GPU1)
 
@@ -372,6 +380,32 @@ async def test_report_signed_with_another_key_is_rejected(upstream, cp_env, node
         await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
 
 
+async def test_a_verified_event_at_a_generation_never_put_is_rejected(upstream, cp_env, node1, tmp_path):
+    """Issue 40: a Bound the node's key really signed (the signer's reply captured through JetStream),
+    for a generation this control plane never put, must not make the reservation active."""
+    cp, out = cp_env
+    assert cp.last_generation("node-1") == 1
+    made_up = bound(gen=1000)
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(made_up, "node-1.whole.bound.g1000"), "node-1.whole.bound.g1000")
+        failed = AllocationFailed(allocation_id="second", reservation_id="rsv-second", generation=2, reason="overlap", message="x")
+        await node1.publish("failed", encode(failed), "node-1.second.failed.g2")  # the next one: not put yet
+        await eventually(lambda: len(cp.rejected()) == 2, what="rejections")
+    bound_rej, failed_rej = cp.rejected()
+    assert bound_rej.reason == "generation 1000 was never put for node-1 by this control plane"
+    assert bound_rej.verified is True and bound_rej.generation == 1000  # a good signature does not make it true
+    assert failed_rej.reason == "generation 2 was never put for node-1 by this control plane"
+    assert cp.reservations()["rsv-whole"].state == "binding" and cp.reservations()["rsv-second"].state == "binding"
+    assert cp.events() == [] and cp.rejected_count() == 2
+    assert "REJECTED: generation 1000 was never put" in out.getvalue()
+    logged = [json.loads(x) for x in (tmp_path / "cp" / EVENTS_FILE).read_text().splitlines()]
+    assert [(x["event_id"], x["outcome"]) for x in logged] == [("node-1.whole.bound.g1000", "rejected"), ("node-1.second.failed.g2", "rejected")]
+    # the genuine report at the generation that was put still goes through
+    async with consuming(cp):
+        await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
+        await eventually(lambda: cp.reservations()["rsv-whole"].state == "active", what="active")
+
+
 async def test_report_naming_another_node_is_rejected(upstream, cp_env, node1):
     cp, _ = cp_env
     async with consuming(cp):
@@ -424,6 +458,7 @@ async def test_failed_then_released(upstream, cp_env, node1):
         allocation_id="second", reservation_id="rsv-second", generation=1, reason="resources-exhausted", message="no free GPU"
     )
     released = AllocationReleased(allocation_id="whole", reservation_id="rsv-whole", generation=2, devices=[GPU0])
+    issued(cp, 2)
     async with consuming(cp):
         await node1.publish("failed", encode(failed), "node-1.second.failed.g1")
         await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), "node-1.whole.bound.g1")
@@ -499,6 +534,7 @@ async def test_state_survives_a_restart(upstream, cp_env, node1, tmp_path):
     assert again.last_generation("node-1") == 1
     assert again.boot_ids("node-1") == [BOOT_A, BOOT_B]
     assert [e.event_id for e in again.events()] == ["node-1.whole.bound.g1"]
+    issued(again, 2)  # the spec that released it
     async with consuming(again):
         # a replay after the stream's dedupe window (no header here) is not re-applied
         await node1.publish("bound", node1.report(bound(), "node-1.whole.bound.g1"), None)
@@ -706,6 +742,7 @@ async def test_a_control_plane_killed_with_events_unacked_applies_them_before_th
     the next instance applies the unacked ones first, each once, then the later ones."""
     cp, _ = cp_env
     events = _ordered_events()
+    issued(cp, 2, 3, 4)
     # the durable consumer exists, as after an earlier run
     async with consuming(cp):
         pass
@@ -759,6 +796,7 @@ async def test_a_control_plane_killed_mid_batch_applies_every_event_once_in_orde
 
     cp, _ = cp_env
     events = _ordered_events()
+    issued(cp, 2, 3, 4)
     first_id = events[0][2].encode()
     async with consuming(cp):
         pass
@@ -821,6 +859,7 @@ async def test_queued_events_are_one_batch_one_state_write(upstream, cp_env, nod
 
     cp, out = cp_env
     events = _ordered_events()
+    issued(cp, 2, 3, 4)
     async with consuming(cp):
         await node1.publish("section", encode(SectionStatus(section="devices", state="CONVERGED", observed_generation=1)), "s1")
         await eventually(lambda: len(cp.events()) == 1, what="a first event")

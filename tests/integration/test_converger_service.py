@@ -1,6 +1,7 @@
 """The converger as a real process beside the real inventory and signer, on a real bus.
 
-Specs are handed over as the bridge does (its NATS user, `converger.spec`);
+Specs are handed over as the bridge does (its NATS user, `converger.spec`, the
+control plane's SignedNodeSpec: `NodeBus.signed_spec`);
 what comes out is read from the node-bus outbox stream and checked with the
 signer's public key.
 """
@@ -73,7 +74,7 @@ class Node:
         return self.bus.start_service("converger", **self.env(**extra))
 
     async def push(self, spec: NodeSpec):
-        return await call(self.bridge, self.subjects.converger_spec, spec, SPEC_ACK_CODEC)
+        return await call(self.bridge, self.subjects.converger_spec, self.bus.signed_spec(spec), SPEC_ACK_CODEC)
 
     async def status(self):
         return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC)
@@ -205,7 +206,7 @@ async def test_a_bad_spec_is_refused_with_the_field_named(node):
     await node.bus.wait_service("converger")
     bad = json.loads(json.dumps({"node_id": "node-1", "generation": 3, "devices": [{"allocation_id": "../etc", "reservation_id": "r", "binding": "BINDING_HOLD"}]}))
     with pytest.raises(ServiceCallError) as err:
-        await call(node.bridge, node.subjects.converger_spec, json.dumps(bad).encode(), SPEC_ACK_CODEC)
+        await call(node.bridge, node.subjects.converger_spec, node.bus.signed_spec(json.dumps(bad).encode()), SPEC_ACK_CODEC)
     assert err.value.code == "400" and "$.devices[0].allocation_id" in err.value.description
     with pytest.raises(ServiceCallError) as other:
         await node.push(NodeSpec(node_id="node-2", generation=1))

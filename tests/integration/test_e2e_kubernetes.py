@@ -133,7 +133,7 @@ async def test_kill_9_of_the_converger_during_a_split_release_loses_nothing(node
     admin = await node_bus.connect("admin")  # the store account: the outbox as it is
     cli = await node_bus.connect("cli")
     gen1 = NodeSpec(node_id="node-1", generation=1, devices=[DeviceAssignment(allocation_id="k1", reservation_id="rsv-k1", binding="BINDING_KUBERNETES", devices=[GPU[0]])])
-    await call(bridge, subjects.converger_spec, gen1, SPEC_ACK_CODEC)
+    await call(bridge, subjects.converger_spec, node_bus.signed_spec(gen1), SPEC_ACK_CODEC)
     cdi = node_bus.root / "cdi" / "bcd-k1.json"
     for _ in range(100):
         if cdi.exists():
@@ -145,7 +145,7 @@ async def test_kill_9_of_the_converger_during_a_split_release_loses_nothing(node
     cluster.add("team-a", "trainer-0", "nvidia.com/gpu", GPU[0])
     conv = node_bus.start_service("converger", **fast, BCD_CONVERGER_CRASH_AT=point)
     await node_bus.wait_service("converger")
-    await call(bridge, subjects.converger_spec, NodeSpec(node_id="node-1", generation=2), SPEC_ACK_CODEC)
+    await call(bridge, subjects.converger_spec, node_bus.signed_spec(NodeSpec(node_id="node-1", generation=2)), SPEC_ACK_CODEC)
     if point == "kube.published":
         await asyncio.sleep(1.0)
         cluster.remove("team-a", "trainer-0")

@@ -23,9 +23,9 @@ Endpoints that change state on purpose (converger.spec, inventory.gpu,
 vfio_switcher.switch, kube_reaper.evict, the helper's writes and removes)
 get only bodies their request codec refuses in this process (the service
 decodes with the same codec before its handler runs), plus a few well-formed
-requests the handler refuses before it touches anything (another node's
-spec, an older generation, a non-canonical PCI address, an id that cannot be
-a file name). Findings are collected and reported together at the end.
+requests the handler refuses before it touches anything (an unsigned, forged
+or tampered spec envelope, another node's spec, an older generation, a
+non-canonical PCI address, an id that cannot be a file name). Findings are collected and reported together at the end.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ ENDPOINTS: dict[str, Endpoint] = {
     S.inventory_gpu: Endpoint(GPU_REQUEST_CODEC, GPU_REPLY_CODEC, True, _gpu_refused),
     S.signer_sign: Endpoint(SIGN_REQUEST_CODEC, ATTESTED_REPORT_CODEC),
     S.signer_key: Endpoint(EMPTY_CODEC, SIGNER_KEY_CODEC),
-    S.converger_spec: Endpoint(NODE_SPEC_CODEC, SPEC_ACK_CODEC, True),
+    # the control plane's SignedNodeSpec, as the bridge relays it (the converger verifies it itself)
+    S.converger_spec: Endpoint(SIGNED_NODE_SPEC_CODEC, SPEC_ACK_CODEC, True),
     S.converger_status: Endpoint(EMPTY_CODEC, CONVERGER_STATUS_CODEC),
     S.converger_holder: Endpoint(HOLDER_QUERY_CODEC, HOLDER_REPLY_CODEC),
     S.converger_claims: Endpoint(EMPTY_CODEC, CLAIMS_CODEC),
@@ -246,11 +247,7 @@ def refused_requests(subject: str) -> list[tuple[str, bytes]]:
     hold = json.loads(encode(SAMPLES["HELPER_FILE_WRITE_CODEC"]))
     hold["hold"]["allocation_id"] = "../../etc/x"
     table: dict[str, list[tuple[str, bytes]]] = {
-        S.converger_spec: [
-            ("another node's spec", encode(_spec(node_id="node-2"))),
-            ("an older generation", encode(_spec(generation=0))),
-            ("the applied generation with other content", encode(_spec(devices=[]))),
-        ],
+        S.converger_spec: converger_spec_refusals(),
         S.inventory_gpu: [
             ("exclude of a non-canonical address", encode({"action": "exclude", "pci": "0000:18:00.0 "})),
             ("exclude of a card that is not there", encode({"action": "exclude", "pci": "0000:ff:1f.7"})),
@@ -264,6 +261,23 @@ def refused_requests(subject: str) -> list[tuple[str, bytes]]:
         S.helper_slice_remove: [("slice remove for an id that is a path", encode({"allocation_id": "../../x"}))],
     }
     return table.get(subject, [])
+
+
+def converger_spec_refusals() -> list[tuple[str, bytes]]:
+    """Envelopes the converger refuses before it touches anything: not the control plane's (issue 40),
+    and the control plane's own that break a rule (another node, backwards, the applied generation changed)."""
+    newer = _spec(generation=CURRENT.spec.generation + 1, devices=[])
+    forged = encode(sign_node_spec(OTHER_KEY, newer))
+    signed_newer = SIGNED_NODE_SPEC_CODEC.decode(signed_by(CURRENT.cp_key, encode(newer)))
+    tampered = encode(msgspec.structs.replace(signed_newer, spec=encode(_spec(generation=CURRENT.spec.generation + 2, devices=[]))))
+    return [
+        ("an unsigned spec of a newer generation", encode(unsigned_node_spec(newer))),
+        ("a newer generation signed by another key", forged),
+        ("a signed envelope whose spec was swapped for another", tampered),
+        ("another node's spec, signed", signed_by(CURRENT.cp_key, encode(_spec(node_id="node-2")))),
+        ("an older generation, signed", signed_by(CURRENT.cp_key, encode(_spec(generation=0)))),
+        ("the applied generation with other content, signed", signed_by(CURRENT.cp_key, encode(_spec(devices=[])))),
+    ]
 
 
 def handler_requests(subject: str) -> list[tuple[str, bytes]]:
@@ -309,6 +323,8 @@ class Current:
     """What the node was given before the fuzz (the spec bucket fuzz must not change it)."""
 
     spec: NodeSpec = field(default_factory=lambda: NodeSpec(node_id=NODE_ID, generation=0))
+    #: the node's control plane's signing key (the spec endpoint's well-formed refusals are signed by it)
+    cp_key: Any = None
 
 
 CURRENT = Current()
@@ -576,6 +592,7 @@ async def test_nothing_from_outside_stops_the_node(tmp_path: Path) -> None:
         node.wait_generation(gen)
         CURRENT.spec = NODE_SPEC_CODEC.decode(json.dumps({**demo, "generation": gen}).encode())
         info = node_info(node.state)
+        CURRENT.cp_key, _ = load_or_create_cp_key(Path(info.controlplane_dir))
         for user in ASKERS:
             clients[user] = await nats.connect(
                 info.nats_url,

@@ -84,7 +84,7 @@ class Node:
         return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
 
     async def push(self, spec: NodeSpec) -> None:
-        await call(self.bridge, self.subjects.converger_spec, spec, SPEC_ACK_CODEC, timeout=3)
+        await call(self.bridge, self.subjects.converger_spec, self.bus.signed_spec(spec), SPEC_ACK_CODEC, timeout=3)
 
     async def wait_status(self, ok, what: str, timeout: float = 20.0) -> ConvergerStatus:  # noqa: ANN001
         deadline = time.monotonic() + timeout

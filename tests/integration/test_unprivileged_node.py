@@ -211,13 +211,17 @@ class UnprivilegedNode:
         password = own / "nats.password"
         shutil.copyfile(self.bus.creds["converger"], password)
         password.chmod(0o600)
+        # the control plane's public key where that user can read it (cp/ is the test's, 0700)
+        cp_pub = own / "cp.pub"
+        shutil.copyfile(self.cp_pub, cp_pub)
         if self.run_as.mode == "setuid":
-            for p in (own, password):
+            for p in (own, password, cp_pub):
                 os.chown(p, self.run_as.uid, self.run_as.gid)
         env = self.bus.env(
             "converger",
             BCD_DATA_DIR=str(own / "data"),
             BCD_NATS_PASSWORD_FILE=str(password),
+            BCD_CP_KEY=str(cp_pub),
             # not a fake host: the slice backend is named (fake JSON records; never systemd here)
             BCD_SLICES="fake",
             BCD_RETRY_INTERVAL="0.5",

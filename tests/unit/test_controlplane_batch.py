@@ -16,7 +16,7 @@ import controlplane.serve as cpserve
 import controlplane.state as cpmod
 from controlplane.ledger import EVENTS_FILE
 from controlplane.serve import ControlPlane
-from controlplane.state import STATE_FILE, StateStore
+from controlplane.state import STATE_FILE, StateStore, reserve_generation
 from shared.schemas import Condition, GpuChanged, NodeCondition, PhysicalGPUStatus, SectionStatus, encode
 from shared.signing import Ed25519PrivateKey
 from shared.subjects import MSG_ID_HEADER
@@ -43,7 +43,12 @@ class FakeMsg(Msg):
 @pytest.fixture
 def cp(tmp_path):
     nc = SimpleNamespace(jetstream=lambda timeout: None)
-    return ControlPlane(nc, Ed25519PrivateKey.generate(), tmp_path, out=None)  # type: ignore[arg-type]
+    plane = ControlPlane(nc, Ed25519PrivateKey.generate(), tmp_path, out=None)  # type: ignore[arg-type]
+    # generations 1 and 2 were put for node-1: the events below name them
+    with plane.store.transaction() as st:
+        reserve_generation(st, "node-1", 1)
+        reserve_generation(st, "node-1", 2)
+    return plane
 
 
 @pytest.fixture
@@ -163,3 +168,21 @@ def test_saved_but_not_logged_events_get_their_line_once_in_a_batch(cp, state_wr
     st = StateStore(cp.state_dir).state
     assert list(st.processed) == ["s1", "c1"] and st.duplicate_count == 1
     assert (cp.state_dir / EVENTS_FILE).read_text().count('"s1"') == 2
+
+
+def test_an_event_at_a_generation_never_put_is_refused_in_its_batch(cp, state_writes, caplog):
+    """Issue 40: a section (or Bound, Released, ...) at a generation this control plane never put
+    moves nothing; the events around it in the batch are applied as usual."""
+    journal: list = []
+    batch = msgs(cp, journal, ("section", section(1), "s1"), ("section", section(1000), "s1000"), ("section", section(0), "s0"), ("condition", condition(), "c1"))
+    records = asyncio.run(cp._consume(batch, asyncio.Event()))
+    assert [r.outcome for r in records] == ["applied", "rejected", "rejected", "applied"]
+    assert records[1].reason == "generation 1000 was never put for node-1 by this control plane"
+    assert records[2].reason == "generation 0 was never put for node-1 by this control plane"
+    assert len(state_writes) == 1
+    st = StateStore(cp.state_dir).state
+    assert st.nodes["node-1"].sections["devices"].observed_generation == 1
+    assert "s1000" not in st.processed and st.rejected_count == 2
+    assert logged(cp) == [("s1", "applied"), ("s1000", "rejected"), ("s0", "rejected"), ("c1", "applied")]
+    assert [r.message for r in caplog.records if r.levelname == "WARNING"] == ["event rejected", "event rejected"]
+    assert [what for what, _ in journal] == ["ack"] * 4  # a refusal is final: acked, not redelivered

@@ -11,14 +11,17 @@ import pytest
 from controlplane.keys import KeyFileError, load_or_create_cp_key
 from controlplane.ledger import EventRecord, format_line, short_atom
 from controlplane.state import (
+    MAX_ISSUED_RUNS,
     ControlPlaneState,
     StateError,
     StateStore,
     apply_event,
     apply_spec,
+    generation_issued,
     next_generation,
     remember_boot,
     remember_processed,
+    reserve_generation,
 )
 from shared.schemas import (
     AllocationBound,
@@ -71,6 +74,51 @@ def test_next_generation(last, published, requested, expected, bumped):
     assert bool(note) is bumped
     if bumped:
         assert f"generation {requested} is not above" in note and f"put as {expected}" in note
+
+
+# ----------------------------------------------------------------------------- generations issued (issue 40)
+
+
+@pytest.mark.parametrize(
+    ("puts", "legacy_last", "asked", "issued"),
+    [
+        ((), 0, 1, False),  # nothing put for the node: nothing believed
+        ((1, 2, 3), 0, 2, True),
+        ((1, 2, 3), 0, 4, False),  # the next one, not put yet
+        ((1, 2, 3), 0, 0, False),  # 0 is never put (next_generation starts at 1)
+        ((1, 2, 1000), 0, 999, False),  # a requested jump: the gap was never put
+        ((1, 2, 1000), 0, 1000, True),
+        ((7,), 0, 5, False),  # state lost, the bucket was ahead: what a predecessor put is not ours
+        ((), 5, 3, True),  # a record of a release that did not keep runs: 1..last_generation
+        ((), 5, 6, False),
+        ((6,), 5, 6, True),  # ... and a put on it continues the run
+        ((6,), 5, 2, True),
+    ],
+)
+def test_an_event_s_generation_must_be_one_put_for_its_node(puts, legacy_last, asked, issued):
+    st = ControlPlaneState()
+    st.node("node-1").last_generation = legacy_last
+    for g in puts:
+        reserve_generation(st, "node-1", g)
+    assert generation_issued(st, "node-1", asked) is issued
+    assert not generation_issued(st, "node-2", asked)  # another node's puts say nothing of this one's
+
+
+def test_issued_generations_are_runs_and_bounded():
+    st = ControlPlaneState()
+    for g in range(1, 10_001):  # ten thousand ordinary puts: one run
+        reserve_generation(st, "node-1", g)
+    assert st.nodes["node-1"].issued == [(1, 10_000)] and st.nodes["node-1"].last_generation == 10_000
+    for i in range(MAX_ISSUED_RUNS + 10):  # jumps: a run each, the oldest forgotten first
+        reserve_generation(st, "node-1", 20_000 + 2 * i)
+    runs = st.nodes["node-1"].issued
+    assert len(runs) == MAX_ISSUED_RUNS and runs[-1] == (20_000 + 2 * (MAX_ISSUED_RUNS + 9),) * 2
+    assert not generation_issued(st, "node-1", 5)  # forgotten: refused, never guessed
+    apply_spec(st, _spec(runs[-1][1] + 1), T0)  # a put through apply_spec counts too
+    assert generation_issued(st, "node-1", runs[-1][1] + 1)
+    # kept across a save and a load
+    again = msgspec.json.decode(msgspec.json.encode(st), type=ControlPlaneState)
+    assert again.nodes["node-1"].issued == st.nodes["node-1"].issued
 
 
 # ----------------------------------------------------------------------------- the state machine

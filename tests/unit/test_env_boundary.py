@@ -27,6 +27,7 @@ from shared.holdfiles import HoldContent, HoldDevice, hold_to_wire
 from shared.schemas import HELPER_REPLY_CODEC, NODE_SPEC_CODEC, BadMessage, HelperFileWrite, NodeSpec, encode
 from shared.schemas.common import DENIED_ENV_KEYS, DENIED_ENV_LINE_PATTERN, DENIED_ENV_PREFIXES, env_key_problem
 from shared.slices import FakeSlices
+from shared.spectrust import SpecTrust
 
 GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 
@@ -138,10 +139,13 @@ def test_the_root_helper_rechecks_and_writes_nothing(tmp_path: Path, key: str, k
 
 
 def test_a_spec_stored_before_the_rule_is_not_taken_on_restart(tmp_path: Path) -> None:
-    """Upgrade: the converger's stored spec with a now-denied key does not decode; the converger
-    waits for the next spec (no pass runs without one, so every hold on disk stays)."""
+    """Upgrade: the converger's stored spec with a now-denied key does not decode, though its
+    signature does verify; the converger waits for the next spec (no pass runs without one, so
+    every hold on disk stays)."""
+    key = signing.Ed25519PrivateKey.generate()
+    trust = SpecTrust(keys=(key.verify_key,))
     store = StateStore(tmp_path)
-    store.spec_path.write_text(json.dumps(spec_doc("LD_PRELOAD")))
-    assert store.load_spec_with_unknown() == (None, [])
-    store.save_spec(NodeSpec(node_id="node-1", generation=8))
-    assert store.load_spec() == NodeSpec(node_id="node-1", generation=8)
+    store.spec_path.write_bytes(encode(signing.sign_node_spec(key, json.dumps(spec_doc("LD_PRELOAD")).encode())))
+    assert store.load_spec_with_unknown(trust, "node-1") == (None, [])
+    store.save_spec(encode(signing.sign_node_spec(key, NodeSpec(node_id="node-1", generation=8))))
+    assert store.load_spec(trust, "node-1") == NodeSpec(node_id="node-1", generation=8)

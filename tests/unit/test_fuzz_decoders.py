@@ -43,6 +43,7 @@ from shared.schemas.events import NODE_SPEC_PURPOSE
 from shared.signing import sign as sign_with_purpose
 from shared.signing import VerificationError, sign_node_spec, verify_node_spec
 from shared.slices import FakeSlices, SliceError
+from shared.spectrust import SpecTrust
 from shared.vendorcdi import VendorCdi, VendorSpecError, read_vendor_cdi, vendor_cdi_from_json
 from tests.fuzzkit import (
     CODECS,
@@ -344,14 +345,20 @@ def test_the_converger_state_and_stored_spec_read_back_or_start_afresh(tmp_path:
         store.path.write_bytes(body)
         return store.load()
 
-    def load_spec(body: bytes) -> object:
+    trust = SpecTrust(keys=tuple(KEYS))
+    lab = SpecTrust(accept_unsigned=True)
+
+    def load_spec(body: bytes, trust: SpecTrust = trust) -> object:
         store = StateStore(tmp_path / "spec")
         store.spec_path.write_bytes(body)
-        spec = store.load_spec()
+        spec = store.load_spec(trust, SPEC.node_id)
         return spec if spec is not None else SPEC
 
+    # spec.json holds the signed envelope; a bare spec (an earlier release's) is read under the lab opt-out
+    envelopes = deep_bodies("SIGNED_NODE_SPEC_CODEC") + [(f"validly signed: {w}", schemas.encode(signed(b))) for w, b in deep_bodies("NODE_SPEC_CODEC")]
     failures = [f"StateStore.load, {f}" for f in _fixed_failures(load_state, (ConvergerState,), (), cases)]
-    failures += [f"StateStore.load_spec, {f}" for f in _fixed_failures(load_spec, (NodeSpec,), (), deep_bodies("NODE_SPEC_CODEC"))]
+    failures += [f"StateStore.load_spec, {f}" for f in _fixed_failures(load_spec, (NodeSpec,), (), envelopes)]
+    failures += [f"StateStore.load_spec, bare, {f}" for f in _fixed_failures(lambda b: load_spec(b, lab), (NodeSpec,), (), deep_bodies("NODE_SPEC_CODEC"))]
     assert not failures, "the converger's state readers raised:\n  " + "\n  ".join(failures)
 
 

@@ -99,7 +99,8 @@ SERVICES = {
     # service module: (what it must not load, extra code run after parsing)
     "services.signer.service": (NEVER, ""),
     "services.inventory.service": (NEVER + NO_CRYPTO, INVENTORY_ADAPTER),
-    "services.converger.service": (NEVER + NO_CRYPTO, ""),
+    # the converger verifies the control plane's signature on every spec itself (issue 40): PyNaCl
+    "services.converger.service": (NEVER, ""),
     "services.gateway_bridge.service": (NEVER, ""),
     "services.kube_reaper.service": (NEVER + NO_CRYPTO, REAPER_LIST),
     "services.vfio_switcher.service": (NEVER + NO_CRYPTO, ""),

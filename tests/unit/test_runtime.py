@@ -56,3 +56,30 @@ def test_every_option_has_an_env_var_named_after_its_flag():
 
 def test_each_service_has_its_own_metrics_port():
     assert len(set(METRICS_PORTS.values())) == len(METRICS_PORTS)
+
+
+SWITCH = Option("--accept-unsigned-specs", "lab only", switch=True)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        pytest.param([], {}, False, id="off-by-default"),
+        pytest.param(["--accept-unsigned-specs"], {}, True, id="flag"),
+        pytest.param([], {"BCD_ACCEPT_UNSIGNED_SPECS": "1"}, True, id="env-1"),
+        pytest.param([], {"BCD_ACCEPT_UNSIGNED_SPECS": "Yes"}, True, id="env-yes"),
+        pytest.param([], {"BCD_ACCEPT_UNSIGNED_SPECS": "0"}, False, id="env-0"),
+        pytest.param([], {"BCD_ACCEPT_UNSIGNED_SPECS": ""}, False, id="env-empty"),
+        pytest.param(["--accept-unsigned-specs"], {"BCD_ACCEPT_UNSIGNED_SPECS": "0"}, True, id="flag-wins"),
+    ],
+)
+def test_a_switch_takes_no_value_and_reads_its_env_var(argv, env, expected):
+    ns = parse_options("converger", [*common_options("converger"), SWITCH], ["--node-id", "n", *argv], env)
+    assert ns.accept_unsigned_specs is expected
+
+
+def test_a_switch_refuses_an_env_value_it_cannot_read(capsys):
+    # "flase" must not silently read as either answer of a switch that weakens a check
+    with pytest.raises(SystemExit):
+        parse_options("converger", [*common_options("converger"), SWITCH], ["--node-id", "n"], {"BCD_ACCEPT_UNSIGNED_SPECS": "flase"})
+    assert "BCD_ACCEPT_UNSIGNED_SPECS: 'flase' is neither 1 nor 0" in capsys.readouterr().err

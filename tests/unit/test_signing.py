@@ -352,17 +352,29 @@ def test_node_spec_verification_fails(make: Callable[[], SignedNodeSpec], text: 
     assert text in str(exc.value)
 
 
-def test_no_keys_configured_accepts_unsigned_specs() -> None:
-    assert verify_node_spec(unsigned_node_spec(SPEC), []) == SPEC
+def test_no_keys_configured_refuses_every_spec_unless_told_to_accept_unsigned() -> None:
+    # fail closed (issue 40): an empty key list is not "anything goes" by itself
+    for envelope in (unsigned_node_spec(SPEC), GOOD_SPEC):
+        with pytest.raises(VerificationError, match="no control-plane key is configured"):
+            verify_node_spec(envelope, [])
+
+
+def test_the_lab_opt_out_accepts_unsigned_specs() -> None:
+    assert verify_node_spec(unsigned_node_spec(SPEC), [], accept_unsigned=True) == SPEC
     unsigned = unsigned_node_spec(SPEC)
     assert unsigned.key_id == "" and unsigned.signature == b""
     # and ignores whatever signature a spec carries
-    assert verify_node_spec(msgspec.structs.replace(GOOD_SPEC, signature=b"junk"), []) == SPEC
+    assert verify_node_spec(msgspec.structs.replace(GOOD_SPEC, signature=b"junk"), [], accept_unsigned=True) == SPEC
 
 
-def test_no_keys_still_refuses_a_bad_spec() -> None:
+def test_keys_win_over_the_opt_out() -> None:
+    with pytest.raises(VerificationError, match="key_id '' is not a configured"):
+        verify_node_spec(unsigned_node_spec(SPEC), CP_PUBS, accept_unsigned=True)
+
+
+def test_the_opt_out_still_refuses_a_bad_spec() -> None:
     with pytest.raises(VerificationError, match=r"^spec: .*`\$\.devices\[0\]\.allocation_id`"):
-        verify_node_spec(SignedNodeSpec(spec=encode(SPEC).replace(b'"a1"', b'"A/1"')), [])
+        verify_node_spec(SignedNodeSpec(spec=encode(SPEC).replace(b'"a1"', b'"A/1"')), [], accept_unsigned=True)
 
 
 # --- cross-purpose replay -------------------------------------------------------------

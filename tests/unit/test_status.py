@@ -27,7 +27,7 @@ def report(**kw) -> NodeReport:
         node_id="node-1",
         reachable=True,
         expected=SERVICES,
-        services={n: ping(n, **({"cp_keys": "1"} if n == "gateway_bridge" else {})) for n in SERVICES},
+        services={n: ping(n, **({"cp_keys": "1"} if n in ("gateway_bridge", "converger") else {})) for n in SERVICES},
         inventory=host_inventory(),
         converger=ConvergerStatus(
             generation=3,
@@ -80,7 +80,7 @@ def levels(r: NodeReport) -> dict[str, str]:
         ("all-good", {}, {"bus": "ok", "service.signer": "ok", "signed-specs": "ok", "vendor-cdi-spec": "ok"}),
         ("bus-down", {"reachable": False, "error": "down"}, {"bus": "fail"}),
         ("service-down", {"services": {n: ping(n, **({"cp_keys": "1"} if n == "gateway_bridge" else {})) for n in SERVICES if n != "converger"}}, {"service.converger": "fail"}),
-        ("unsigned", {"services": {n: ping(n, **({"cp_keys": "0"} if n == "gateway_bridge" else {})) for n in SERVICES}}, {"unsigned-specs": "warn"}),
+        ("unsigned-bridge-of-an-earlier-release", {"services": {n: ping(n, **({"cp_keys": "0"} if n == "gateway_bridge" else {})) for n in SERVICES}}, {"unsigned-specs": "warn"}),
         ("unprivileged-gpu-host", {"converger": conv(privileged=False)}, {"gpu-binding": "warn"}),
         ("no-vendor-spec", {"converger": conv(vendor_cdi_spec="")}, {"vendor-cdi-spec": "warn"}),
         ("section-failed", {"converger": conv(section=SectionStatus(section="devices", state="FAILED", observed_generation=3, message="a9: overlap"))}, {"section": "warn"}),
@@ -864,3 +864,25 @@ def test_the_dra_plugin_s_tainted_and_withdrawn_unhealthy_cards_are_shown():
     assert "  tainted: 0000:3a:00.0 gpu-2: published tainted gpu.bcd.dev/xid=79:NoExecute" in text
     assert "  left out: 0000:5d:00.0 gpu-3: phase Failed, not Ready: Healthy=False GpuLost" in text
     assert "gpu-7: excluded" not in text  # not a health line
+
+
+def trust_rows(bridge: dict, converger: dict) -> list[tuple[str, str, str]]:
+    services = {n: ping(n) for n in SERVICES} | {"gateway_bridge": ping("gateway_bridge", **bridge), "converger": ping("converger", **converger)}
+    return [row for row in doctor_checks(report(services=services)) if row[1] in ("signed-specs", "unsigned-specs")]
+
+
+@pytest.mark.parametrize(
+    ("bridge", "converger", "level", "words"),
+    [
+        ({"cp_keys": "1"}, {"cp_keys": "2"}, "ok", "(gateway_bridge 1, converger 2)"),
+        # the lab opt-out is said by whichever service has it on, never hidden behind the other's keys
+        ({"cp_keys": "0", "unsigned_specs": "accepted"}, {"cp_keys": "1"}, "warn", "gateway_bridge accepts UNSIGNED node specs"),
+        ({"cp_keys": "1"}, {"cp_keys": "0", "unsigned_specs": "accepted"}, "warn", "converger accepts UNSIGNED node specs"),
+        ({"cp_keys": "0", "unsigned_specs": "accepted"}, {"cp_keys": "0", "unsigned_specs": "accepted"}, "warn", "gateway_bridge and converger accept UNSIGNED"),
+        # a converger of a release that left the check to the bridge says nothing of it: the bridge's row stands
+        ({"cp_keys": "1"}, {}, "ok", "(gateway_bridge 1)"),
+    ],
+)
+def test_doctor_says_which_service_takes_unsigned_specs(bridge, converger, level, words):
+    (row,) = trust_rows(bridge, converger)
+    assert row[0] == level and words in row[2], row

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controlplane.keys import public_key_pem
+from shared.signing import Ed25519PrivateKey
 from tests.vm.qemu import Guest, VMTimeout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -307,7 +309,8 @@ def install_bcd(
         guest.put_file("/etc/cdi/nvidia.json", spec, mode=0o644)
     guest.put_file(
         "/etc/bcd/node.env",
-        f"BCD_NODE_ID={node_id}\nBCD_NATS_URL=nats://127.0.0.1:4222\nBCD_LOG_LEVEL=INFO\nBCD_LOG_FORMAT=json\n",
+        # the control plane's key is node-wide (docs/install.md 3, 5): the bridge and the converger verify with it
+        f"BCD_NODE_ID={node_id}\nBCD_NATS_URL=nats://127.0.0.1:4222\nBCD_LOG_LEVEL=INFO\nBCD_LOG_FORMAT=json\nBCD_CP_KEY=/etc/bcd/cp.pub\n",
     )
     guest.put_file("/etc/bcd/inventory.env", f"# the VM has no GPU: a host description\nBCD_ADAPTER=fakehw\nBCD_FAKE_HOST={FAKE_HOST}\n")
     guest.put_file("/etc/bcd/kube-reaper.env", f"BCD_PROCESSES=fake\nBCD_FAKE_HOST={FAKE_HOST}\nBCD_EVICTOR=none\n")
@@ -321,7 +324,9 @@ def install_bcd(
     )
     # 5. upstream: the control plane's public key and the node's credentials
     if upstream is None:
-        guest.put_file("/etc/bcd/gateway-bridge.env", f"BCD_UPSTREAM_URL={NO_UPSTREAM}\nBCD_CP_KEY=\n")
+        # no control plane, and still a key: a node without one does not start (issue 40)
+        guest.put_file("/etc/bcd/cp.pub", public_key_pem(Ed25519PrivateKey.generate()), mode=0o644)
+        guest.put_file("/etc/bcd/gateway-bridge.env", f"BCD_UPSTREAM_URL={NO_UPSTREAM}\n")
     else:
         seed = upstream.add_node(node_id)
         guest.sh(
@@ -331,7 +336,7 @@ def install_bcd(
         )
         guest.put_file(
             "/etc/bcd/gateway-bridge.env",
-            f"BCD_UPSTREAM_URL=nats://127.0.0.1:{CP_PORT}\nBCD_CP_KEY=/etc/bcd/cp.pub\nBCD_UPSTREAM_NKEY_FILE=/etc/bcd/upstream/node.nk\n",
+            f"BCD_UPSTREAM_URL=nats://127.0.0.1:{CP_PORT}\nBCD_UPSTREAM_NKEY_FILE=/etc/bcd/upstream/node.nk\n",
         )
     # 7. VFIO hosts: vfio-pci loaded at boot (the switcher loads no module)
     guest.put_file("/etc/modules-load.d/vfio-pci.conf", "vfio-pci\n")
