@@ -47,6 +47,7 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,11 +230,24 @@ def _running_pid(fleet: Fleet) -> int | None:
     return pid if str(fleet.conf.resolve()).encode() in cmdline else None
 
 
+#: between the two reloads of `_reload`: long enough that the server has taken the first signal
+#: (Go hands a process's signals to one goroutine through a channel of one, so two sent at once
+#: may be taken as one), and a second sent while the first reload runs waits for it
+RELOAD_GAP_S = 0.3
+
+
 def _reload(fleet: Fleet) -> str:
     pid = _running_pid(fleet)
     if pid is None:
         return "the upstream picks it up when it starts"
-    os.kill(pid, signal.SIGHUP)  # nats-server reloads its config and its TLS files
+    # nats-server reloads its config and its TLS files on SIGHUP. An account a reload adds
+    # (a new node's) gets its imports subscribed only at the next reload (nats-server
+    # server.go, configureAccounts: "Make sure the subs are running, but only if not
+    # reloading"; an existing account's are re-subscribed at every reload), so it is told
+    # twice: after the second the new node reaches its keys.
+    os.kill(pid, signal.SIGHUP)
+    time.sleep(RELOAD_GAP_S)
+    os.kill(pid, signal.SIGHUP)
     return f"the running upstream (pid {pid}) reloaded its config"
 
 

@@ -4,11 +4,12 @@
 
 The rig is `tests/integration/test_bridge_pipeline.Rig`: a real node bus (the
 production users and permissions, `sync_interval: always`) with the outbox
-stream as the converger makes it, the real signer, a stand-in converger, and
+stream as the bus setup makes it, the real signer, a stand-in converger, and
 the real gateway_bridge as an OS process, forwarding to a separate upstream
 nats-server (also syncing every write) with `BCD_EVENTS` made by
 `controlplane.serve.ControlPlane.ensure_upstream`. The bench journals into the
-outbox as the admin user and watches `BCD_EVENTS` through its own push
+outbox as the converger does (its user, then its `converger.journaled` notice,
+which is what wakes a bridge that reads by direct get) and watches `BCD_EVENTS` through its own push
 consumer (no acks, no flow control) as the control-plane user; "stored
 upstream" is when that consumer delivers the event, which stands in for the
 bridge's PubAck (same server, same store).
@@ -89,6 +90,11 @@ async def bench(singles: int, burst: int, rounds: int) -> None:
             )
             section, bound = rig.subjects.outbox_subject("section"), rig.subjects.outbox_subject("bound")
             body = json.dumps({"pad": "x" * 200}).encode()
+            # journaled as the converger journals: as its user, then its notice to the bridge
+            js = rig.conv.jetstream()
+
+            async def told() -> None:
+                await rig.conv.publish(rig.subjects.converger_journaled, b"")
 
             async def until(pred, timeout: float = 120.0) -> None:  # noqa: ANN001
                 deadline = time.monotonic() + timeout
@@ -102,14 +108,16 @@ async def bench(singles: int, burst: int, rounds: int) -> None:
                         pass
 
             for k in range(5):  # warm-up
-                await rig.js.publish(section, body, headers={MSG_ID_HEADER: f"warm{k}"})
+                await js.publish(section, body, headers={MSG_ID_HEADER: f"warm{k}"})
+                await told()
                 await until(lambda k=k: f"warm{k}" in seen)
 
             lat: list[float] = []
             for k in range(singles):
                 eid = f"single{k}"
-                await rig.js.publish(section, body, headers={MSG_ID_HEADER: eid})
+                await js.publish(section, body, headers={MSG_ID_HEADER: eid})
                 stored = time.perf_counter()
+                await told()
                 await until(lambda eid=eid: eid in seen)
                 lat.append((seen[eid] - stored) * 1000)
                 await asyncio.sleep(0.05)
@@ -118,11 +126,12 @@ async def bench(singles: int, burst: int, rounds: int) -> None:
             lat = []
             for k in range(singles):
                 sid, bid = f"pair{k}.section", f"pair{k}.bound"
-                first = await rig.js.publish_async(section, body, headers={MSG_ID_HEADER: sid})
-                second = await rig.js.publish_async(bound, body, headers={MSG_ID_HEADER: bid})
+                first = await js.publish_async(section, body, headers={MSG_ID_HEADER: sid})
+                second = await js.publish_async(bound, body, headers={MSG_ID_HEADER: bid})
                 await first
                 await second
                 stored = time.perf_counter()
+                await told()
                 await until(lambda bid=bid: bid in seen)
                 lat.append((seen[bid] - stored) * 1000)
                 await asyncio.sleep(0.05)
@@ -132,9 +141,10 @@ async def bench(singles: int, burst: int, rounds: int) -> None:
                 ids = [f"burst{r}.{k}" for k in range(burst)]
                 await asyncio.sleep(0.5)
                 t0 = time.perf_counter()
-                acks = [await rig.js.publish_async(section, body, headers={MSG_ID_HEADER: i}) for i in ids]
+                acks = [await js.publish_async(section, body, headers={MSG_ID_HEADER: i}) for i in ids]
                 await asyncio.gather(*acks)
                 journaled = time.perf_counter()
+                await told()
                 await until(lambda ids=ids: all(i in seen for i in ids))
                 last_up = max(seen[i] for i in ids)
                 while await rig.outbox_depth():
@@ -151,8 +161,9 @@ async def bench(singles: int, burst: int, rounds: int) -> None:
                 assert rig.bridge is not None
                 os.kill(rig.bridge.proc.pid, signal.SIGSTOP)
                 try:
-                    acks = [await rig.js.publish_async(section, body, headers={MSG_ID_HEADER: i}) for i in ids]
+                    acks = [await js.publish_async(section, body, headers={MSG_ID_HEADER: i}) for i in ids]
                     await asyncio.gather(*acks)
+                    await told()
                 finally:
                     os.kill(rig.bridge.proc.pid, signal.SIGCONT)
                 t0 = time.perf_counter()

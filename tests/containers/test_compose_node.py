@@ -62,17 +62,23 @@ class ComposeNode:
     def compose(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return self.node_sh("compose", str(self.dir), *args, timeout=timeout)
 
-    def container_ids(self) -> dict[str, str]:
-        """Every service's container from one `compose ps -q` (each v1 call costs a second of
-        Python start), by the service label v1 and v2 both set; names differ
-        (v1 `project_service_1`, v2 `project-service-1`), so none is built from them."""
-        r = self.compose("ps", "-q")
+    def containers(self) -> dict[str, tuple[str, bool, int]]:
+        """Every service's container, running or not (the bus setup runs once and exits), from one
+        `compose ps -aq` (each v1 call costs a second of Python start): (id, running, exit code),
+        by the service label v1 and v2 both set; names differ (v1 `project_service_1`, v2
+        `project-service-1`), so none is built from them."""
+        r = self.compose("ps", "-a", "-q")
         assert r.returncode == 0 and r.stdout.split(), r.stderr
-        fmt = '{{index .Config.Labels "com.docker.compose.service"}} {{.Id}}'
+        fmt = '{{index .Config.Labels "com.docker.compose.service"}} {{.Id}} {{.State.Running}} {{.State.ExitCode}}'
         out = subprocess.run(["docker", "inspect", "-f", fmt, *r.stdout.split()], capture_output=True, text=True, check=True).stdout
-        ids = dict(line.split() for line in out.splitlines() if line.strip())
-        assert len(ids) == len(r.stdout.split()), out  # one container per service
-        return ids
+        rows = [line.split() for line in out.splitlines() if line.strip()]
+        found = {name: (cid, running == "true", int(code)) for name, cid, running, code in rows}
+        assert len(found) == len(rows), out  # one container per service
+        return found
+
+    def container_ids(self) -> dict[str, str]:
+        """The running services' containers (every one but the bus setup, which has exited)."""
+        return {name: cid for name, (cid, running, _) in self.containers().items() if running}
 
     def events(self) -> list[dict]:
         path = self.dir / "controlplane" / "events.jsonl"
@@ -169,6 +175,13 @@ def test_each_service_runs_as_its_own_user_non_root_but_the_helper_with_no_capab
     seen: dict[str, set[int]] = {}
     ids = node.container_ids()
     assert set(ids) == set(SERVICE_UIDS), ids
+    # the bus setup made the streams as bus_admin (the bus's uid) and exited: no service may
+    setup_id, running, code = node.containers()["bus-setup"]
+    assert not running and code == 0, (running, code)
+    setup = json.loads(subprocess.run(["docker", "inspect", setup_id], capture_output=True, text=True, check=True).stdout)[0]
+    assert setup["Config"]["User"] == f"{SERVICE_UIDS['bus']}:10000" and setup["HostConfig"]["CapDrop"] == ["ALL"]
+    logs = subprocess.run(["docker", "logs", setup_id], capture_output=True, text=True, check=True)
+    assert "streams of node" in logs.stdout and "ready" in logs.stdout, logs.stdout + logs.stderr
     for service, uid in SERVICE_UIDS.items():
         cid = ids[service]
         inspect = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True, text=True, check=True).stdout)[0]

@@ -116,5 +116,5 @@ def test_bcd_bus_shows_the_endpoints_the_outbox_kv_and_the_monitoring_view(node)
     assert lines[0].startswith(f"node {NODE}  bus {info['nats_url']}  nats-server ")
     row = next(line.split() for line in lines if line.split()[:2] == ["converger", "spec"])
     assert row[2] == s.converger_spec and int(row[3]) >= 1
-    assert any(line.split()[:2] == ["NODE", "gateway_bridge"] for line in lines)
+    assert any(line.split()[:2] == ["NODE_gateway_bridge", "gateway_bridge"] for line in lines)
     assert lines[-1] == "health: ok"

@@ -501,8 +501,8 @@ async def test_a_signed_spec_the_node_bus_cannot_carry_is_refused_and_the_next_i
         signed = SIGNED_NODE_SPEC_CODEC.decode(msg.data)
         await msg.respond(encode(SpecAck(generation=NODE_SPEC_CODEC.decode(signed.spec).generation)))
 
-    await rig.admin.subscribe(rig.subjects.converger_spec, cb=converger_spec)
-    await rig.admin.flush()
+    await rig.conv.subscribe(rig.subjects.converger_spec, cb=converger_spec)
+    await rig.conv.flush()
     await rig.start_bridge()
     cp_key, _ = load_or_create_cp_key(rig.root / "cp")
     # a spec the node takes (its unknown field is ignored), whose envelope is above the node bus's 1 MiB

@@ -144,6 +144,13 @@ def tricks(attacker_publish: tuple[str, ...], target: str, k: int) -> list[tuple
         js(f"$JS.API.STREAM.MSG.GET.{st}", {"seq": 1}, reply=target)
         js(f"$JS.API.STREAM.INFO.{st}", {}, reply=target)
         out.append((f"$JS.ACK.{st}.evil.1.1.1.1.0", b"+ACK", target))
+        # and the verbs that change or take away what another relies on
+        js(f"$JS.API.STREAM.MSG.DELETE.{st}", {"seq": 1}, reply=target)
+        js(f"$JS.API.STREAM.SNAPSHOT.{st}", {"deliver_subject": target, "chunk_size": 1024})
+        js(f"$JS.API.STREAM.RESTORE.{st}", {"config": {"name": st}})
+        js(f"$JS.API.STREAM.DELETE.{st}", {}, reply=target)
+        for verb in ("RESET", "PAUSE", "UNPIN", "DELETE", "LEADER.STEPDOWN"):
+            js(f"$JS.API.CONSUMER.{verb}.{st}.evil", {}, reply=target)
     # the direct gets and puts the node's identities have, answered to the target
     for subject in (S.outbox_direct_get, S.inventory_key_get, upstream_spec_get_subject(NODE), upstream_spec_get_subject(OTHER)):
         out.append((subject, json.dumps({"seq": 1, "batch": 5}).encode() if "OUTBOX" in subject else b"", target))

@@ -227,6 +227,6 @@ async def test_a_garbage_vendor_spec_is_a_doctor_failure_and_new_holds_wait(node
     assert [h.allocation_id for h in st.holds] == ["a1"]  # the kept hold stays, b1 waits
 
     vendor.write_bytes(good)
-    await call(node.admin, node.subjects.converger_pass, Empty(), SPEC_ACK_CODEC, timeout=3)
+    await call(node.cli, node.subjects.converger_pass, Empty(), SPEC_ACK_CODEC, timeout=3)
     st = await node.wait_status(converged(2), "generation 2 CONVERGED")
     assert [h.allocation_id for h in st.holds] == ["a1", "b1"] and not st.vendor_cdi_error

@@ -78,7 +78,7 @@ class Node:
         # the one NATS user that may publish on converger.spec: what a compromised bridge, or
         # anything that makes the server deliver there (the JetStream tricks of the issue), reaches
         self.bridge = await self.bus.connect("gateway_bridge")
-        self.admin = await self.bus.connect("admin")
+        self.cli = await self.bus.connect("cli")
 
     async def start_converger(self, **extra: str) -> ServiceProcess:
         sp = self.bus.start_service("converger", **self.fake(**extra))
@@ -89,7 +89,7 @@ class Node:
         return await call(self.bridge, self.subjects.converger_spec, envelope, SPEC_ACK_CODEC, timeout=5)
 
     async def status(self):
-        return await call(self.admin, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=5)
+        return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=5)
 
     def holds(self) -> set[str]:
         return {p.name[4:-5] for p in self.cdi.glob("bcd-*.json")}

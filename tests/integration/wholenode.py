@@ -25,9 +25,10 @@ GPU = [f"GPU-5f1c2a90-0000-4000-8000-00000000000{i}" for i in range(1, 9)]
 SERVICES = ("signer", "inventory", "converger", "gateway_bridge")
 
 
-def bcd(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+def bcd(*args: str, timeout: float = 20, repo: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """The `bcd` command of the checkout at `repo` (this one, or an older release's worktree)."""
     try:
-        return subprocess.run([sys.executable, "-m", "bcd.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        return subprocess.run([sys.executable, "-m", "bcd.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=repo)
     except subprocess.TimeoutExpired as exc:
         return subprocess.CompletedProcess(exc.cmd, 124, "", f"timed out after {timeout}s")
 
@@ -44,8 +45,12 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 
 class Node:
-    def __init__(self, tmp: Path, *extra: str, host: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp: Path, *extra: str, host: Path | None = None, env: dict[str, str] | None = None, repo: Path = REPO
+    ) -> None:
         self.tmp = tmp
+        #: the checkout whose code runs the node (an older release's worktree for an upgrade)
+        self.repo = repo
         self.state = tmp / "state"
         self.log_path = tmp / "up.log"
         self.host = host or (tmp / "host.json")
@@ -62,7 +67,7 @@ class Node:
             [sys.executable, "-m", "bcd.cli", "up", "--state-dir", str(self.state), "--fake-host", str(self.host), "--any-ports", *self.extra],
             stdout=log,
             stderr=log,
-            cwd=REPO,
+            cwd=self.repo,
             env={**{k: v for k, v in os.environ.items() if not k.startswith("BCD_")}, **self.env},
         )
         log.close()
@@ -79,18 +84,18 @@ class Node:
                 self.proc.wait()
 
     def ping(self) -> dict[str, dict]:
-        out = bcd("ping", "--state-dir", str(self.state), "--json", "--wait", "0.7")
+        out = bcd("ping", "--state-dir", str(self.state), "--json", "--wait", "0.7", repo=self.repo)
         return {r["name"]: r for r in json.loads(out.stdout)} if out.returncode == 0 else {}
 
     def apply(self, spec: dict) -> int:
         path = self.tmp / f"spec-{time.monotonic_ns()}.json"
         path.write_text(json.dumps(spec))
-        out = bcd("apply", str(path), "--state-dir", str(self.state))
+        out = bcd("apply", str(path), "--state-dir", str(self.state), repo=self.repo)
         assert out.returncode == 0, out.stderr
         return int(out.stdout.split("generation")[1].split()[0])
 
     def status(self) -> dict:
-        out = bcd("status", "--state-dir", str(self.state), "--json")
+        out = bcd("status", "--state-dir", str(self.state), "--json", repo=self.repo)
         try:
             return json.loads(out.stdout)
         except ValueError:
