@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.containers]
 COMPOSE_YAML = ROOT / "deploy" / "compose" / "compose.yaml"
 NODE_SH = ROOT / "deploy" / "compose" / "node.sh"
 EXAMPLE = ROOT / "examples" / "hosts" / "h200x8.json"
-NODE_SERVICES = {"bus", "signer", "inventory", "converger", "helper", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher"}
+NODE_SERVICES = {"bus", "bus-setup", "signer", "inventory", "converger", "helper", "gateway_bridge", "kube_reaper", "device_plugin", "dra_plugin", "vfio_switcher"}
 UPSTREAM_SERVICES = {"upstream", "controlplane"}
 
 

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -51,6 +52,16 @@ class ServiceProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log_lines(self) -> list[dict]:
+        """Its JSON log lines, decoded (a line that is not JSON is left out)."""
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def wait(self, timeout: float = 20.0) -> int:
         self.observed = True
@@ -197,6 +208,32 @@ class NodeBus:
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
         # A service that had to be killed or crashed is a failure of the test.
         assert not bad or all(c == -signal.SIGKILL for c in bad.values()), f"services exited badly: {bad}"
+
+
+def standin(nc: Client, name: str, subjects: object) -> tuple[Any, Any, Any]:
+    """A micro service named `name` on `nc` with the runtime's own endpoints (ServiceContext), for
+    a test that stands in for that service: (service, context, its metrics registry)."""
+    from nats.micro.service import Service, ServiceConfig
+    from prometheus_client import CollectorRegistry
+
+    from shared import logs
+    from shared.runtime import ServiceContext, _metrics
+
+    service = Service(nc, ServiceConfig(name=name, version="0.0.1", description="stand-in"))
+    registry = CollectorRegistry()
+    requests, latency, _ = _metrics(name, "stand-in", registry)
+    ctx = ServiceContext(
+        app=None,  # type: ignore[arg-type]
+        opts=None,  # type: ignore[arg-type]
+        nc=nc,
+        service=service,
+        subjects=subjects,  # type: ignore[arg-type]
+        registry=registry,
+        log=logs.get_logger(f"test.{name}"),
+        _requests=requests,
+        _latency=latency,
+    )
+    return service, ctx, registry
 
 
 def upstream_only(conf: Path) -> dict:

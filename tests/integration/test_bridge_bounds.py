@@ -22,14 +22,11 @@ from typing import Any
 import nats
 import nats.errors
 import pytest
-from nats.micro.service import Service, ServiceConfig
-from prometheus_client import CollectorRegistry
 
 from bcd.nodebus import NatsServer, prepare_node_bus
 from controlplane.keys import load_or_create_cp_key
 from controlplane.serve import ControlPlane
-from shared import logs
-from shared.runtime import ServiceCallError, ServiceContext, _metrics, call
+from shared.runtime import ServiceCallError, call
 from shared.schemas import (
     CONVERGER_STATUS_CODEC,
     EMPTY_CODEC,
@@ -48,7 +45,7 @@ from shared.signing import sign as sign_with_purpose
 from shared.signing import key_id, sign_node_spec
 from shared.subjects import CONTROLPLANE_USER, SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix, upstream_node_user
 
-from .harness import EXAMPLE_HOSTS, NodeBus, wait_until
+from .harness import EXAMPLE_HOSTS, NodeBus, standin, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -233,20 +230,7 @@ async def test_an_endpoint_never_sends_a_reply_its_schema_refuses(node):
     It stands in for the converger (its user, two of its endpoints), asked by the operator."""
     nc = await node.bus.connect("converger")
     cli = await node.bus.connect("cli")
-    service = Service(nc, ServiceConfig(name="converger", version="0.0.1", description="probe"))
-    registry = CollectorRegistry()
-    requests, latency, _ = _metrics("probe", NODE, registry)
-    ctx = ServiceContext(
-        app=None,  # type: ignore[arg-type]
-        opts=None,  # type: ignore[arg-type]
-        nc=nc,
-        service=service,
-        subjects=node.subjects,
-        registry=registry,
-        log=logs.get_logger("test.probe"),
-        _requests=requests,
-        _latency=latency,
-    )
+    service, ctx, _ = standin(nc, "converger", node.subjects)
     message = {"text": "m" * 4097}
 
     async def status(_: Empty) -> ConvergerStatus:

@@ -49,7 +49,6 @@ from shared.subjects import (
     UPSTREAM_EVENTS_STREAM,
     NodeSubjects,
     inbox_prefix,
-    node_account,
     upstream_node_account,
     upstream_node_permissions,
     upstream_node_user,
@@ -58,6 +57,8 @@ from shared.subjects import (
 )
 
 from tests.blocking import subject_matches
+
+from .harness import standin
 
 pytestmark = pytest.mark.integration
 
@@ -415,29 +416,10 @@ async def test_endpoint_callers_are_checked_by_the_service_itself(bus) -> None:
     """The one delivery the accounts let through is an identity's own redirect into a subject
     it may call (its PubAck sent to the vfio_switcher's endpoint): the server names the
     store account as the caller, and the endpoint refuses it 403. Asked properly, it answers."""
-    from prometheus_client import CollectorRegistry
-    from nats.micro.service import Service, ServiceConfig
-
-    from shared import logs
-    from shared.runtime import ServiceContext, _metrics
-
     server, passwords = bus
     switcher = await connect(server.url, "vfio_switcher", passwords["vfio_switcher"])
     converger = await connect(server.url, "converger", passwords["converger"])
-    service = Service(switcher, ServiceConfig(name="vfio_switcher", version="0.0.1", description="stand-in"))
-    registry = CollectorRegistry()
-    requests, latency, _ = _metrics("vfio_switcher", NODE, registry)
-    ctx = ServiceContext(
-        app=None,  # type: ignore[arg-type]
-        opts=None,  # type: ignore[arg-type]
-        nc=switcher,
-        service=service,
-        subjects=S,
-        registry=registry,
-        log=logs.get_logger("test.switch"),
-        _requests=requests,
-        _latency=latency,
-    )
+    service, ctx, registry = standin(switcher, "vfio_switcher", S)
     handled: list[bytes] = []
 
     async def switch(body: bytes) -> bytes:

@@ -14,7 +14,6 @@ starts them and says so.
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 
@@ -43,15 +42,6 @@ GOOD = NodeSpec(node_id="node-1", generation=1, devices=[hold("good", GPU[0])])
 #: what the attacker wants applied: a far generation (locking the control plane out) and a hold of its own
 EVIL = NodeSpec(node_id="node-1", generation=1000, devices=[hold("good", GPU[0]), hold("evil", GPU[1])])
 
-
-def log_lines(sp: ServiceProcess) -> list[dict]:
-    out = []
-    for line in sp.log().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def metric(ping: dict, name: str) -> float:
@@ -140,7 +130,7 @@ async def test_forged_specs_sent_straight_to_the_converger_are_refused_and_chang
         assert node.holds() == {"good"}, what
         assert spec_file.read_bytes() == kept, what
     # each said in the converger's log: refused by the signature check, or (no envelope at all) at the boundary
-    lines = log_lines(conv)
+    lines = conv.log_lines()
     refusals = [e for e in lines if e.get("msg") == "node spec refused; nothing applied"]
     assert len(refusals) == len(attacks(node.bus)) - 1 and all(e["level"] == "WARNING" and e["applied_generation"] == 1 for e in refusals)
     assert [e["level"] for e in lines if e.get("msg") == "bad request" and "missing required field `spec`" in e.get("error", "")] == ["WARNING"]
@@ -171,7 +161,7 @@ async def test_a_restart_verifies_the_kept_spec_again(node, tmp_path):
     conv = await node.start_converger(BCD_CP_KEY=str(tmp_path / "new.pub"))
     assert (await node.status()).generation is None
     assert node.holds() == {"good"}
-    assert any(e.get("msg", "").startswith("stored spec not taken") for e in log_lines(conv))
+    assert any(e.get("msg", "").startswith("stored spec not taken") for e in conv.log_lines())
     assert (await node.send(signed_spec(new, NodeSpec(node_id="node-1", generation=2, devices=[hold("good", GPU[0])])))).generation == 2
     await node.converged(2)
     assert node.holds() == {"good"}
@@ -192,7 +182,7 @@ async def test_no_hop_starts_unchecked(node_bus, tmp_path, service, env, reason)
     extra = {"BCD_UPSTREAM_URL": "nats://127.0.0.1:1"} if service == "gateway_bridge" else {"BCD_FAKE_HOST": str(EXAMPLE_HOSTS / "h200x8.json")}
     sp = node_bus.start_service(service, **extra, **env)
     assert sp.wait(30) == 2
-    (line,) = [e for e in log_lines(sp) if e.get("msg") == "cannot start"]
+    (line,) = [e for e in sp.log_lines() if e.get("msg") == "cannot start"]
     assert line["level"] == "ERROR" and line["reason"].startswith(reason), line
 
 
@@ -204,12 +194,12 @@ async def test_the_lab_opt_out_takes_unsigned_specs_and_says_so(node, tmp_path):
         ping = await node.bus.wait_service(name)
         assert ping["metadata"]["unsigned_specs"] == "accepted" and ping["metadata"]["cp_keys"] == "0"
         assert metric(ping, "bcd_unsigned_specs_accepted") == 1
-        warned = [e for e in log_lines(sp) if "ACCEPTING UNSIGNED NODE SPECS" in e.get("msg", "")]
+        warned = [e for e in sp.log_lines() if "ACCEPTING UNSIGNED NODE SPECS" in e.get("msg", "")]
         assert warned and warned[0]["level"] == "WARNING", name
     assert (await node.send(encode(unsigned_node_spec(GOOD)))).generation == 1
     await node.converged(1)
     assert node.holds() == {"good"}
-    (accepted,) = [e for e in log_lines(conv) if e.get("msg") == "spec accepted"]
+    (accepted,) = [e for e in conv.log_lines() if e.get("msg") == "spec accepted"]
     assert accepted["signed"] is False
     # still for this node only
     with pytest.raises(ServiceCallError) as err:

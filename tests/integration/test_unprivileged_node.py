@@ -145,15 +145,6 @@ async def wait_for(what: str, probe: Callable[[], Awaitable[T | None]], timeout:
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
-def log_lines(sp: ServiceProcess) -> list[dict[str, Any]]:
-    out = []
-    for line in sp.log().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
 
 def plain(alloc: str, gpu: str, **kw: Any) -> DeviceAssignment:
     return DeviceAssignment(allocation_id=alloc, reservation_id=f"rsv-{alloc}", binding="BINDING_HOLD", devices=[gpu], **kw)
@@ -343,7 +334,7 @@ async def test_an_unprivileged_node_takes_no_holds(node: UnprivilegedNode) -> No
     assert "WARN  gpu-binding" in doctor.stdout, doctor.stdout + doctor.stderr
     assert "runs bcd unprivileged" in doctor.stdout
 
-    lines = log_lines(node.converger)
+    lines = node.converger.log_lines()
     assert any(l["level"] == "WARNING" and l["msg"].startswith("running unprivileged") for l in lines)
     failed_lines = [l for l in lines if l["msg"] == "section failed"]
     assert failed_lines and all(l["level"] == "ERROR" for l in failed_lines)
@@ -363,7 +354,7 @@ async def test_a_root_helper_binds_holds_for_an_unprivileged_converger(node: Unp
     helper = node.start_helper()
     await node.bus.wait_service("helper")
     await wait_for("the converger to find the helper", lambda: _true(node.status(), lambda s: s.privileged))
-    assert any(l["msg"].startswith("root helper found") for l in log_lines(node.converger))
+    assert any(l["msg"].startswith("root helper found") for l in node.converger.log_lines())
     caps = await wait_for("a Hello with the host capabilities", lambda: _true(node.capabilities(), lambda c: HOST_CAPABILITIES <= set(c)))
     assert HOST_CAPABILITIES <= set(caps)
 
@@ -390,14 +381,14 @@ async def test_a_root_helper_binds_holds_for_an_unprivileged_converger(node: Unp
     # written by the helper process (root here), not by the converger
     if node.run_as.mode == "setuid":
         assert {(node.root / f).stat().st_uid for f in node.hold_files()} == {os.geteuid()}
-    done = {l.get("path", "") for l in log_lines(helper) if l["msg"] == "operation done"}
+    done = {l.get("path", "") for l in helper.log_lines() if l["msg"] == "operation done"}
     assert str(node.cdi.resolve() / "bcd-a1.json") in done and str(node.run.resolve() / "allocations" / "a2.env") in done
 
     # the helper goes away: a release cannot be written, is logged WARN and retried
     assert helper.stop() == 0
     await node.cp.put_spec(msgspec.structs.replace(spec, generation=2, devices=spec.devices[1:]))
     await wait_for("the section PROGRESSING at generation 2", lambda: node.section(2, "PROGRESSING"))
-    retrying = [l for l in log_lines(node.converger) if l["msg"] == "pass incomplete; retrying"]
+    retrying = [l for l in node.converger.log_lines() if l["msg"] == "pass incomplete; retrying"]
     assert retrying and all(l["level"] == "WARNING" for l in retrying)
     assert any("root helper not running" in e for e in retrying[-1]["errors"])
     assert (node.cdi / "bcd-a1.json").exists()
@@ -432,7 +423,7 @@ async def test_a_helper_gone_for_good_makes_the_node_unprivileged_again(node: Un
     assert gone_after >= 1.5, f"demoted {gone_after:.1f} s after the helper stopped: the grace is 2 s"
     # (the Hello, not its capabilities: an empty list would read as "not yet")
     await wait_for("a Hello with no host capability", lambda: _true(node.hello(), lambda h: h is not None and not HOST_CAPABILITIES & set(h.capabilities)))
-    lines = log_lines(node.converger)
+    lines = node.converger.log_lines()
     assert any(l["level"] == "WARNING" and l["msg"] == "the root helper does not answer" for l in lines)
     assert any(l["level"] == "WARNING" and l["msg"].startswith("root helper gone: the node is unprivileged") for l in lines)
     # (the demotion once said "the root helper answers again" in the same breath)

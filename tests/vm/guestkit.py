@@ -382,12 +382,21 @@ def unit_diagnostics(guest: Guest, units: list[str], lines: int = 30) -> str:
     return "\n".join(out)
 
 
+#: the target's one-shot units: done is "active/exited" (the bus setup makes the streams and exits)
+ONESHOT_UNITS = frozenset({"bcd-bus-setup.service"})
+
+
+def done_state(unit: str) -> str:
+    return "active/exited" if unit in ONESHOT_UNITS else "active/running"
+
+
 def wait_active(guest: Guest, units: list[str], timeout: float = 300.0, settle: float = 0.0) -> dict[str, str]:
-    """Waits (bounded) until every unit is active/running; raises VMTimeout with diagnostics."""
+    """Waits (bounded) until every unit is active/running (a one-shot active/exited); raises
+    VMTimeout with diagnostics."""
     deadline = time.monotonic() + timeout
     while True:
         states = unit_states(guest, units)
-        bad = [u for u in units if states.get(u) != "active/running"]
+        bad = [u for u in units if states.get(u) != done_state(u)]
         if not bad:
             if settle <= 0:
                 return states

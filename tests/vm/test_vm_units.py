@@ -43,6 +43,7 @@ README "VM suites".
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any
@@ -244,8 +245,8 @@ def service_of(unit: str) -> str:
     return unit.removeprefix("bcd-").removesuffix(".service").replace("-", "_")
 
 
-#: the services `bcd ping` must list (every unit of the target but the bus)
-SERVICES = sorted(service_of(u) for u in UNITS if u != "bcd-bus.service")
+#: the services `bcd ping` must list (every unit of the target but the bus and its setup)
+SERVICES = sorted(service_of(u) for u in UNITS if u not in ("bcd-bus.service", "bcd-bus-setup.service"))
 
 
 # ----------------------------------------------------------------------------- point 1: the target
@@ -398,7 +399,22 @@ def test_a_workload_keeps_the_slice_past_the_release(node: Node) -> None:
 # ----------------------------------------------------------------------------- point 1: every unit
 
 
-@pytest.mark.parametrize("unit", ALL_UNITS)
+def test_the_bus_setup_made_the_streams_as_a_user_of_its_own_and_exited(node: Node) -> None:
+    """bcd-bus-setup.service: a one-shot whose user exists only while it runs (DynamicUser=): it
+    made the node's streams (bus_admin, no service may) and exited 0, and the bus has them."""
+    vm = node.vm
+    unit = "bcd-bus-setup.service"
+    live = dict(line.split("=", 1) for line in vm.sh(f"systemctl show -p Result,ExecMainStatus,DynamicUser,User {unit}").splitlines() if "=" in line)
+    assert live == {"Result": "success", "ExecMainStatus": "0", "DynamicUser": "yes", "User": "bcd-bus-setup"}, live
+    journal = vm.sh(f"journalctl --no-pager -o cat -u {unit}", check=False)
+    assert "streams of node" in journal and "ready (outbox 256 MiB)" in journal, journal[-2000:]
+    assert vm.run(["getent", "passwd", "bcd-bus-setup"]).rc != 0, "its user outlived its run"
+    # the outbox is there, read with no consumer at all (the bridge reads it by direct get)
+    bus = json.loads(vm.sh("/opt/bcd/venv/bin/bcd bus --state-dir /etc/bcd --json", check=False))
+    assert bus["outbox"]["stream"] == "BCD_OUTBOX_vm-node-1" and bus["outbox"]["consumer_count"] == 0, bus.get("outbox")
+
+
+@pytest.mark.parametrize("unit", [u for u in ALL_UNITS if u not in guestkit.ONESHOT_UNITS])
 def test_runs_as_its_own_user_with_no_capabilities(node: Node, unit: str) -> None:
     vm = node.vm
     declared = unit_file(unit)
@@ -708,12 +724,14 @@ def test_holds_to_keep(node: Node) -> None:
 @pytest.mark.parametrize("unit", ALL_UNITS)
 def test_restart_keeps_the_node_and_its_holds(node: Node, unit: str) -> None:
     vm = node.vm
-    before = guestkit.main_pid(vm, unit)
+    started = f"systemctl show -p ExecMainStartTimestampMonotonic --value {unit}"
+    before = guestkit.main_pid(vm, unit) if unit not in guestkit.ONESHOT_UNITS else int(vm.sh(started))
     t0 = time.monotonic()
     vm.sh(f"systemctl restart {unit}", timeout=120)
     guestkit.wait_active(vm, ALL_UNITS, timeout=120)
-    after = guestkit.main_pid(vm, unit)
-    assert after not in (0, before), f"{unit}: MainPID {before} -> {after}"
+    # a one-shot ran again (and has no main process now); a service has a new main process
+    after = guestkit.main_pid(vm, unit) if unit not in guestkit.ONESHOT_UNITS else int(vm.sh(started))
+    assert after not in (0, before), f"{unit}: {before} -> {after}"
     r = _healthy(node, services=[*SERVICES, "helper"])
     TIMES[f"restart.{unit}"] = time.monotonic() - t0
     assert r.rc == 0, f"after restarting {unit}, bcd status: exit {r.rc}\n{r.stdout}\n{r.stderr}\n{guestkit.unit_diagnostics(vm, ALL_UNITS, 10)}"
