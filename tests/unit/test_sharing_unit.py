@@ -20,17 +20,9 @@ from services.inventory import sharing_unit
 from services.inventory.adapters.base import mps_dirs, mps_spec_file
 from shared.schemas import MpsDaemonSpec
 from tests.unit.test_mpsroot import RecordingMounts
-from tests.unit.test_nvidia_sharing import CONTROL, GPU_A, GPU_B, GPU_X, MIG_A, FakeTools, direct
+from tests.unit.test_nvidia_sharing import CONTROL, GPU_A, GPU_B, GPU_X, MIG_A, FakeTools, direct, root  # noqa: F401 - root is a fixture
 
 OTHER = "0b6c8f2e-1d3a-4c5b-9e7f-2a4d6c8e0f13-ffffff"
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    r = tmp_path / "mps"
-    r.mkdir()
-    (tmp_path / "mps-specs").mkdir()
-    return r
 
 
 def hand_over(root: Path, spec: MpsDaemonSpec, control: str = CONTROL) -> Path:
