@@ -348,8 +348,10 @@ class BusHelperTransport:
     transport's loop, lazily at the first request and again after a failure.
     """
 
-    def __init__(self, connect: Callable[[], Awaitable[Client]]) -> None:
+    def __init__(self, connect: Callable[[], Awaitable[Client]], unreached: Callable[[str], None] = lambda _: None) -> None:
         self._connect = connect
+        #: told when no helper answered (comeback.py: a pass runs again once one does)
+        self.unreached = unreached
         self._nc: Client | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bcd-helper-bus", daemon=True)
@@ -373,9 +375,11 @@ class BusHelperTransport:
         try:
             return fut.result(timeout + 1.0)
         except nats.errors.NoRespondersError:
+            self.unreached("helper")
             raise HostWriteError("root helper not running (no responders)") from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError, TimeoutError):
             fut.cancel()
+            self.unreached("helper")
             raise HostWriteError(f"root helper did not answer within {timeout:g}s") from None
         except (nats.errors.Error, OSError) as exc:
             raise HostWriteError(f"root helper unreachable: {exc or type(exc).__name__}") from None

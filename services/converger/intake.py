@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 
 from shared import logs
@@ -24,10 +25,20 @@ from .vfio import planner_view
 
 
 class InventoryIntake:
-    def __init__(self, nc: Client, subjects: NodeSubjects, *, trigger: Callable[[str], None], log: logs.StructLogger) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        subjects: NodeSubjects,
+        *,
+        trigger: Callable[[str], None],
+        log: logs.StructLogger,
+        unreached: Callable[[str], None] = lambda _: None,
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.trigger = trigger
+        #: told when no inventory answered (comeback.py: a pass runs again once one does)
+        self.unreached = unreached
         self.log = log
         #: the newest inventory read or heard (None: none yet)
         self.inventory: Inventory | None = None
@@ -52,6 +63,8 @@ class InventoryIntake:
         try:
             inv = await call(self.nc, self.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=3)
         except (ServiceCallError, BadMessage, Exception) as exc:  # noqa: BLE001 - logged, retried
+            if isinstance(exc, (nats.errors.NoRespondersError, TimeoutError)):
+                self.unreached("inventory")
             self.log.warning("inventory not available yet; waiting for it", error=str(exc) or type(exc).__name__)
             return
         if self.inventory is None or inv.revision >= self.inventory.revision:

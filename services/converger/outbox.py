@@ -126,8 +126,15 @@ class Outbox(Protocol):
 
 
 class BusSigner:
-    def __init__(self, nc: Client, subjects: NodeSubjects, timeout: float = 5.0) -> None:
+    def __init__(self, nc: Client, subjects: NodeSubjects, timeout: float = 5.0, unreached: Callable[[str], None] = lambda _: None) -> None:
         self.nc, self.subjects, self.timeout = nc, subjects, timeout
+        #: told when no signer answered (comeback.py: a pass runs again once one does)
+        self.unreached = unreached
+
+    def _error(self, exc: BaseException) -> OutboxError:
+        if isinstance(exc, (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError)):
+            self.unreached("signer")
+        return OutboxError(f"signer: {exc or type(exc).__name__}")
 
     async def sign(self, event_id: str, event: AttestedEvent) -> AttestedReport:
         try:
@@ -139,7 +146,7 @@ class BusSigner:
                 timeout=self.timeout,
             )
         except (ServiceCallError, nats.errors.Error, TimeoutError) as exc:
-            raise OutboxError(f"signer: {exc or type(exc).__name__}") from None
+            raise self._error(exc) from None
 
     async def sign_many(self, items: list[tuple[str, AttestedEvent]]) -> list[AttestedReport]:
         """As few `sign_batch` requests as the bounds allow (usually one per pass)."""
@@ -154,7 +161,7 @@ class BusSigner:
                     timeout=self.timeout,
                 )
             except (ServiceCallError, nats.errors.Error, TimeoutError) as exc:
-                raise OutboxError(f"signer: {exc or type(exc).__name__}") from None
+                raise self._error(exc) from None
             reports.extend(checked_reports(chunk, reply.reports))
         return reports
 

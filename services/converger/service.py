@@ -12,6 +12,7 @@ tasks it starts and the stop. The work is done in the rooms:
 - maintenance.py: resets, diagnostics and MIG layouts (rules: gpuops.py);
 - helperwatch.py: the root helper, and the node's privilege through it;
 - holddirs.py / holdwatch.py: the hold directories, and the watch on them;
+- comeback.py: a pass that could not reach the signer, helper or inventory runs when it answers;
 - metrics.py: the Prometheus metrics; facts.py: what the rooms share.
 
 Specs: every one it takes must carry the control plane's signature
@@ -44,6 +45,7 @@ from . import gpuops
 from .apply import Applier
 from .cardclaims import CardClaims
 from .claimdesk import ClaimDesk, bus_mig_step, bus_sharing_step, counted_switch
+from .comeback import ComebackWatch
 from .claims import ClaimKeeper
 from .consumers import BusKubeConsumers
 from .crash import CrashPoints
@@ -147,6 +149,8 @@ class ConvergerApp(ServiceApp):
             raise StartupError(str(exc)) from None
         # every room wakes a pass through the loop; the loop runs the pass room (made below)
         self.loop = PassLoop(self._run_pass, retry_s=o.retry_interval, drift_s=o.drift_interval)
+        # a pass that could not reach the signer, the helper or the inventory runs when it answers
+        self.comeback = ComebackWatch(ctx.nc, ctx.subjects, trigger=self.loop.trigger, log=log)
 
         writer: HostWriter
         self.helper_writer: HelperHostWriter | None = None
@@ -155,7 +159,7 @@ class ConvergerApp(ServiceApp):
             writer = LocalHostWriter(o.cdi_dir, o.run_dir, slices, crash, consumer_dir=consumer_dir)
             privileged = True
         else:
-            transport = BusHelperTransport(helper_connector(o))
+            transport = BusHelperTransport(helper_connector(o), unreached=self.comeback.unreached)
             writer = self.helper_writer = HelperHostWriter(
                 transport, ctx.subjects, o.cdi_dir, o.run_dir, slices_backend=backend, consumer_dir=consumer_dir
             )
@@ -196,7 +200,7 @@ class ConvergerApp(ServiceApp):
         applier = Applier(
             node_id=o.node_id,
             writer=writer,
-            signer=BusSigner(ctx.nc, ctx.subjects),
+            signer=BusSigner(ctx.nc, ctx.subjects, unreached=self.comeback.unreached),
             outbox=outbox,
             save_state=store.save,
             boot_id=self.boot_id,
@@ -208,7 +212,7 @@ class ConvergerApp(ServiceApp):
             count_switch=metrics.count_switch,
         )
         dirs = HoldDirs(o.cdi_dir, o.run_dir, consumer_dir)
-        intake = InventoryIntake(ctx.nc, ctx.subjects, trigger=self.loop.trigger, log=log)
+        intake = InventoryIntake(ctx.nc, ctx.subjects, trigger=self.loop.trigger, log=log, unreached=self.comeback.unreached)
         card_claims = CardClaims(facts, dirs=dirs, releases=releases, intake=intake, nc=ctx.nc, subjects=ctx.subjects, log=log)
         keeper = ClaimKeeper(
             state=lambda: state,
@@ -287,7 +291,12 @@ class ConvergerApp(ServiceApp):
         await serve(ctx, endpoints, intake=intake, claim_desk=claim_desk, maintenance=self.maintenance)
 
     async def _run_pass(self, reason: str) -> bool:
-        return await self.passes.run(reason)
+        retry = True  # a pass that raised is retried (loop.py)
+        try:
+            retry = await self.passes.run(reason)
+            return retry
+        finally:
+            self.comeback.pass_ended(retry=retry)
 
     # ------------------------------------------------------------------ running
 
@@ -301,6 +310,7 @@ class ConvergerApp(ServiceApp):
                 tasks.create_task(self.helper_watch.run(ctx.stopping), name="converger.helper-watch")
             if self.opts.watch_interval > 0:
                 tasks.create_task(self.dir_watch.run(ctx.stopping), name="converger.hold-dir-watch")
+            tasks.create_task(self.comeback.run(ctx.stopping), name="converger.comeback-watch")
             await self.loop.run(ctx.stopping)
 
     async def close(self, ctx: ServiceContext) -> None:

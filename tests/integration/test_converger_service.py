@@ -201,6 +201,24 @@ async def test_a_spec_that_came_before_the_inventory_binds_once_an_inventory_is_
     assert [h.allocation_id for h in st.holds] == ["early"]
 
 
+async def test_a_pass_that_found_no_signer_runs_when_the_signer_answers(node_bus, host_file):
+    """After a crash restart the first pass can come before the signer is back: it failed on
+    `signer: nats: no responders` and waited for the 30-s retry (1 kill -9 run in 25). It must
+    run when the signer answers; the retry interval here is 600 s, so only that can bind it."""
+    node = Node(node_bus, host_file)
+    await node.start()
+    next(s for s in reversed(node.bus.services) if s.name == "signer").stop()
+    node.start_converger(BCD_RETRY_INTERVAL="600")
+    await node.bus.wait_service("converger")
+    await node.push(NodeSpec(node_id="node-1", generation=1, devices=[assignment("early", GPU[0])]))
+    st = await node.wait_section(1, "PROGRESSING", timeout=15)
+    assert "signer" in st.section.message
+    node.bus.start_service("signer", **node.env())
+    st = await node.wait_section(1, "CONVERGED", timeout=10)
+    assert [h.allocation_id for h in st.holds] == ["early"]
+    assert {b.event.allocation_id for b in await node.reports("bound")} == {"early"}
+
+
 async def test_a_bad_spec_is_refused_with_the_field_named(node):
     node.start_converger()
     await node.bus.wait_service("converger")
