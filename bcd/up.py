@@ -261,7 +261,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     write_node_info(state, info)
 
-    def banner() -> None:
+    def banner(metrics: dict[str, str] = metrics, *, missing: str = "") -> None:
         lines = [
             "",
             f"bcd node {args.node_id!r} is starting on {'fake host ' + str(fake_host) if fake_host else 'this host (NVML)'}",
@@ -271,6 +271,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               if args.accept_unsigned_specs else []),
             *([f"  monitoring   {info.monitor_url}/varz  /connz  /subsz  /jsz"] if info.monitor_url else []),
             *[f"  metrics      {n:<15} {u}" for n, u in metrics.items()],
+            *([f"  metrics      {missing}"] if missing else []),
             f"  logs         {paths['logs']}/<service>.log" if not args.verbose else "  logs         here",
             f"  holds        {paths['cdi']}/bcd-*.json (their consumer copies in {paths['cdi_consumer']}), "
             f"{paths['run']}/allocations/*.env, {paths['run']}/slices/",
@@ -280,15 +281,28 @@ def cmd_up(args: argparse.Namespace) -> int:
         ]
         print("\n".join(lines), file=sys.stderr, flush=True)
 
-    supervisor = Supervisor(bus, specs, on_ready=banner)
+    # free ports: the banner waits for the metrics ports the services took, so that it says
+    # where everything went in one piece, before the demo's output (issue 41.14)
+    supervisor = Supervisor(bus, specs, on_ready=None if args.any_ports else banner)
+
+    async def free_ports_banner() -> None:
+        recorded = await record_metrics(state, info, list(args.services))
+        if recorded is None:
+            banner({}, missing=f"not known: the services did not answer in time (node.json gets them; see {paths['logs']})")
+        else:
+            banner(recorded)
 
     async def main() -> int:
         tasks: list[asyncio.Task[None]] = []
+        announced: asyncio.Task[None] | None = None
         if args.any_ports:
             # free ports: each service says the one it took; node.json and the banner get them (issue 28.8)
-            tasks.append(asyncio.create_task(record_metrics(state, info, list(args.services))))
+            announced = asyncio.create_task(free_ports_banner())
+            tasks.append(announced)
         if args.apply:
-            demo = asyncio.create_task(run_demo(state, info, Path(args.apply), [*args.services, *(["controlplane"] if embedded else [])]))
+            demo = asyncio.create_task(
+                run_demo(state, info, Path(args.apply), [*args.services, *(["controlplane"] if embedded else [])], after=announced)
+            )
             demo.add_done_callback(_report_demo)
             tasks.append(demo)
         try:
@@ -389,11 +403,12 @@ async def wait_ready(info: NodeInfo, services: list[str], timeout: float = 60.0)
     return False
 
 
-async def record_metrics(state: Path, info: NodeInfo, services: list[str]) -> None:
-    """With free ports: the metrics endpoint each service took ($SRV.PING metadata) into node.json
-    and the log, once they answer (`bcd status` and Prometheus file discovery read node.json)."""
+async def record_metrics(state: Path, info: NodeInfo, services: list[str]) -> dict[str, str] | None:
+    """With free ports: the metrics endpoint each service took ($SRV.PING metadata) into node.json,
+    once they answer (`bcd status` and Prometheus file discovery read node.json); None when they
+    did not answer in time. The banner prints them."""
     if not await wait_ready(info, services):
-        return
+        return None
     nc = await connect(info)
     try:
         answers = await ping_all(nc, 0.5)
@@ -405,7 +420,7 @@ async def record_metrics(state: Path, info: NodeInfo, services: list[str]) -> No
         if r.get("name") in services and (r.get("metadata") or {}).get("metrics")
     }
     write_node_info(state, msgspec.structs.replace(info, metrics=metrics))
-    print("\n".join(f"  metrics      {n:<15} {u}" for n, u in metrics.items()), file=sys.stderr, flush=True)
+    return metrics
 
 
 def demo_already_put(cp_dir: Path, node_id: str) -> int:
@@ -416,13 +431,16 @@ def demo_already_put(cp_dir: Path, node_id: str) -> int:
     return rec.last_generation if rec is not None else 0
 
 
-async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[str]) -> None:
+async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[str], *, after: asyncio.Task[None] | None = None) -> None:
     """make run: apply the example spec (only on a state dir whose node never got a spec: a second
     `make run` keeps what the user made), show the status table and the verified events, then follow."""
     from .putspec import apply_spec_file
     from .events import follow_events
     from .status import gather, render_status
 
+    if after is not None:
+        # the banner first (with free ports it waits for the metrics ports)
+        await asyncio.wait({after})
     if not await wait_ready(info, services):
         print("bcd up: services did not come up in time; see the logs", file=sys.stderr)
         return

@@ -80,6 +80,13 @@ def test_make_run_picks_free_ports_when_a_default_one_is_taken(tmp_path: Path) -
             assert "verified events" in text, text[-3000:]
             node = json.loads((state / "node.json").read_text())
             assert not node["nats_url"].endswith(f":{BUS_PORT}")
+            # the banner says where everything went, the metrics ports the services took
+            # included, in one piece: between its node-bus line and "Stop with Ctrl-C", one
+            # line per service as node.json has it (they came later, apart from it, before)
+            banner = text[text.index("  node bus "):text.index("Stop with Ctrl-C.")]
+            shown = dict(re.findall(r"^  metrics +(\S+) +(\S+)$", banner, flags=re.M))
+            assert shown and shown == node["metrics"], banner
+            assert set(shown) == set(node["services"]), banner
             # the demo spec went through: the status table shows its holds
             assert "train-01" in text
             # a second `make run` on the same state finds the ports taken too, but must not
