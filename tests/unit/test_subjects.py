@@ -515,3 +515,42 @@ def test_a_url_with_commas_is_a_cluster_s_servers(url: str, servers: list[str]) 
 def test_a_url_with_no_server_is_refused(url: str) -> None:
     with pytest.raises(ValueError, match="no NATS server"):
         server_list(url)
+
+
+def readme_subject_rows() -> dict[str, str]:
+    """README's subject table: each subject (`bcd.<n>.x.y`, and `.z` after it on the same row
+    meaning `bcd.<n>.x.z`) -> its "server" cell."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("| `bcd.<n>."):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        base = ""
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            if name.startswith("bcd.<n>."):
+                base = name
+                rows[name] = cells[1]
+            elif name.startswith(".") and base:
+                rows[".".join(base.split(".")[:3]) + name] = cells[1]
+    return rows
+
+
+def test_readme_subject_table_names_every_node_bus_endpoint_and_notice_with_its_server() -> None:
+    """Every service's subject in the route table is in README's table, under the service that
+    serves or publishes it (it lacked inventory.diag, .mig_layout, .sharing and converger.gpu_op)."""
+    from shared.subjects import BUS_STORE
+
+    rows = readme_subject_rows()
+    missing, wrong = [], []
+    for route in NodeSubjects("node-1").routes():
+        if route.owner == BUS_STORE or route.subject.startswith("$"):
+            continue  # the store's JetStream API and micro discovery: README's `bcd bus` section
+        name = route.subject.replace("bcd.node-1.", "bcd.<n>.", 1)
+        if name not in rows:
+            missing.append(name)
+        elif route.owner not in re.findall(r"[a-z_]+", rows[name].split("(")[0]):
+            wrong.append(f"{name}: README says {rows[name]!r}, served by {route.owner}")
+    assert not missing and not wrong, (missing, wrong)
