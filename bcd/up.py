@@ -25,7 +25,8 @@ from pathlib import Path
 import msgspec
 
 from shared import logs
-from shared.runtime import METRICS_PORTS
+from shared.runtime import METRICS_PORTS, VERSION
+from shared.statestamp import check_tree
 from shared.busstreams import StreamSetupError
 from shared.subjects import BUS_ADMIN_USER, CONTROLPLANE_USER, OPERATOR_USER, upstream_node_user
 
@@ -69,6 +70,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         # find the ports taken, pick free ones and share the first node's files
         print(f"bcd up: a node already runs on {state} (supervisor pid {running}); stop it first or pass another --state-dir", file=sys.stderr)
         return 1
+    # a state dir a newer bcd wrote: one line, nothing started (shared/statestamp.py)
+    newer = check_tree(paths["data"], version=VERSION)
+    if newer:
+        print(f"bcd up: {newer}", file=sys.stderr)
+        return 2
     if not args.any_ports:
         # a taken fixed port: free ones instead (make run), or one line naming it (bcd/ports.py)
         from .ports import fallback_line, fixed_ports, refusal, taken

@@ -564,6 +564,8 @@ def run_service(app: ServiceApp, argv: Sequence[str] | None = None) -> int:
     # itself. Services run short blocking calls in threads beside CPU work on the loop.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
+        if getattr(opts, "data_dir", None) is not None:
+            stamp_state(Path(opts.data_dir) / app.name, log)
         return asyncio.run(serve(app, opts))
     except StartupError as exc:
         log.error("cannot start", reason=str(exc))
@@ -575,6 +577,18 @@ def run_service(app: ServiceApp, argv: Sequence[str] | None = None) -> int:
 
 class StartupError(Exception):
     """A service cannot start; the text tells the operator why (no traceback)."""
+
+
+def stamp_state(service_dir: Path, log: logs.StructLogger) -> None:
+    """Refuse a state a newer bcd wrote (StartupError), else stamp it as ours (statestamp.py)."""
+    from .statestamp import StateTooNew, check_and_stamp
+
+    try:
+        check_and_stamp(service_dir, version=VERSION)
+    except StateTooNew as exc:
+        raise StartupError(str(exc)) from None
+    except OSError as exc:
+        log.warning("state dir not stamped with this bcd's state format", dir=str(service_dir), error=exc.strerror or str(exc))
 
 
 def main_for(app_factory: Callable[[], ServiceApp]) -> Callable[[], None]:

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from shared.runtime import VERSION
+from shared.statestamp import STAMP_NAME, STATE_FORMAT
+
 from .harness import EXAMPLE_HOSTS, REPO
 
 pytestmark = pytest.mark.integration
@@ -103,6 +106,11 @@ def test_up_runs_every_service_restarts_crashes_and_stops_clean(up):
             assert b"# TYPE" in resp.read(), name
     assert "metrics      converger" in log.read_text()
 
+    # each service's state says which bcd wrote it (an older bcd refuses it: statestamp.py)
+    for name in ("signer", "inventory", "converger"):
+        stamp = json.loads((state / "data" / name / STAMP_NAME).read_text())
+        assert stamp["format"] == STATE_FORMAT and stamp["written_by"] == f"bcd {VERSION}", (name, stamp)
+
     # kill -9 one service: the supervisor starts it again
     old_pid = int(services["inventory"]["metadata"]["pid"])
     os.kill(old_pid, signal.SIGKILL)
@@ -131,3 +139,18 @@ def test_kill_9_of_the_supervisor_takes_the_children_down(up):
     proc.kill()
     proc.wait()
     wait_for(lambda: not any(alive(p) for p in pids), 15, "children to die with their supervisor")
+
+
+def test_an_older_bcd_refuses_a_state_a_newer_one_wrote_in_one_line_and_starts_nothing(tmp_path):
+    """As this bcd is to a bcd one state format ahead: `bcd up` says which bcd wrote the state
+    and stops with exit 2 before the bus or any service starts (it once ran without a word)."""
+    state = tmp_path / "state"
+    (state / "data" / "converger").mkdir(parents=True)
+    (state / "data" / "converger" / STAMP_NAME).write_text(json.dumps({"format": STATE_FORMAT + 1, "written_by": "bcd 9.9.9"}))
+    out = bcd("up", "--state-dir", str(state), "--fake-host", str(EXAMPLE_HOSTS / "h200x8.json"), "--any-ports")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"bcd up: state dir {state.resolve() / 'data' / 'converger'} was written by bcd 9.9.9 (state format {STATE_FORMAT + 1}); "
+        f"this bcd {VERSION} reads format {STATE_FORMAT} at most: run bcd 9.9.9 or newer on it (docs/install.md, Downgrades)"
+    ], out.stderr
+    assert not (state / "bus").exists() and not (state / "node.json").exists()
