@@ -477,10 +477,22 @@ def plan_leftover_slices(p: _Pass) -> None:
     for alloc in sorted(p.observed.slices):
         if alloc not in p.wanted and alloc not in p.released and alloc in p.observed.empty_slices:
             p.steps.append(StopSlice(alloc))
+    # The copies that may exist are derived from state each pass: those of the hold specs on
+    # disk that this pass keeps (or binds again), and the DRA claims'. Any other copy goes,
+    # whenever it appears: one without a hold spec, and one of a hold being released or
+    # withdrawn (a copy put back while its Kubernetes release is pending, or after it was
+    # reported, would let an old-CDI runtime resolve the withdrawn device).
     copies = p.observed.consumer_copies
     for alloc in sorted(copies or ()):
-        if alloc not in p.observed.holds and alloc not in p.observed.claim_holds and alloc not in p.released:
-            p.steps.append(RemoveConsumer(alloc))
+        if alloc in p.observed.claim_holds:
+            continue
+        if alloc in p.observed.holds and alloc not in p.released:
+            continue
+        if alloc in p.observed.holds and any(
+            isinstance(s, (ReleaseHold, WithdrawKubeHold)) and s.allocation_id == alloc for s in p.steps
+        ):
+            continue  # the release's own step takes the copy first, in its order
+        p.steps.append(RemoveConsumer(alloc))
 
 
 def consumer_copy_stale(observed: Observed, hold: HoldOnDisk) -> bool:
