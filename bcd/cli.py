@@ -393,7 +393,7 @@ def cmd_bus(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .runtimes import default_probe
-    from .status import doctor_checks, gather
+    from .status import doctor_checks, gather, render_doctor
 
     info = node_info(args.state_dir)
     report = _run(gather(info, runtimes=default_probe()))
@@ -413,9 +413,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             )
         )
         return worst
-    for level, name, message in checks:
-        mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[level]
-        print(f"{mark}  {name:<16} {message}")
+    print(render_doctor(checks))
     return worst
 
 

@@ -152,6 +152,8 @@ def problems(report: NodeReport) -> list[str]:
     if conv is not None:
         # the journal and the disk disagree: not healthy until the next pass put it right
         out.extend(f"hold files drifted: {line}" for line in conv.drift)
+        # files in the hold dirs that are none of bcd's: an operator's to look at (README: odd files)
+        out.extend(f"odd file in the hold dirs: {line}" for line in conv.odd_files)
         if conv.vendor_cdi_error:
             out.append(f"vendor CDI spec unreadable, no new hold is bound: {conv.vendor_cdi_error}")
         if conv.outbox_error:
@@ -267,6 +269,7 @@ def render_status(report: NodeReport) -> str:
         lines.extend(f"  problem: {p}" for p in conv.problems)
         # the journal against the disk: a hold whose files went from outside, before the pass puts them back
         lines.extend(f"  DRIFT {d}" for d in conv.drift)
+        lines.extend(f"  ODD FILE {o}" for o in conv.odd_files)
         lines.extend(pending_release_lines(conv, report.now))
         # node conditions the converger raised and that hold now (NodeSpecUnknownFields, ...)
         lines.extend(f"  condition {c.type}: {c.reason}: {c.message}" for c in conv.conditions if c.status == "True")
@@ -677,8 +680,12 @@ def health_checks(inv: Inventory | None) -> list[tuple[str, str, str]]:
     """`gpu-health` rows: a FAIL per unhealthy card (its Healthy condition; the `gpu` row says what to
     do), a warning per reason health cannot be watched (Unmonitored), naming the cards; else one ok
     row. Nothing from an inventory that does not say (no card has a Healthy condition)."""
-    if inv is None or not any(g.status.health() is not None for g in inv.gpus):
-        return []
+    if inv is None:
+        return [("warn", "gpu-health", "no inventory: the cards' health is unknown")]
+    if not inv.gpus:
+        return [("ok", "gpu-health", "no GPU on this node")]
+    if not any(g.status.health() is not None for g in inv.gpus):
+        return [("warn", "gpu-health", "the inventory does not say the cards' health (an inventory of an older release)")]
     out: list[tuple[str, str, str]] = []
     for g in inv.gpus:
         c = g.status.unhealthy()
@@ -750,7 +757,15 @@ def spec_trust_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     if keys:
         said = ", ".join(f"{n} {k}" for n, k in keys.items())
         return [("ok", "signed-specs", f"node specs verified against the control-plane key(s) ({said})")]
-    return []
+    return [("warn", "signed-specs", "no running service says whether it verifies node specs (bridge and converger down, or of an older release)")]
+
+
+def render_doctor(checks: list[tuple[str, str, str]]) -> str:
+    """The doctor's table: level, check name, message; the name column as wide as its longest name
+    (a fixed width let `service.gateway_bridge` run into its message)."""
+    width = max((len(name) for _, name, _ in checks), default=0)
+    mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
+    return "\n".join(f"{mark[level]}  {name:<{width}}  {message}" for level, name, message in checks)
 
 
 def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
@@ -769,6 +784,9 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
     if bridge is not None:
         out.extend(upstream_checks(bridge.get("metadata") or {}))
     conv, inv = report.converger, report.inventory
+    if conv is None:
+        # every check README lists prints a row: these need the converger's status
+        out.extend(("warn", name, "converger unavailable: not checked") for name in ("gpu-binding", "vendor-cdi-spec", "outbox-size", "hold-files"))
     if conv is not None:
         if not conv.privileged and inv is not None and inv.gpus:
             out.append(
@@ -779,6 +797,8 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
                     "run it as root or beside the root helper",
                 )
             )
+        else:
+            out.append(("ok", "gpu-binding", "can take holds (root, fake host or the root helper)" if conv.privileged else "unprivileged, and no GPU to bind"))
         if not conv.vendor_cdi_spec:
             out.append(("warn", "vendor-cdi-spec", "no vendor CDI spec (nvidia.json) in the CDI dir: holds carry only env"))
         elif conv.vendor_cdi_error:
@@ -796,9 +816,13 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             out.append(("fail", "outbox-size", conv.outbox_error))
         elif conv.outbox_warning:
             out.append(("warn", "outbox-size", conv.outbox_warning))
-        for p in conv.problems:
-            if p not in (conv.outbox_error, conv.outbox_warning):
-                out.append(("warn", "hold-dirs", p))
+        else:
+            out.append(("ok", "outbox-size", "the outbox has the size asked for"))
+        hold_dirs = [p for p in conv.problems if p not in (conv.outbox_error, conv.outbox_warning)]
+        out.extend(("warn", "hold-dirs", p) for p in hold_dirs)
+        out.extend(("warn", "hold-files", f"odd file: {o}") for o in conv.odd_files)
+        if not hold_dirs and not conv.odd_files:
+            out.append(("ok", "hold-files", "the hold dirs hold only bcd's files"))
         out.extend(("warn", "hold-drift", d) for d in conv.drift)
         if conv.section is not None and conv.section.state == "FAILED":
             out.append(("warn", "section", "devices section FAILED: " + "; ".join(conv.section.message.splitlines())))
@@ -853,6 +877,7 @@ __all__ = [
     "gpu_attention",
     "gpu_problems",
     "doctor_checks",
+    "render_doctor",
     "cdi_runtime_checks",
     "look_at_runtimes",
     "OUTBOX_STALE_S",

@@ -43,6 +43,9 @@ class DiskView:
     consumer_copies: dict[str, bytes] | None = None
     #: entries not read: not regular files (FIFO, symlink, directory, device) or too large.
     problems: list[str] = field(default_factory=list)
+    #: regular files named like bcd's in the hold dirs that are none of bcd's (a `bcd-*.json` that is
+    #: not a hold or not a copy's name, an env dir entry that is not `<id>.env`): reported, left alone.
+    odd: list[str] = field(default_factory=list)
 
 
 def _names(directory: Path) -> list[str]:
@@ -135,6 +138,8 @@ def read_consumer_copies(consumer_dir: Path, view: DiskView, warned: set[str] | 
             continue  # the vendor's own generated spec (nvidia.yaml), another program's
         alloc = name[len("bcd-") : -len(".json")]
         if not ID_RE.match(alloc):
+            if occupant(path) is None and os.path.isfile(path):
+                view.odd.append(f"{path}: named like a consumer copy, but {alloc!r} is not an allocation id")
             continue
         try:
             digest = _read_again(path, known.get(name), seen, view, warned, "a consumer copy", content_digest)
@@ -166,6 +171,7 @@ def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None, c
                 continue
         except (NotAHold, OSError) as exc:
             view.foreign.append(name)
+            view.odd.append(f"{path}: not a bcd hold ({exc.reason if isinstance(exc, NotAHold) else exc}): left alone")
             warn_once(warned, name, "not a bcd hold; leaving it alone", file=str(path), reason=str(exc))
             continue
         view.holds[hold.allocation_id] = hold
@@ -175,7 +181,10 @@ def read_disk(cdi_dir: Path, run_dir: Path, *, warned: set[str] | None = None, c
         path = env_dir / name
         if is_temp_name(name):
             _temp_file(path, view, warned)
-        elif name.endswith(".env"):
+        elif not name.endswith(".env") or not ID_RE.match(name[: -len(".env")]):
+            if occupant(path) is None and os.path.isfile(path):
+                view.odd.append(f"{path}: not an env file of bcd's (<allocation id>.env): left alone")
+        else:
             try:
                 data = _read(path, ENV_FILE_MAX_BYTES, "an env file", view, warned)
             except OSError as exc:

@@ -53,7 +53,9 @@ from .model import (
     Step,
     StopSlice,
     SwitchGpu,
+    RecordWritten,
     RemoveConsumer,
+    RestoreHold,
     WriteConsumer,
     WriteEnv,
 )
@@ -86,7 +88,10 @@ class Applier:
         consumers: KubeConsumers | None = None,
         switcher: Switcher | None = None,
         count_switch: Callable[[str, str], None] = lambda target, outcome: None,
+        count_drift: Callable[[str], None] = lambda file: None,
     ) -> None:
+        #: each hold file found not as bcd wrote it and put back (its kind), for the metric.
+        self.count_drift = count_drift
         self.releases = releases
         self.reaper = reaper or NoReaper()
         self.consumers = consumers or NoKubeConsumers()
@@ -122,6 +127,8 @@ class Applier:
             run.room = await self.outbox.has_room()
         batch = Batch()
         group = GroupCommit(self)
+        #: holds whose edited spec could not be put back in this pass
+        unrestored: set[str] = set()
         for step in plan.steps:
             if isinstance(step, BindHold) and any(r.allocation_id == step.allocation_id for r in batch.releases):
                 # the same allocation released and bound again (its assignment changed): the
@@ -142,14 +149,20 @@ class Applier:
                     continue
                 await self._switch(step, state, result)
                 continue
+            if isinstance(step, WriteConsumer) and step.allocation_id in unrestored:
+                # the copy is made from the hold spec on disk, which is still the edited one
+                result.errors.append(f"{step.allocation_id}: consumer copy not rewritten: its hold spec is not put back yet")
+                continue
             try:
                 await self._run(step, state)
                 result.done += 1
             except (HostWriteError, OutboxError) as exc:
                 result.errors.append(f"{_alloc(step)}: {exc}")
                 log.warning("step failed; will retry", step=type(step).__name__, allocation_id=_alloc(step), error=str(exc))
-                if isinstance(step, (WriteEnv, WriteConsumer, EnsureSlice)):
+                if isinstance(step, (WriteEnv, WriteConsumer, EnsureSlice, RestoreHold)):
                     run.incomplete.add(step.allocation_id)
+                if isinstance(step, RestoreHold) and "cdi" in step.files:
+                    unrestored.add(step.allocation_id)
         # the last batch's completion record is written with the section status
         completed = await group.run(batch, state, result, run, save=False) if batch else []
         section = plan.section
@@ -191,7 +204,24 @@ class Applier:
             log.info("env file rewritten", allocation_id=step.allocation_id)
         elif isinstance(step, WriteConsumer):
             self.writer.write_consumer(step.allocation_id)
-            log.info("consumer copy rewritten", allocation_id=step.allocation_id)
+            if step.drifted:
+                self.count_drift("cdi-consumer")
+            log.info("consumer copy rewritten", allocation_id=step.allocation_id, edited_from_outside=step.drifted)
+        elif isinstance(step, RestoreHold):
+            # what the files must say is journaled before they are written again
+            state.written[step.allocation_id] = step.written
+            self.save_state(state)
+            for kind in step.files:
+                if kind == "cdi":
+                    self.writer.write_cdi(step.written.content)
+                else:
+                    self.writer.write_env(step.written.content)
+                self.count_drift(kind)
+            log.warning("hold files edited from outside put back as bcd wrote them", allocation_id=step.allocation_id, files=list(step.files))
+        elif isinstance(step, RecordWritten):
+            state.written[step.allocation_id] = step.written
+            self.save_state(state)
+            log.info("hold files bound before this record taken as found", allocation_id=step.allocation_id)
         elif isinstance(step, RemoveConsumer):
             self.writer.remove_consumer(step.allocation_id)
             log.info("consumer copy without a hold spec removed", allocation_id=step.allocation_id)
@@ -326,6 +356,7 @@ class Applier:
         state.bound.pop(step.allocation_id, None)
         state.hold_conditions.pop(step.allocation_id, None)
         state.intents.pop(step.allocation_id, None)
+        state.written.pop(step.allocation_id, None)
         self.save_state(state)
         log.info("Kubernetes hold released: no pod holds its devices", allocation_id=step.allocation_id, event_id=rel.event_id)
 

@@ -180,6 +180,7 @@ class GroupCommit:
 
         # 1. one journal write: every intent of the batch before any side effect
         before = {s.allocation_id: state.intents.get(s.allocation_id) for s in binds}
+        before_written = {s.allocation_id: state.written.get(s.allocation_id) for s in binds}
         recorded = False
         for s in releases:
             existing = state.intents.get(s.allocation_id)
@@ -189,6 +190,9 @@ class GroupCommit:
         for s in binds:
             c = s.content
             state.intents[s.allocation_id] = self._intent("bind", s.allocation_id, s.event, s.event_id, cgroup_parent=c.cgroup_parent, sliced=bool(c.cgroup_parent))
+            if s.written is not None:
+                # what its files will say, before they are written: the truth drift is judged by
+                state.written[s.allocation_id] = s.written
             recorded = True
         # the one sign request goes out now: the signer works while the journal and the
         # files are written (a signature is no side effect; only a published report is)
@@ -286,6 +290,7 @@ class GroupCommit:
             state.bound.pop(s.allocation_id, None)
             state.hold_conditions.pop(s.allocation_id, None)
             state.intents.pop(s.allocation_id, None)
+            state.written.pop(s.allocation_id, None)
             result.done += 1
             if not s.report:
                 log.info("unreported bind undone", allocation_id=s.allocation_id)
@@ -308,6 +313,11 @@ class GroupCommit:
                 state.intents.pop(s.allocation_id, None)
             else:
                 state.intents[s.allocation_id] = prev
+            prev_written = before_written.get(s.allocation_id)
+            if prev_written is None:
+                state.written.pop(s.allocation_id, None)
+            else:
+                state.written[s.allocation_id] = prev_written
         result.done += len(pre) - len(skip_release)
         points = [*(["release.completed"] if any(s.report for s in gone) else []), *(["bind.completed"] if placed or kept_reports or pre else [])]
         if save:

@@ -11,9 +11,10 @@ card Unclaimed with the section CONVERGED. So:
   the converger takes it after each pass and wakes a pass when it changes
   (polling, not inotify: the same on every file system and in every
   container, with nothing to lose when events overflow);
-- `journal_disagreements` is pure: the journal (what was reported bound) against
-  the disk as read now, one line per hold whose files are not what the journal
-  says; the status carries them (`ConvergerStatus.drift`), `bcd status` shows
+- `journal_disagreements` is pure: the journal (what was reported bound, and
+  what bcd wrote: `ConvergerState.written`, digests of each hold's spec and env
+  file) against the disk as read now, one line per hold whose files are missing
+  or not what bcd wrote (an edit that still parses is drift by content); the status carries them (`ConvergerStatus.drift`), `bcd status` shows
   them and `bcd doctor` warns `hold-drift`.
 """
 
@@ -23,6 +24,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from shared.fsutil import content_digest
 from shared.holddisk import DiskView
 from shared.holdfiles import BINDING_CLAIM, hold_file_name
 
@@ -72,11 +74,19 @@ def journal_disagreements(state: ConvergerState, disk: DiskView, pending_release
                 f"but its CDI spec {hold_file_name(alloc)} is not on disk: put back by the next pass"
             )
             continue
+        rec = state.written.get(alloc)
+        spec_edited = rec is not None and bool(hold.digest) and hold.digest != rec.cdi
+        if spec_edited:
+            lines.append(f"{alloc}: its CDI spec {hold_file_name(alloc)} is not what bcd wrote (edited from outside): put back by the next pass")
+        env = disk.env_files.get(alloc)
+        if rec is not None and env is not None and content_digest(env) != rec.env:
+            lines.append(f"{alloc}: its env file is not what bcd wrote (edited from outside): put back by the next pass")
         missing = []
         if alloc not in disk.env_files:
             missing.append("its env file")
         copies = disk.consumer_copies
-        if copies is not None and copies.get(alloc) != hold.consumer_digest:
+        # (the copy of an edited spec is judged once the spec is put back: it is what bcd wrote)
+        if copies is not None and not spec_edited and copies.get(alloc) != hold.consumer_digest:
             missing.append("its consumer copy" if alloc not in copies else "a consumer copy that is not what its spec makes")
         if missing:
             lines.append(f"{alloc}: bound, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in place: put back by the next pass")

@@ -190,9 +190,16 @@ class Endpoints:
         pending, _ = await asyncio.to_thread(self.releases.peek)
         freed = await asyncio.to_thread(self.releases.freed) if pending else set()
         drift = journal_disagreements(state, disk, pending)
+        # an env file whose hold spec is not on disk and that no bind or release is writing or removing
+        orphans = [
+            f"{Path(self.dirs.run_dir) / 'allocations' / (a + '.env')}: an env file of no hold on disk: left alone"
+            for a in sorted(disk.env_files)
+            if a not in holds and a not in state.intents and a not in state.bound
+        ]
         spec = self.facts.spec
         return ConvergerStatus(
             drift=bounded_problems(drift),
+            odd_files=bounded_problems([*disk.odd, *orphans]),
             pending_releases=[
                 PendingReleaseSummary(
                     allocation_id=r.allocation_id,

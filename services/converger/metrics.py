@@ -26,6 +26,11 @@ class ConvergerMetrics:
         self.pass_duration = Histogram("bcd_converger_pass_duration_seconds", "Duration of one pass", registry=reg)
         self.passes = Counter("bcd_converger_passes", "Passes by outcome", ["outcome"], registry=reg)
         self.failures = Counter("bcd_hold_failures", "Holds refused, by reason", ["reason"], registry=reg)
+        self.drift = Counter(
+            "bcd_hold_drift", "Hold files found not as bcd wrote them (edited from outside) and put back, by file", ["file"], registry=reg
+        )
+        for file in ("cdi", "cdi-consumer", "allocation-env"):
+            self.drift.labels(file=file)
         self.generation = Gauge("bcd_converger_observed_generation", "Generation of the last pass", registry=reg)
         self.section = Gauge("bcd_section_state", "1 for the devices section's current state", ["state"], registry=reg)
         self.pending = Gauge("bcd_kubernetes_releases_pending", "Kubernetes releases waiting for pods to let go", registry=reg)
@@ -79,6 +84,9 @@ class ConvergerMetrics:
         for pci, percent in shares.items():
             self.share_percent.labels(pci_address=pci).set(percent)
         self._share_cards = set(shares)
+
+    def count_drift(self, file: str) -> None:
+        self.drift.labels(file=file).inc()
 
     def count_switch(self, target: str, outcome: str) -> None:
         self.switches.labels(target=target, outcome=outcome).inc()

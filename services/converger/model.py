@@ -176,6 +176,20 @@ class ClaimRecord(msgspec.Struct, kw_only=True):
         return f"DRA claim {self.namespace}/{self.name}"
 
 
+class Written(msgspec.Struct, frozen=True, kw_only=True):
+    """What bcd wrote for a hold: its typed fields and the digests of its hold spec and env file.
+
+    Journaled before the files are written (a bind, a put-back), so a restart still knows
+    what the files must say and never adopts an edited file as truth: a file on disk whose
+    digest differs is drift, put back from `content` (the same function renders the same
+    bytes; only a vendor spec changed since renders other edits, and then the record
+    follows what was written). The consumer copy is a pure function of the hold spec."""
+
+    content: HoldContent
+    cdi: bytes
+    env: bytes
+
+
 class ConvergerState(msgspec.Struct, kw_only=True):
     """`<data_dir>/converger/state.json` (0600, written atomically)."""
 
@@ -219,6 +233,9 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     #: allocation id -> the DevicesHealthy condition last said upstream of its live hold (HoldCondition);
     #: absent while nothing was ever wrong under it
     hold_conditions: dict[str, Condition] = {}
+    #: allocation id -> what bcd wrote for its hold (Written): the truth the disk is compared
+    #: with. A hold bound by a bcd without this record is taken as found once (RecordWritten).
+    written: dict[str, Written] = {}
 
 
 # ---------------------------------------------------------------------------- observed
@@ -316,6 +333,28 @@ class WriteConsumer:
     reboot, removed from outside) or not what the hold spec makes."""
 
     allocation_id: str
+    #: the copy is there but not what its spec makes (edited from outside): counted as drift
+    drifted: bool = False
+
+
+@dataclass(frozen=True)
+class RestoreHold:
+    """Files of a kept hold that are on disk but not what bcd wrote (edited from outside, still
+    parsing): `written` is journaled, then each of `files` ("cdi", "allocation-env") is written
+    again from its content, unreported (no second Bound)."""
+
+    allocation_id: str
+    written: Written
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RecordWritten:
+    """A kept hold with no record of what bcd wrote (bound by an older bcd): its files as found
+    are recorded once, so an edit after this is seen."""
+
+    allocation_id: str
+    written: Written
 
 
 @dataclass(frozen=True)
@@ -339,6 +378,8 @@ class BindHold:
     content: HoldContent
     #: False when re-creating the files of a hold already reported Bound.
     report: bool = True
+    #: what the files will say (journaled with the intent, before they are written); None: not recorded
+    written: Written | None = None
 
 
 @dataclass(frozen=True)
@@ -436,6 +477,8 @@ Step = (
     | EnsureSlice
     | WriteEnv
     | WriteConsumer
+    | RestoreHold
+    | RecordWritten
     | RemoveConsumer
     | BindHold
     | ReportBound
@@ -498,6 +541,9 @@ __all__ = [
     "EnsureSlice",
     "WriteEnv",
     "WriteConsumer",
+    "RestoreHold",
+    "RecordWritten",
+    "Written",
     "RemoveConsumer",
     "BindHold",
     "ReportBound",

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.eventids import bound_id, failed_id, released_id
-from shared.holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, device_name
+from shared.fsutil import content_digest
+from shared.holdfiles import KIND, HoldContent, HoldDevice, HoldOnDisk, NotAHold, device_name, hold_file_bytes, hold_file_name, parse_hold
+from shared.vendorcdi import VendorCdi, VendorSpecError
 from shared.schemas import (
     AllocationBound,
     AllocationFailed,
@@ -62,9 +64,11 @@ from .model import (
     Observed,
     Plan,
     PlanConfig,
+    RecordWritten,
     ReleaseHold,
     RemoveConsumer,
     RemoveTemp,
+    RestoreHold,
     ReportBound,
     ReportFailed,
     ReportKubeRelease,
@@ -75,6 +79,7 @@ from .model import (
     WithdrawKubeHold,
     WriteConsumer,
     WriteEnv,
+    Written,
 )
 from .releases import PendingRelease
 from .vfio import UNREADABLE_RELEASES_HOLDER, excluded, plan_vfio
@@ -279,6 +284,8 @@ class _Pass:
     changed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: wanted allocations that wait for their old hold's pending Kubernetes release: why.
     waiting: dict[str, str] = field(default_factory=dict)
+    #: holds whose spec on disk is not what bcd wrote (trusted_holds): put back from the record.
+    drifted: frozenset[str] = frozenset()
 
     @property
     def gen(self) -> int:
@@ -295,11 +302,13 @@ class _Pass:
 
 def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     """The seed's "One pass", one function per step, in its order."""
+    observed, drifted = trusted_holds(observed)
     p = _Pass(
         spec=spec,
         observed=observed,
         config=config,
         wanted={a.allocation_id: a for a in spec.devices if a.binding in HOLD_BINDINGS},
+        drifted=drifted,
     )
     p.steps.extend(RemoveTemp(path) for path in observed.temp_files)
     plan_kubernetes_releases(p)  # 1
@@ -331,6 +340,40 @@ def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
         vfio_waiting=vfio.waiting,
         vfio_notes=vfio.notes,
     )
+
+
+def written_record(content: HoldContent, vendor: VendorCdi | None) -> Written:
+    """What the files of `content` are when a writer writes them now (the same function renders
+    them in the writer and the root helper): the record journaled before they are written."""
+    try:
+        cdi = content_digest(hold_file_bytes("cdi", content, vendor))
+    except (VendorSpecError, ValueError):
+        cdi = b""  # the write refuses it too (retried); no digest matches, so nothing is adopted
+    return Written(content=content, cdi=cdi, env=content_digest(hold_file_bytes("allocation-env", content, vendor)))
+
+
+def trusted_holds(observed: Observed) -> tuple[Observed, frozenset[str]]:
+    """The holds as bcd wrote them, and which specs on disk are not that (drift by content).
+
+    A hold spec is the record only while it is what bcd wrote (`ConvergerState.written`): one
+    edited from outside that still parses (devices, env, annotations) is replaced here by the
+    hold its record renders, so no decision of the pass (kept, changed, released, its consumer
+    copy) follows the edit, and plan_kept_holds puts the file back."""
+    written = observed.state.written
+    holds = dict(observed.holds)
+    drifted: set[str] = set()
+    for alloc, hold in observed.holds.items():
+        rec = written.get(alloc)
+        if rec is None or not hold.digest or hold.digest == rec.cdi:
+            continue
+        drifted.add(alloc)
+        try:
+            holds[alloc] = parse_hold(hold_file_name(alloc), hold_file_bytes("cdi", rec.content, observed.vendor))
+        except (NotAHold, VendorSpecError, ValueError):
+            pass  # the record does not render (vendor spec unreadable): the disk's, put back when it does
+    if not drifted:
+        return observed, frozenset()
+    return dataclasses.replace(observed, holds=holds), frozenset(drifted)
 
 
 def section_status(generation: int, failures: Iterable[Failure], waiting: Iterable[str] = ()) -> SectionStatus:
@@ -477,10 +520,22 @@ def plan_leftover_slices(p: _Pass) -> None:
     for alloc in sorted(p.observed.slices):
         if alloc not in p.wanted and alloc not in p.released and alloc in p.observed.empty_slices:
             p.steps.append(StopSlice(alloc))
+    # The copies that may exist are derived from state each pass: those of the hold specs on
+    # disk that this pass keeps (or binds again), and the DRA claims'. Any other copy goes,
+    # whenever it appears: one without a hold spec, and one of a hold being released or
+    # withdrawn (a copy put back while its Kubernetes release is pending, or after it was
+    # reported, would let an old-CDI runtime resolve the withdrawn device).
     copies = p.observed.consumer_copies
     for alloc in sorted(copies or ()):
-        if alloc not in p.observed.holds and alloc not in p.observed.claim_holds and alloc not in p.released:
-            p.steps.append(RemoveConsumer(alloc))
+        if alloc in p.observed.claim_holds:
+            continue
+        if alloc in p.observed.holds and alloc not in p.released:
+            continue
+        if alloc in p.observed.holds and any(
+            isinstance(s, (ReleaseHold, WithdrawKubeHold)) and s.allocation_id == alloc for s in p.steps
+        ):
+            continue  # the release's own step takes the copy first, in its order
+        p.steps.append(RemoveConsumer(alloc))
 
 
 def consumer_copy_stale(observed: Observed, hold: HoldOnDisk) -> bool:
@@ -565,17 +620,45 @@ def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedg
             if limits is not None:
                 p.steps.append(EnsureSlice(alloc, limits))
         files_in_place = True
-        if alloc not in observed.env_files:
+        rec = state.written.get(alloc)
+        if rec is None and not hold.legacy_slice:
+            # bound by a bcd that kept no record of what it wrote: its files as found, once (a
+            # hold under a legacy slice name is recorded when it is rewritten under the new one)
             try:
                 devices = hold_devices(index.resolve(a) for a in hold.devices)
+                content = _with_hold(hold_content(assignment, devices, observed, mps), hold)
             except AtomError as exc:
-                p.notes.append(f"{alloc}: env file missing and cannot be rebuilt: {exc.message}")
-                files_in_place = False
+                p.notes.append(f"{alloc}: what bcd wrote cannot be recorded: {exc.message}")
+            except ValueError as exc:
+                p.notes.append(f"{alloc}: what bcd wrote cannot be recorded: {exc}")
             else:
-                p.steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed, mps), hold)))
+                env = observed.env_files.get(alloc)
+                rec = Written(content=content, cdi=hold.digest, env=content_digest(env) if env is not None else written_record(content, observed.vendor).env)
+                p.steps.append(RecordWritten(alloc, rec))
+        restore: list[str] = []
+        if alloc in p.drifted:
+            restore.append("cdi")
+        env = observed.env_files.get(alloc)
+        if rec is not None and env is not None and content_digest(env) != rec.env:
+            restore.append("allocation-env")
+        if rec is not None and restore:
+            # put back from the record, journaled first; never reported again
+            p.steps.append(RestoreHold(alloc, written_record(rec.content, observed.vendor), tuple(restore)))
+        if alloc not in observed.env_files:
+            if rec is not None:
+                p.steps.append(WriteEnv(alloc, rec.content))
+            else:
+                try:
+                    devices = hold_devices(index.resolve(a) for a in hold.devices)
+                except AtomError as exc:
+                    p.notes.append(f"{alloc}: env file missing and cannot be rebuilt: {exc.message}")
+                    files_in_place = False
+                else:
+                    p.steps.append(WriteEnv(alloc, _with_hold(hold_content(assignment, devices, observed, mps), hold)))
         if consumer_copy_stale(observed, hold):
-            # made from the hold spec on disk alone, like the env file put back from it
-            p.steps.append(WriteConsumer(alloc))
+            # made from the hold spec on disk alone (put back first when it drifted)
+            copies = observed.consumer_copies or {}
+            p.steps.append(WriteConsumer(alloc, drifted=alloc in copies))
         # seed: no event is sent until every file is in place
         if alloc not in state.reported and files_in_place:
             intent = state.intents.get(alloc)
@@ -632,6 +715,7 @@ def _rename_legacy_slice(
             ),
             content,
             report=report,
+            written=written_record(content, p.observed.vendor),
         )
     )
 
@@ -720,6 +804,7 @@ def plan_new_holds(
                 ),
                 content,
                 report=again is None,
+                written=written_record(content, observed.vendor),
             )
         )
     p.steps.extend(undo)
@@ -1005,6 +1090,8 @@ __all__ = [
     "plan_leftover_slices",
     "claims_after_releases",
     "plan_kept_holds",
+    "trusted_holds",
+    "written_record",
     "consumer_copy_stale",
     "assignment_changes",
     "wanted_again",

@@ -210,6 +210,7 @@ class ConvergerApp(ServiceApp):
             consumers=consumers,
             switcher=switcher,
             count_switch=metrics.count_switch,
+            count_drift=metrics.count_drift,
         )
         dirs = HoldDirs(o.cdi_dir, o.run_dir, consumer_dir)
         intake = InventoryIntake(ctx.nc, ctx.subjects, trigger=self.loop.trigger, log=log, unreached=self.comeback.unreached)

@@ -68,6 +68,9 @@ class HoldOnDisk:
     consumer_digest: bytes = field(default=b"", compare=False)
     #: the assignment's KEY=VALUE lines, as its spec carries them (after the lines bcd sets itself).
     env: tuple[str, ...] = field(default=(), compare=False)
+    #: content_digest of the spec file's own bytes, as read: the converger compares it with the
+    #: digest of what it wrote (ConvergerState.written), so an edit that still parses is seen.
+    digest: bytes = field(default=b"", compare=False)
 
     @property
     def sliced(self) -> bool:
@@ -165,6 +168,7 @@ def parse_hold(filename: str, data: bytes) -> HoldOnDisk:
         cdi_names=tuple(qualified_names(spec)),
         consumer_digest=content_digest(render_cdi_spec(consumer_spec(spec))),
         env=_assignment_env(spec),
+        digest=content_digest(data),
     )
 
 

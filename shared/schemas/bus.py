@@ -145,6 +145,10 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     #: or consumer copy is not on disk, a hold spec the journal never bound), one line each;
     #: the next pass, woken within --watch-interval, puts them right
     drift: Annotated[list[Text], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
+    #: regular files in the hold directories that are none of bcd's (a `bcd-*.json` that is not a hold,
+    #: an env file of no hold, `junk` in the env dir), one line each naming it: reported, never opened
+    #: again nor removed
+    odd_files: Annotated[list[Text], msgspec.Meta(max_length=PROBLEMS_MAX)] = []
     #: the outbox is smaller than --outbox-max-bytes asked (the server refused the reservation), or "".
     outbox_warning: Text = ""
     #: the outbox stream could not be created (no room even for its floor): no event is journaled, or "".

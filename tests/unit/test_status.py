@@ -91,7 +91,7 @@ def test_doctor_checks(name, changes, expect):
     for check, level in expect.items():
         assert got.get(check) == level, (check, got)
     if name == "all-good":
-        assert "gpu-binding" not in got and "unsigned-specs" not in got
+        assert got["gpu-binding"] == "ok" and "unsigned-specs" not in got  # issue 41.14d: a row, ok or not
 
 
 def test_render_status_shows_who_holds_each_gpu():
@@ -436,7 +436,8 @@ EVERY = range(8)
 @pytest.mark.parametrize(
     ("cards", "rows"),
     [
-        pytest.param({}, [], id="an-inventory-that-does-not-say"),
+        # issue 41.14d: a row still, saying why health is not judged
+        pytest.param({}, [("warn", "the inventory does not say the cards' health (an inventory of an older release)")], id="an-inventory-that-does-not-say"),
         pytest.param({i: OK for i in EVERY}, [("ok", "8 card(s) healthy")], id="all-healthy"),
         pytest.param(
             {**{i: OK for i in EVERY}, 6: NOT_CHECKED, 7: NOT_CHECKED},
@@ -886,3 +887,19 @@ def trust_rows(bridge: dict, converger: dict) -> list[tuple[str, str, str]]:
 def test_doctor_says_which_service_takes_unsigned_specs(bridge, converger, level, words):
     (row,) = trust_rows(bridge, converger)
     assert row[0] == level and words in row[2], row
+
+
+def test_doctor_prints_a_row_for_every_check_readme_lists_and_names_fit_their_column() -> None:
+    """Issue 41.14d: README's doctor line lists bus, services, signed specs, gpu-binding, vendor CDI
+    spec, outbox size, odd files in the hold dirs, cdi-runtime, gpu-health: each prints a row when
+    fine too; a long name (service.gateway_bridge) does not run into its message."""
+    from bcd.status import render_doctor
+
+    r = report()
+    r.runtimes = []
+    names = {name for _, name, _ in doctor_checks(r)}
+    for listed in ("bus", "signed-specs", "gpu-binding", "vendor-cdi-spec", "outbox-size", "hold-files", "cdi-runtime", "gpu-health"):
+        assert listed in names, (listed, sorted(names))
+    assert any(n.startswith("service.") for n in names)
+    rows = render_doctor([("ok", "bus", "a"), ("warn", "service.gateway_bridge", "b")]).splitlines()
+    assert rows == ["ok    bus                     a", "WARN  service.gateway_bridge  b"]

@@ -174,3 +174,29 @@ async def test_a_dra_claims_missing_copy_is_put_back_by_the_pass_and_never_relea
     assert not r.errors
     assert node.consumer_copies()["claim-5d1e"] == consumer_spec(node.holds()["claim-5d1e"])
     assert node.plan(spec(1)).steps == ()
+
+
+async def test_a_withdrawn_kubernetes_holds_copy_that_comes_back_is_removed_pending_and_after(root: Path) -> None:
+    """Issue 41.3: a copy put back (from outside, or by an older bcd) while its hold's release is
+    pending, or after the release was reported, is removed by the next pass: the copies that may
+    exist are those of the hold specs the pass keeps, and an old-CDI runtime must never resolve a
+    withdrawn device."""
+    reaper = FakeReaper(pod_atoms={G[2]})
+    node = Node(root, reaper=reaper, supported_bindings=frozenset({"BINDING_HOLD", "BINDING_KUBERNETES"}))
+    await node.converge(spec(1, hold("k1", G[2], binding="BINDING_KUBERNETES")))
+    copy = node.consumer_dir / "bcd-k1.json"
+    saved = copy.read_bytes()
+    _, r = await node.converge(spec(2))
+    assert not r.errors and not copy.exists()
+    copy.write_bytes(saved)  # back while the release is pending
+    p, r = await node.converge(spec(2))
+    assert not r.errors and "RemoveConsumer" in p.kinds()
+    assert not copy.exists()
+    assert node.outbox.ids("released") == []  # still pending: the pods hold the card
+    reaper.pod_atoms.clear()
+    _, r = await node.converge(spec(2))
+    assert not r.errors and node.outbox.ids("released") == ["node-1.k1.released.g2"]
+    copy.write_bytes(saved)  # back after the release was reported
+    _, r = await node.converge(spec(2))
+    assert not r.errors and not copy.exists()
+    assert node.plan(spec(2)).steps == ()

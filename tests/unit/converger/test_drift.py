@@ -110,3 +110,26 @@ def test_the_signature_changes_with_every_change_and_only_then(tmp_path: Path) -
     b.mkdir()
     os.symlink("/dev/zero", b / "bcd-z.json")  # listed by its own lstat, never followed
     assert dirs_signature([a, b]) != third
+
+
+async def test_odd_regular_files_in_the_hold_dirs_are_named_by_status_and_doctor(root: Path) -> None:
+    """Issue 41.4: files that are none of bcd's, named by `bcd cdi list`, are named by status
+    (a line, unhealthy) and doctor (a warn row each); a FIFO is never opened."""
+    node = Node(root)
+    await node.converge(S)
+    (node.cdi_dir / "bcd-garbage.json").write_bytes(os.urandom(64))
+    (node.cdi_dir / "bcd-noann.json").write_text('{"cdiVersion": "0.6.0", "kind": "bcd.dev/gpu", "devices": []}')
+    (node.run_dir / "allocations" / "junk.txt").write_text("x")
+    os.mkfifo(node.run_dir / "allocations" / "fifo.txt")
+    disk = read_disk(node.cdi_dir, node.run_dir, warned=set(), consumer_dir=node.consumer_dir)
+    assert [o.split(":", 1)[0] for o in disk.odd] == [
+        str(node.cdi_dir / "bcd-garbage.json"),
+        str(node.cdi_dir / "bcd-noann.json"),
+        str(node.run_dir / "allocations" / "junk.txt"),
+    ]
+    report = NodeReport(node_id="node-1", reachable=True, services={}, converger=ConvergerStatus(odd_files=disk.odd))
+    assert [p for p in problems(report) if p.startswith("odd file in the hold dirs: ")] == [f"odd file in the hold dirs: {o}" for o in disk.odd]
+    assert [line for line in render_status(report).splitlines() if line.startswith("  ODD FILE ")] == [f"  ODD FILE {o}" for o in disk.odd]
+    assert [c for c in doctor_checks(report) if c[1] == "hold-files"] == [("warn", "hold-files", f"odd file: {o}") for o in disk.odd]
+    clean = NodeReport(node_id="node-1", reachable=True, services={}, converger=ConvergerStatus())
+    assert [c[0] for c in doctor_checks(clean) if c[1] == "hold-files"] == ["ok"]

@@ -50,6 +50,9 @@ async def legacy_node(root: Path, *, pids: list[int]) -> Node:
     (node.slices.dir / f"{OLD}.json").write_text(json.dumps({**record, "name": OLD, "pids": pids}))
     # that bcd wrote no consumer copies either
     (node.consumer_dir / f"bcd-{ALLOC}.json").unlink()
+    # nor a record of what it wrote (ConvergerState.written): its files are taken as found
+    node.state.written.clear()
+    node.store.save(node.state)
     node = node.restart()  # the new bcd starts
     assert node.holds()[ALLOC]["annotations"]["bcd.dev/cgroup-parent"] == OLD
     return node

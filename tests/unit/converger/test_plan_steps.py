@@ -251,13 +251,16 @@ async def test_plan_failures_table(tmp_path: Path) -> None:
 
 
 async def test_plan_kept_holds_reports_no_bound_while_its_env_file_cannot_be_rebuilt(tmp_path: Path) -> None:
-    """A kept hold, never reported, whose env file is gone and whose GPU left the inventory: a note, no Bound."""
+    """A kept hold, never reported, whose env file is gone and whose GPU left the inventory: a note, no Bound.
+    (Its files were written by a bcd that kept no record of them: with a record, ConvergerState.written,
+    the env file is put back from it, test_hold_content_drift.)"""
     from tests.converger_kit import host_copy, rewrite_host
 
     node = Node(tmp_path / "node", host_copy(tmp_path / "host"))
     s = spec(1, hold("a1", G[0]), hold("a2", G[1]))
     await node.converge(s)
     node.state.reported.clear()
+    node.state.written.pop("a2")
     (node.run_dir / "allocations" / "a2.env").unlink()
     rewrite_host(node.host_file, lambda d: d["gpus"].pop(1))
     node.rescan()
@@ -266,7 +269,7 @@ async def test_plan_kept_holds_reports_no_bound_while_its_env_file_cannot_be_reb
     claims, _ = claims_after_releases(p, index)
     plan_kept_holds(p, index, claims, HostLedger(None, 0), mps_gpus(p.observed))
     assert _kinds(p) == [("ReportBound", "a1")]
-    assert p.notes == [f"a2: env file missing and cannot be rebuilt: {G[1]} is not on this node"]
+    assert p.notes == [f"a2: what bcd wrote cannot be recorded: {G[1]} is not on this node", f"a2: env file missing and cannot be rebuilt: {G[1]} is not on this node"]
 
 
 @pytest.mark.parametrize(
