@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 
@@ -47,3 +48,32 @@ def test_files_removed_and_edited_from_outside_are_put_back_within_seconds_witho
     assert applied(node, "released") == []
     log = [json.loads(line) for line in (node.state / "logs" / "converger.log").read_text().splitlines() if line.startswith("{")]
     assert any(r["msg"] == "hold directories changed outside a pass: a pass puts them right" for r in log)
+
+    # edits that still parse (issue 41.1): the env file names another card, the spec hands out
+    # every GPU; found by content within seconds, put back byte for byte, counted, no new Bound
+    env_a = node.state / "run" / "allocations" / "job-a.env"
+    copy_a = node.state / "run" / "cdi" / "bcd-job-a.json"
+    before = {p: p.read_bytes() for p in (spec, env_a, copy_a)}
+    text = spec.read_text()
+    assert "NVIDIA_VISIBLE_DEVICES=" in text
+    edited_spec = text.replace("NVIDIA_VISIBLE_DEVICES=", "NVIDIA_VISIBLE_DEVICES=all,", 1).replace("/dev/nvidia2", "/dev/nvidia3")
+    uuid_a, other = GPU[2].removeprefix("GPU-"), GPU[5].removeprefix("GPU-")
+    assert uuid_a in env_a.read_text()
+    edited_at = time.monotonic()
+    spec.write_text(edited_spec)
+    env_a.write_text(env_a.read_text().replace(uuid_a, other))
+    wait_for(lambda: all(p.read_bytes() == before[p] for p in before), 20, "the edited spec and env file put back byte for byte")
+    took = time.monotonic() - edited_at
+    assert took < 15, f"put back after {took:.1f} s"
+    metrics = json.loads((node.state / "node.json").read_text())["metrics"]["converger"]
+    with urllib.request.urlopen(metrics, timeout=5) as resp:
+        counted = {
+            line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+            for line in resp.read().decode().splitlines()
+            if line.startswith("bcd_hold_drift_total{")
+        }
+    assert counted.get('file="cdi"', 0) >= 1 and counted.get('file="allocation-env"', 0) >= 1, counted
+    time.sleep(1)
+    assert sorted(e.event_id for e in applied(node, "bound")) == bound_before
+    assert applied(node, "released") == []
+    assert node.status()["converger"]["drift"] == []
