@@ -71,6 +71,7 @@ from .physicalgpu import (
     reclaim_answer_applies,
     reclaim_gate,
     reclaim_progress,
+    refusal_stays,
     track_orphan,
 )
 
@@ -312,6 +313,9 @@ class GpuTracker:
         self.claims_known: bool | None = None
         #: events dropped because the outbox queue was full (the oldest go first).
         self.dropped_events = 0
+        #: PCI address -> the answer to a reclaim request that the card's status does not carry
+        #: (a refusal on a card on its compute driver): the request's reply takes it (`take_answer`)
+        self.answers: dict[str, Condition] = {}
 
     # ------------------------------------------------------------------ state access
 
@@ -381,8 +385,14 @@ class GpuTracker:
         rec = self._record(pci)
         if rec.reclaim is not None:
             return False
+        self.answers.pop(pci, None)  # an answer to an earlier request is not this one's
         rec.reclaim = ReclaimRequest(requested_at=self.clock())
         return True
+
+    def take_answer(self, pci: str, status: PhysicalGPUStatus | None) -> Condition | None:
+        """The answer to the card's last reclaim request: the one the status does not carry, else its Reclaim condition."""
+        kept = self.answers.pop(pci, None)
+        return kept if kept is not None else (condition_of(status.conditions, RECLAIM) if status is not None else None)
 
     def note_switch(self, reply: SwitchReply) -> None:
         """The switcher's result notice: a DisruptionRequired is recorded with the boot it happened in."""
@@ -602,6 +612,12 @@ class GpuTracker:
             elif decision.verdict == "refuse":
                 rec.reclaim = None
                 outcomes.append("refused")
+                if not refusal_stays(mode):
+                    # on its compute driver there is nothing to reclaim: the request hears it, the card keeps nothing
+                    self.answers[pci] = msgspec.structs.replace(
+                        reclaim, message=_cut(f"{reclaim.message}: the card is on its compute driver ({driver or 'none'}), nothing to reclaim")
+                    )
+                    reclaim = None
             elif _newly_held(previous):
                 outcomes.append("held")
         elif request is not None and request.started_at is not None:

@@ -103,7 +103,6 @@ from .gpustate import (
     GpuTracker,
     StateFileError,
     reclaim_accepted,
-    reclaim_condition,
     state_dir_from,
 )
 from .health import HealthPolicy
@@ -1003,7 +1002,7 @@ class InventoryApp(ServiceApp):
             inv = await self._evaluate_and_publish(ctx, base, claims, f"gpu {action}")
         card = next((g for g in inv.gpus if g.pci_address == pci), None)
         if action == "reclaim":
-            condition = reclaim_condition(card.status if card is not None else None)
+            condition = tracker.take_answer(pci, card.status if card is not None else None)
             text = condition.message if condition is not None else "no Reclaim condition"
             accepted = not changed or reclaim_accepted(condition)
             message = f"{note}: {text}" if note else text
