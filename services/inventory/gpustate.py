@@ -48,7 +48,7 @@ from shared.schemas.common import PCI_RE
 from shared.schemas.inventory import HEALTHY_CONDITION
 
 from .adapters.base import HealthCheck, HealthEvent
-from .health import CardHealth, HealthPolicy, apply_check, apply_event, healthy_condition, lost_everywhere, note_watched
+from .health import STICKY_FAULTS, CardHealth, HealthPolicy, apply_check, apply_event, healthy_condition, lost_everywhere, note_watched
 from .physicalgpu import (
     ADAPTER_READY,
     DISRUPTION_REASONS,
@@ -413,6 +413,11 @@ class GpuTracker:
         if rec.health is None:
             rec.health = CardHealth()
         return rec.health
+
+    def sticky_faults(self, pci: str) -> list[str]:
+        """The card's sticky faults (those only a reset, a reboot or an operator's check after one clear)."""
+        rec = self.state.cards.get(pci)
+        return sorted(r for r in rec.health.faults if r in STICKY_FAULTS) if rec is not None and rec.health is not None else []
 
     def note_health_event(self, event: HealthEvent, *, boot_id: str = "") -> tuple[str, bool]:
         """One event of the watch; (fatal | ignored | noted | unmonitored, whether a card's health changed)."""

@@ -10,7 +10,8 @@ Two kinds of fault:
 - sticky (GpuLost, XidCritical, EccUncorrectable, RowRemapFailed): never cleared by time or by
   a later clean check alone. A card comes back only when someone acted: a reboot (a fault from
   an earlier boot clears at the first clean check of a new boot) or an operator's `bcd gpu
-  recheck` after a reset (every sticky fault clears when that check is clean);
+  recheck` after a reset (every sticky fault clears when that check is clean; the service asks
+  for that only on a card nothing holds: a held card cannot have been reset);
 - level (RowRemapPending, EccCorrectable over its threshold, Unmonitored): each check sets or
   clears it. Remapped rows stay pending until a reset, so this too needs someone to act.
 

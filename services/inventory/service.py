@@ -98,6 +98,8 @@ from .adapters import AdapterError, AdapterUnavailable, load_adapter
 from .adapters.base import Diagnosable, GpuSharer, HealthNotRead, HealthWatcher, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
+    claim_text,
+    claims_by_card,
     GpuState,
     GpuStateStore,
     GpuTracker,
@@ -479,9 +481,10 @@ class InventoryApp(ServiceApp):
             claims = await self._fetch_claims(ctx)
             await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events")
 
-    async def _recheck(self, ctx: ServiceContext, pci: str) -> tuple[bool, str, list[str]]:
-        """Check one card now, letting a clean check clear its sticky faults; (done, why not, cleared).
-        Runs under self.lock."""
+    async def _recheck(self, ctx: ServiceContext, pci: str, *, clear: bool = True) -> tuple[bool, str, list[str]]:
+        """Check one card now, letting a clean check clear its sticky faults when `clear` (the card
+        was reset: after a reset bcd made, or on a free card an operator says was); (done, why
+        not, cleared). Runs under self.lock."""
         assert self.tracker is not None
         try:
             checks = await asyncio.to_thread(self.adapter.check_health)
@@ -493,7 +496,7 @@ class InventoryApp(ServiceApp):
         if check is None:
             return False, f"the vendor library does not see {pci} (not on its compute driver, or off the bus): nothing to check", []
         boot_id = self.last_base.boot_id if self.last_base is not None else ""
-        _, cleared = self.tracker.note_health_checks([check], recheck=pci, boot_id=boot_id)
+        _, cleared = self.tracker.note_health_checks([check], recheck=pci if clear else "", boot_id=boot_id)
         return True, "", cleared.get(pci, [])
 
     async def _recheck_logged(self, ctx: ServiceContext, pci: str, why: str) -> None:
@@ -1022,7 +1025,12 @@ class InventoryApp(ServiceApp):
         if not self._watching():
             why = "health checks are off (--health-checks off)" if not self.health_policy.enabled else f"the {ctx.opts.adapter} adapter cannot watch GPU health"
             return GpuReply(pci=pci, action="recheck", accepted=False, message=f"not checked: {why}")
-        done, problem, cleared = await self._recheck(ctx, pci)
+        # a reset is what a sticky fault waits for, and no reset happens to a held card (bcd refuses
+        # it, the driver refuses a reset of a card in use): a recheck of a held card checks and says,
+        # but keeps its sticky faults. Claims not known count as held (fail-closed).
+        holders = claims_by_card(claims).get(pci, []) if claims is not None else None
+        held_by = claim_text(holders) if holders else ("someone (the converger's claims did not answer)" if holders is None else "")
+        done, problem, cleared = await self._recheck(ctx, pci, clear=not held_by)
         if not done:
             return GpuReply(pci=pci, action="recheck", accepted=False, message=f"not checked: {problem}")
         try:
@@ -1035,9 +1043,16 @@ class InventoryApp(ServiceApp):
         health = card.status.health() if card is not None else None
         said = health_text(health) if health is not None else "no Healthy condition"
         accepted = health is not None and health.status != "False"
-        message = (f"cleared {', '.join(cleared)}; " if cleared else "nothing cleared; ") + said
-        if not accepted:
-            message += " (a reset that worked and a clean check clear a fatal fault; a pending row remap needs the reset)"
+        kept = tracker.sticky_faults(pci)
+        if held_by and kept:
+            message = (
+                f"kept {', '.join(kept)}: the card is held ({held_by}), so it cannot have been reset; "
+                "sticky faults stay until the hold is released and the card is reset (bcd gpu reset) or the node rebooted; " + said
+            )
+        else:
+            message = (f"cleared {', '.join(cleared)}; " if cleared else "nothing cleared; ") + said
+            if not accepted:
+                message += " (a reset that worked and a clean check clear a fatal fault; a pending row remap needs the reset)"
         ctx.log.info("gpu request", action="recheck", pci=pci, accepted=accepted, message=message)
         return GpuReply(pci=pci, action="recheck", accepted=accepted, message=message, gpu=card)
 

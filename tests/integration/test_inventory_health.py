@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from shared.schemas import GpuClaim
+
 from .harness import NodeBus
 from .test_inventory_gpu import CARD0, CARD1, CARD2, CARD3, Node, cond, host_file, node, until  # noqa: F401 - fixtures
 
@@ -184,3 +186,27 @@ async def test_a_broken_host_file_loses_no_card(node: Node) -> None:
     add_health(node, CARD1, xids=[xid(79)])
     await node.wait_card(CARD1, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed after the file reads again")
     assert health(await node.card(CARD0)) == ("True", "Checked")
+
+
+async def test_a_recheck_of_a_held_card_checks_but_keeps_its_sticky_faults(node: Node) -> None:
+    """Issue 41 (8): XID 79 on a held card; `bcd gpu reset` is refused (held), yet `bcd gpu recheck`
+    answered `cleared XidCritical; Healthy=True`. No reset happens to a held card, so a recheck of one
+    checks and says, keeping its sticky faults; on a free card a clean check clears them."""
+    node.claims = [GpuClaim(pci_address=CARD2, kind="allocation", holder="train-01")]
+    await node.start(**FAST)
+    add_health(node, CARD2, xids=[xid(79)])
+    await node.wait_card(CARD2, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed")
+
+    held = await node.gpu("recheck", CARD2)
+    assert held.accepted is False, held.message
+    assert held.message.startswith("kept XidCritical: the card is held (allocation train-01)"), held.message
+    assert "until the hold is released and the card is reset (bcd gpu reset) or the node rebooted" in held.message
+    assert held.gpu is not None and health(held.gpu) == ("False", "XidCritical")
+    assert health(await node.card(CARD2)) == ("False", "XidCritical")
+
+    # the hold goes; the operator reset the card another way and asks: a clean check clears it
+    await node.set_claims()
+    await node.wait_card(CARD2, lambda g: g.status.driver_binding.management_state == "Unclaimed", "free")
+    free = await node.gpu("recheck", CARD2)
+    assert free.accepted is True and free.message.startswith("cleared XidCritical; Healthy=True Checked"), free.message
+    node.assert_clean_log()
