@@ -53,6 +53,7 @@ from .physicalgpu import (
     ADAPTER_READY,
     DISRUPTION_REASONS,
     DISRUPTION_REQUIRED,
+    MANAGED,
     ORPHAN_GRACE,
     RECLAIM,
     RECLAIM_FAILED,
@@ -262,6 +263,19 @@ def claim_blind_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
         status.driver_binding.mode,
         tuple(sorted((c.type, c.status, c.reason) for c in status.conditions if c.type in _CLAIM_BLIND)),
     )
+
+
+def with_claimed_parts(status: PhysicalGPUStatus, said: PhysicalGPUStatus) -> PhysicalGPUStatus:
+    """`status` with what the claims decide (managementState and every condition but AdapterReady,
+    Reconfiguring and Healthy) as `said` had it, the phase derived again: what upstream may hear of
+    a card while the claims are not known yet at start (nothing it was told changes by itself)."""
+    own = {c.type: c for c in status.conditions if c.type in _CLAIM_BLIND}
+    told = {c.type: c for c in said.conditions if c.type not in _CLAIM_BLIND}
+    order = [ADAPTER_READY, MANAGED, RECLAIM, RECONFIGURING, HEALTHY_CONDITION, MIG_LAYOUT]
+    merged = {**own, **told}
+    conditions = [merged[t] for t in order if t in merged] + [c for t, c in merged.items() if t not in order]
+    binding = msgspec.structs.replace(status.driver_binding, management_state=said.driver_binding.management_state)
+    return PhysicalGPUStatus(phase=derive_phase(binding.mode, conditions), driver_binding=binding, conditions=conditions)
 
 
 def _change_text(status: PhysicalGPUStatus, extra: str = "") -> str:
@@ -523,13 +537,17 @@ class GpuTracker:
             if notice is not None:
                 result.events.append(self._event(pci, g.uuid, status, now, notice))
                 rec.said = status
-            elif status_key(rec.said) != status_key(status) and not (
-                not claims_known and starting and claim_blind_key(rec.said) == claim_blind_key(status)
-            ):
-                # (while the claims are not known yet at start, a change only they make is not
-                # said: the status stands fail-closed here, and upstream hears only what outlasts
-                # the grace; a change of the card itself, Reconfiguring Completing after a
-                # reboot, is said at once)
+            elif not claims_known and starting and rec.said is not None:
+                # while the claims are not known yet at start, what only they decide is not news:
+                # the status stands fail-closed here, but upstream hears only a change of the card
+                # itself (Reconfiguring Completing after a reboot, a Healthy condition a state file
+                # of an older bcd never had), with the claimed parts as they were last said, never
+                # an Unknown that did not happen; the rest outlasts the grace or is said with the claims
+                told = with_claimed_parts(status, rec.said)
+                if status_key(told) != status_key(rec.said):
+                    result.events.append(self._event(pci, g.uuid, told, now))
+                    rec.said = told
+            elif status_key(rec.said) != status_key(status):
                 result.events.append(self._event(pci, g.uuid, status, now))
                 rec.said = status
 

@@ -37,6 +37,8 @@ from services.inventory.gpustate import (
     state_dir_from,
 )
 from services.inventory.physicalgpu import ORPHAN_GRACE, RECLAIM_TIMEOUT
+from services.inventory.adapters.base import HealthCheck
+from services.inventory.health import HealthPolicy
 from shared.eventids import gpu_id
 from shared.schemas import (
     Claims,
@@ -1137,6 +1139,33 @@ def test_a_state_file_of_an_older_bcd_says_nothing_at_its_first_evaluation() -> 
         rec.said = None  # what an older bcd wrote
     new = tracker(clock, claims_grace=timedelta(0), state=state)
     assert new.evaluate(inv(gpu()), FREE).events == []
+
+
+def test_an_upgrade_from_a_state_file_without_healthy_says_no_unknown_that_did_not_happen() -> None:
+    """Issue 41 (12): from a gpus.json with no Healthy condition (a bcd older than GPU health), the
+    start said a `gpu` event with managementState Unknown for every card (the converger not answering
+    yet), then Managed again. The start computes Healthy and carries what was said forward."""
+    clock = Clock()
+    old = tracker(clock)  # an older bcd: no health at all
+    held = claims((PCI2, "allocation", "a-1"))
+    old.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    state = decode_state(old.snapshot())
+    for rec in state.cards.values():
+        assert rec.status is not None and cond(rec.status, "Healthy") is None
+        rec.said = None  # what an older bcd wrote: its last status stands for what was said
+
+    clock.advance(timedelta(minutes=5))
+    new = tracker(clock, state=state, health=HealthPolicy())
+    new.note_health_checks([HealthCheck(pci_address=p, answers=True) for p in (PCI, PCI2)], boot_id=BOOT)
+    starting = new.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
+    said = {e.event.pci_address: e.event for e in starting.events}
+    # the news is the card's own (Healthy=True); what the claims decide is what was said before
+    assert {p: e.management_state for p, e in said.items()} == {PCI: "Unclaimed", PCI2: "Managed"}
+    assert all(sr(e.status, "Healthy") == ("True", "Checked") and e.phase == "Ready" for e in said.values())
+    assert all(sr(e.status, "Managed")[0] == "True" for e in said.values())
+    assert status_of(new, PCI2).driver_binding.management_state == "Unknown"  # fail-closed here all the same
+    clock.advance(timedelta(milliseconds=100))
+    assert new.evaluate(inv(gpu(), gpu(PCI2, index=1)), held).events == []  # the claims change nothing
 
 
 def test_a_change_of_the_card_itself_is_said_at_start_while_the_claims_are_not_known() -> None:
