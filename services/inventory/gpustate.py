@@ -15,6 +15,9 @@ scan:
   while it is not),
 - disruptions (the boot id at the DisruptionRequired notice; the flow steps
   once per evaluation and clears only on the base driver under a new boot id),
+- each card's last listing (who it is), so a card missing from a scan stays listed, lost
+  (AdapterReady=False/NotOnBus, Healthy=False/GpuLost) with every hold on it accounted for, until
+  it is back or a reboot without it finds nothing claiming it,
 - the last status of each card, so an unchanged condition keeps its `since`
   and only a real change (phase, managementState, a condition's status or
   reason) becomes a GpuChanged event,
@@ -48,12 +51,24 @@ from shared.schemas.common import PCI_RE
 from shared.schemas.inventory import HEALTHY_CONDITION
 
 from .adapters.base import HealthCheck, HealthEvent
-from .health import STICKY_FAULTS, CardHealth, HealthPolicy, apply_check, apply_event, healthy_condition, lost_everywhere, note_watched
+from .health import (
+    STICKY_FAULTS,
+    CardHealth,
+    HealthPolicy,
+    apply_check,
+    apply_event,
+    healthy_condition,
+    lost_everywhere,
+    lost_off_bus,
+    note_watched,
+    off_bus_condition,
+)
 from .physicalgpu import (
     ADAPTER_READY,
     DISRUPTION_REASONS,
     DISRUPTION_REQUIRED,
     MANAGED,
+    NOT_ON_BUS,
     ORPHAN_GRACE,
     RECLAIM,
     RECLAIM_FAILED,
@@ -129,6 +144,12 @@ class CardRecord(msgspec.Struct, kw_only=True):
     disruption: Disruption | None = None
     #: the card's health faults and last check (health.py); None before any was seen
     health: CardHealth | None = None
+    #: the card as last listed, its identity only (uuid, index, name, memory, NUMA node, drivers):
+    #: a card missing from a scan stays listed from it, lost, so every hold on it is accounted for
+    listing: Gpu | None = None
+    #: since when the card has been missing from the scans (None: listed), and in which boot it went
+    missing_since: datetime | None = None
+    missing_boot: str = ""
 
     def keeps_state(self) -> bool:
         """Something beyond the last status must survive while the card is not listed
@@ -483,14 +504,47 @@ class GpuTracker:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, inv: Inventory, claims: Claims | None, *, switch: SwitchReply | None = None) -> Evaluation:
+    def _missing(self, inv: Inventory, by_card: Mapping[str, list[GpuClaim]], claims_known: bool, known: Inventory | None, now: datetime) -> list[Gpu]:
+        """The cards this scan misses that stay listed, lost (AdapterReady=False/NotOnBus, Healthy=False/GpuLost).
+
+        A card that was listed and is not any more fell off the bus (or was taken out): it stays
+        listed from its last listing, so a hold on it is still accounted for (the converger's claims
+        keep naming it, its hold says DevicesHealthy=False) and a card that comes back is known to be
+        held before it is reported. It goes only after a reboot in which it is still missing, once
+        the claims are known and none names it (the machine was rebuilt without it).
+        """
+        listed = {g.pci_address for g in inv.gpus}
+        before = {g.pci_address: g for g in known.gpus} if known is not None else {}
+        out: list[Gpu] = []
+        for pci, rec in sorted(self.state.cards.items()):
+            if pci in listed:
+                continue
+            last = rec.listing or _identity(before.get(pci))
+            if last is None:
+                continue  # never listed (an exclusion made before the card was seen): nothing to relist
+            if rec.missing_since is None:
+                rec.missing_since, rec.missing_boot = now, inv.boot_id
+                if self.health is not None:
+                    lost_off_bus(self._health(pci), at=now, boot_id=inv.boot_id)
+            elif rec.missing_boot and inv.boot_id and rec.missing_boot != inv.boot_id and claims_known and not by_card.get(pci):
+                del self.state.cards[pci]  # missing through a reboot and held by nothing: gone for good
+                continue
+            rec.listing = last
+            out.append(_lost_gpu(last, rec.missing_since))
+        return out
+
+    def evaluate(
+        self, inv: Inventory, claims: Claims | None, *, switch: SwitchReply | None = None, known: Inventory | None = None
+    ) -> Evaluation:
         """Every listed card's status, from `inv` (a fresh scan) and `claims` (None: the lookup failed).
 
         Returns the inventory with each Gpu.status replaced, and journals a
         GpuChanged for every card whose phase, managementState or a
         condition's status or reason changed. `switch`, the notice that
         caused this evaluation, adds its event (VFIOPrepareSucceeded, ...) to
-        its card's report.
+        its card's report. A card the scan misses stays listed, lost (`_missing`);
+        `known` (the last published inventory) names such a card when a state
+        file of an older bcd kept no listing of it.
         """
         now = self.clock()
         state = self.state
@@ -511,12 +565,16 @@ class GpuTracker:
 
         gpus: list[Gpu] = []
         listed: set[str] = set()
-        for g in inv.gpus:
+        scanned = {g.pci_address for g in inv.gpus}
+        lost = self._missing(inv, by_card, claims_known, known, now)
+        for g in sorted([*inv.gpus, *lost], key=lambda g: (g.index, g.pci_address)):
             pci = g.pci_address
             listed.add(pci)
             rec = self._record(pci)
             if g.uuid:
                 rec.uuid = g.uuid
+            if pci in scanned:
+                rec.listing, rec.missing_since, rec.missing_boot = _identity(g), None, ""
             previous = rec.status
             status = self._derive(
                 g,
@@ -654,33 +712,37 @@ class GpuTracker:
             if not reclaim_answer_applies(reclaim, previous_state, mstate, mode):
                 reclaim = None
 
-        # Reconfiguring (the disruption flow)
+        # Reconfiguring (the disruption flow; it waits, as it was, while the card is missing from the scans)
         reconf = condition_of(previous, RECONFIGURING)
         disruption = rec.disruption
-        pending = disruption is not None and disruption.pending
-        at_disruption = disruption.boot_id if disruption is not None and disruption.boot_id else boot_id
-        reconf = disruption_flow(
-            reconf,
-            DisruptionFacts(
-                now=now,
-                pci_address=pci,
-                driver=driver,
-                base_driver=base,
-                boot_id_now=boot_id,
-                boot_id_at_disruption=at_disruption if disruption is not None else "",
-                rollback_impossible=pending,
-            ),
-        )
-        if disruption is not None:
-            disruption.pending = False
-            if not disruption.boot_id:
-                disruption.boot_id = boot_id
-            if reconf is None or reconf.reason not in DISRUPTION_REASONS:
-                rec.disruption = None  # cleared: the card is back on its base driver after a new boot
+        if rec.missing_since is None:
+            pending = disruption is not None and disruption.pending
+            at_disruption = disruption.boot_id if disruption is not None and disruption.boot_id else boot_id
+            reconf = disruption_flow(
+                reconf,
+                DisruptionFacts(
+                    now=now,
+                    pci_address=pci,
+                    driver=driver,
+                    base_driver=base,
+                    boot_id_now=boot_id,
+                    boot_id_at_disruption=at_disruption if disruption is not None else "",
+                    rollback_impossible=pending,
+                ),
+            )
+            if disruption is not None:
+                disruption.pending = False
+                if not disruption.boot_id:
+                    disruption.boot_id = boot_id
+                if reconf is None or reconf.reason not in DISRUPTION_REASONS:
+                    rec.disruption = None  # cleared: the card is back on its base driver after a new boot
 
         healthy = (
             healthy_condition(rec.health, self.health, now=now, watched=self.health_watched) if self.health is not None else None
         )
+        if healthy is not None and rec.missing_since is not None and healthy.status != "False":
+            # health not watched: the scan alone says the card is lost
+            healthy = off_bus_condition(rec.missing_since)
         conditions = [c for c in (ready, managed, reclaim, reconf, healthy) if c is not None]
         conditions = _keep_since(conditions, previous)
         return PhysicalGPUStatus(
@@ -714,6 +776,30 @@ class GpuTracker:
         if over > 0:
             del queue[:over]
             self.dropped_events += over
+
+
+def _identity(g: Gpu | None) -> Gpu | None:
+    """What a listing of a card keeps while it is away: who it is, not what it had (no MIG instances,
+    slots or status: a lost card has no atoms but its whole-card id, which names its holds)."""
+    if g is None or not g.uuid:
+        return None
+    return msgspec.structs.replace(
+        g, mig_profiles=[], mig_instances=[], gpu_instances=[], slots=[], mps_running=False, mig_mode=False, status=PhysicalGPUStatus()
+    )
+
+
+def _lost_gpu(last: Gpu, since: datetime) -> Gpu:
+    """A card missing from the scan as the scan would have listed it: no driver, AdapterReady=False/NotOnBus."""
+    ready = Condition(
+        type=ADAPTER_READY,
+        status="False",
+        reason=NOT_ON_BUS,
+        message=_cut(f"the card is not on the bus any more: missing from every scan since {since.strftime('%Y-%m-%dT%H:%M:%SZ')}"),
+        since=since,
+    )
+    return msgspec.structs.replace(
+        last, driver="", status=PhysicalGPUStatus(driver_binding=DriverBinding(driver="", mode="None"), conditions=[ready])
+    )
 
 
 def _newly_held(previous: Sequence[Condition]) -> bool:

@@ -47,8 +47,11 @@ ORPHAN_GRACE = timedelta(minutes=2)
 #: a reclaim not off vfio-pci this long after it started has failed.
 RECLAIM_TIMEOUT = timedelta(minutes=2)
 
+#: AdapterReady=False: the card is missing from the scans (fell off the bus); it stays listed while away
+NOT_ON_BUS = "NotOnBus"
+
 #: AdapterReady=False reasons after which the card is unusable until someone acts (phase Failed).
-FAILED_REASONS = frozenset({"VFIORequiresBareMetal"})
+FAILED_REASONS = frozenset({"VFIORequiresBareMetal", NOT_ON_BUS})
 
 #: Reconfiguring reasons of the disruption flow (DISRUPTION_REASONS, from shared.schemas.inventory).
 DISRUPTION_REQUIRED = "DisruptionRequired"
@@ -136,7 +139,7 @@ PHASE_ROWS: tuple[PhaseRow, ...] = (
         lambda mode, ready, reconf, healthy: ready is not None and ready.status == "False" and ready.reason in FAILED_REASONS,
         "Failed",
         # e.g. a VFIO request on a virtualized node: it never reaches Passthrough.
-        "AdapterReady=False with a reason in FAILED_REASONS (VFIORequiresBareMetal)",
+        "AdapterReady=False with a reason in FAILED_REASONS (VFIORequiresBareMetal, NotOnBus)",
     ),
     PhaseRow(
         "reconfiguring",
@@ -699,6 +702,7 @@ __all__ = [
     "ORPHAN_GRACE",
     "RECLAIM_TIMEOUT",
     "FAILED_REASONS",
+    "NOT_ON_BUS",
     "DISRUPTION_REQUIRED",
     "DISRUPTION_PENDING",
     "REBOOT_REQUESTED",

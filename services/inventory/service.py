@@ -5,7 +5,9 @@ The current Inventory lives in the node-bus KV bucket
 goes out as a plain message on `bcd.<node>.inventory.changed` so the
 converger can run a pass. `get` answers the last scan; `rescan` scans now.
 A periodic rescan catches what changed behind our back (a MIG instance
-created, a driver rebound). The revision only moves when the content does.
+created, a driver rebound); a health check that no longer names a card on its
+compute driver scans at once (the card fell off the bus, or left its driver).
+The revision only moves when the content does.
 
 Every scan is followed by an evaluation of each card's PhysicalGPU status
 (gpustate.GpuTracker over the physicalgpu tables): the converger's claims
@@ -472,14 +474,18 @@ class InventoryApp(ServiceApp):
             base = self.last_base
             if base is None:
                 return
-            if not self.health.note(self.tracker, news, listed=watched_cards(self.current or base), boot_id=base.boot_id):
+            watched = watched_cards(self.current or base)
+            # a card on its compute driver the check does not name: the library lost sight of it (off
+            # the bus, or moved to vfio-pci meanwhile): the scan says which, now, not at the next rescan
+            unseen = news.kind == "checks" and bool(set(watched) - {c.pci_address for c in news.checks})
+            if not self.health.note(self.tracker, news, listed=watched, boot_id=base.boot_id) and not unseen:
                 return  # an ignored XID, a fault seen again: nothing to publish (a storm costs no scan)
             self._save(ctx)  # the fault is on disk before anyone hears of it
-            if news.kind == "events":
+            if news.kind == "events" or unseen:
                 # an XID can come with the card leaving NVML: read the host again (the last scan when that fails)
                 base = await self._scan(ctx, "health event") or base
             claims = await self._fetch_claims(ctx)
-            await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events")
+            await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events" or unseen)
 
     async def _recheck(self, ctx: ServiceContext, pci: str, *, clear: bool = True) -> tuple[bool, str, list[str]]:
         """Check one card now, letting a clean check clear its sticky faults when `clear` (the card
@@ -586,7 +592,7 @@ class InventoryApp(ServiceApp):
         tracker = self.tracker
         assert tracker is not None
         revision = self.current.revision if self.current else 0
-        result = tracker.evaluate(base, claims, switch=switch)
+        result = tracker.evaluate(base, claims, switch=switch, known=self.current)
         for outcome in result.reclaims:
             self.m_reclaims.labels(outcome=outcome).inc()
         if result.new_boot:

@@ -193,6 +193,11 @@ class Node:
             detail = (g.status.phase, mstate(g), [(c.type, c.status, c.reason) for c in g.status.conditions]) if g else None
             raise AssertionError(f"{pci}: timed out waiting for {what}; last {detail}\n{self.log()[-3000:]}") from None
 
+    async def rescan(self) -> Inventory:
+        """Scan now (`inventory.rescan`, as the cli), rather than wait for the periodic scan."""
+        assert self.cli is not None
+        return await call(self.cli, self.subjects.inventory_rescan, Empty(), INVENTORY_CODEC)
+
     async def gpu(self, action: str, pci: str) -> GpuReply:
         assert self.cli is not None
         return await call(self.cli, self.subjects.inventory_gpu, GpuRequest(action=action, pci=pci), GPU_REPLY_CODEC)  # type: ignore[arg-type]

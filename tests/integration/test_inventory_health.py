@@ -210,3 +210,49 @@ async def test_a_recheck_of_a_held_card_checks_but_keeps_its_sticky_faults(node:
     free = await node.gpu("recheck", CARD2)
     assert free.accepted is True and free.message.startswith("cleared XidCritical; Healthy=True Checked"), free.message
     node.assert_clean_log()
+
+
+async def test_a_held_card_that_falls_off_the_bus_is_lost_at_once_and_never_said_unclaimed(node: Node) -> None:
+    """Issue 41 (2): `present: false` on a held card: it stayed Ready until the 30-s scan, then dropped
+    out of the inventory silently while the hold stayed; back on the bus it was first said
+    Ready/Unclaimed. Now it is GpuLost as promptly as an XID (the scan interval here is 60 s), stays
+    listed, is said upstream, and its return never reads Unclaimed while held."""
+    node.claims = [GpuClaim(pci_address=CARD2, kind="allocation", holder="train-01")]
+    await node.start(**{**FAST, "BCD_HEALTH_INTERVAL": "30"})  # neither the scan nor a check finds it
+    await node.wait_card(CARD2, lambda g: g.status.driver_binding.management_state == "Managed", "held")
+    before = len(await node.events_of(CARD2))
+
+    node.edit_host(**{CARD2: {"present": False}})
+    lost = await node.wait_card(CARD2, lambda g: health(g) == ("False", "GpuLost"), "GpuLost", timeout=3)
+    assert lost.status.phase == "Failed" and cond(lost, "AdapterReady") == ("False", "NotOnBus")
+    assert lost.status.driver_binding.management_state == "Managed"  # its hold is still accounted for
+    said = (await node.events_of(CARD2))[before:]
+    assert said and said[-1].phase == "Failed"
+    assert ("Healthy", "False", "GpuLost") in [(c.type, c.status, c.reason) for c in said[-1].status.conditions]
+
+    node.edit_host(**{CARD2: {"present": True}})
+    await node.rescan()
+    back = await node.card(CARD2)
+    assert back.status.driver_binding.management_state == "Managed" and health(back) == ("False", "GpuLost")
+    assert all(e.management_state != "Unclaimed" for e in (await node.events_of(CARD2))[before:])
+    node.assert_clean_log()
+
+
+async def test_a_free_card_that_falls_off_the_bus_is_lost_too(node: Node) -> None:
+    await node.start(**FAST)
+    node.edit_host(**{CARD5: {"present": False}})
+    lost = await node.wait_card(CARD5, lambda g: health(g) == ("False", "GpuLost"), "GpuLost", timeout=3)
+    assert lost.status.phase == "Failed"
+    assert [g.pci_address for g in (await node.inventory()).gpus].count(CARD5) == 1
+    node.assert_clean_log()
+
+
+async def test_a_card_the_check_no_longer_sees_is_scanned_at_once(node: Node) -> None:
+    """The class of issue 41 (2) for any adapter: a card on its compute driver that a health check no
+    longer names (NVML lost sight of it) makes the inventory scan now, not at the next rescan (60 s
+    here): here the card went to vfio-pci behind bcd's back, which is no loss."""
+    await node.start(**FAST)
+    node.edit_host(**{CARD6: {"driver": "vfio-pci", "driver_override": "vfio-pci"}})
+    moved = await node.wait_card(CARD6, lambda g: g.status.driver_binding.mode == "Passthrough", "scanned on vfio-pci", timeout=5)
+    assert health(moved) != ("False", "GpuLost")
+    node.assert_clean_log()

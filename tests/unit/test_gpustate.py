@@ -1192,3 +1192,92 @@ def test_a_change_of_the_card_itself_is_said_at_start_while_the_claims_are_not_k
     # what the claims then add (Unclaimed for Unknown) is said once they are known
     third = after.evaluate(inv(gpu(), boot="boot-b"), FREE)
     assert [e.event.management_state for e in third.events] == ["Unclaimed"]
+
+
+# --------------------------------------------------------------------------- a card missing from the scan (issue 41, point 2)
+
+
+def _lost_case(**kw: Any) -> tuple[Clock, GpuTracker]:
+    clock = Clock()
+    t = tracker(clock, health=HealthPolicy(), **kw)
+    t.note_health_checks([HealthCheck(pci_address=p, answers=True) for p in (PCI, PCI2)], boot_id=BOOT)
+    t.evaluate(inv(gpu(), gpu(PCI2, index=1)), claims((PCI2, "allocation", "train-01")))
+    t.sent(len(t.outbox))
+    return clock, t
+
+
+def test_a_held_card_missing_from_the_scan_stays_listed_lost_and_said() -> None:
+    """Issue 41 (2): with `present: false` on a held card it silently dropped out of the inventory while
+    its hold stayed; no gpu event, nothing unhealthy. It stays listed: Healthy=False/GpuLost, phase
+    Failed, still Managed by its hold, and one gpu event says so."""
+    clock, t = _lost_case()
+    clock.advance(timedelta(seconds=1))
+    result = t.evaluate(inv(gpu()), claims((PCI2, "allocation", "train-01")))
+    lost = next(g for g in result.inventory.gpus if g.pci_address == PCI2)
+    assert [g.pci_address for g in result.inventory.gpus] == [PCI, PCI2]
+    assert lost.atom_id == gpu(PCI2, index=1).atom_id  # the id its holds name
+    assert sr(lost.status, "Healthy") == ("False", "GpuLost")
+    assert sr(lost.status, "AdapterReady") == ("False", "NotOnBus")
+    assert answer(lost.status) == ("Failed", "Managed", "BackingAllocation")
+    assert (lost.driver, lost.status.driver_binding.mode) == ("", "None")
+    assert "not on the bus any more" in cond(lost.status, "Healthy").message
+    assert [(e.event.pci_address, e.event.phase) for e in result.events] == [(PCI2, "Failed")]
+    # still missing: nothing new to say
+    clock.advance(timedelta(seconds=30))
+    assert t.evaluate(inv(gpu()), claims((PCI2, "allocation", "train-01"))).events == []
+
+
+def test_a_held_card_that_comes_back_is_never_said_unclaimed_and_stays_lost() -> None:
+    """Issue 41 (2): the card that came back was first said Ready/Unclaimed while held. The claims kept
+    naming it (it stayed listed), and its GpuLost is sticky until a person acts."""
+    clock, t = _lost_case()
+    held = claims((PCI2, "allocation", "train-01"))
+    t.evaluate(inv(gpu()), held)
+    clock.advance(timedelta(seconds=5))
+    back = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    card = next(g for g in back.inventory.gpus if g.pci_address == PCI2)
+    assert card.status.driver_binding.management_state == "Managed"
+    assert sr(card.status, "Healthy") == ("False", "GpuLost")
+    assert all(e.event.management_state != "Unclaimed" for e in back.events if e.event.pci_address == PCI2)
+    assert t.card(PCI2).missing_since is None and sr(card.status, "AdapterReady") == ("True", "AdapterReady")
+
+
+def test_a_free_card_missing_from_the_scan_is_lost_until_a_reboot_without_it() -> None:
+    clock, t = _lost_case()
+    clock.advance(timedelta(seconds=1))
+    gone = t.evaluate(inv(gpu(PCI2, index=1)), claims((PCI2, "allocation", "train-01")))
+    lost = next(g for g in gone.inventory.gpus if g.pci_address == PCI)
+    assert sr(lost.status, "Healthy") == ("False", "GpuLost") and lost.status.phase == "Failed"
+    # a reboot without it: the claims not known yet, it stays; known and naming nothing on it, it goes
+    assert PCI in [g.pci_address for g in t.evaluate(inv(gpu(PCI2, index=1), boot="boot-b"), None).inventory.gpus]
+    after = t.evaluate(inv(gpu(PCI2, index=1), boot="boot-b"), claims((PCI2, "allocation", "train-01")))
+    assert [g.pci_address for g in after.inventory.gpus] == [PCI2]
+    assert t.card(PCI) is None
+
+
+def test_a_held_card_missing_through_a_reboot_stays_listed() -> None:
+    clock, t = _lost_case()
+    held = claims((PCI2, "allocation", "train-01"))
+    t.evaluate(inv(gpu()), held)
+    after = t.evaluate(inv(gpu(), boot="boot-b"), held)
+    assert sr(next(g for g in after.inventory.gpus if g.pci_address == PCI2).status, "Healthy") == ("False", "GpuLost")
+
+
+def test_a_missing_card_is_lost_even_when_health_is_not_watched() -> None:
+    clock = Clock()
+    t = tracker(clock, health=HealthPolicy(enabled=False))
+    t.evaluate(inv(gpu(), gpu(PCI2, index=1)), FREE)
+    lost = next(g for g in t.evaluate(inv(gpu()), FREE).inventory.gpus if g.pci_address == PCI2)
+    assert sr(lost.status, "Healthy") == ("False", "GpuLost") and lost.status.phase == "Failed"
+
+
+def test_a_state_file_without_listings_relists_a_missing_card_from_the_last_inventory() -> None:
+    """An older bcd's gpus.json keeps no listing: the last published inventory names the card."""
+    clock, t = _lost_case()
+    last = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), FREE).inventory
+    state = decode_state(t.snapshot())
+    for rec in state.cards.values():
+        rec.listing = None
+    after = tracker(clock, state=state, health=HealthPolicy())
+    result = after.evaluate(inv(gpu()), FREE, known=last)
+    assert [g.pci_address for g in result.inventory.gpus] == [PCI, PCI2]
