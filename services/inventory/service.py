@@ -985,7 +985,8 @@ class InventoryApp(ServiceApp):
             base = await self._scan(ctx, f"gpu {action}")
             if base is None:
                 raise Refused("the host cannot be scanned right now; try again", code="503")
-            listed = any(g.pci_address == pci for g in base.gpus)
+            # a card off the bus is not in the scan but still listed (lost): it is asked about too
+            listed = any(g.pci_address == pci for g in base.gpus) or self._listed(pci)
             record = tracker.card(pci)
             if not listed and not (action == "include" and record is not None and record.excluded):
                 return refuse(f"no GPU at {pci} in this node's inventory")

@@ -244,6 +244,9 @@ async def test_a_free_card_that_falls_off_the_bus_is_lost_too(node: Node) -> Non
     lost = await node.wait_card(CARD5, lambda g: health(g) == ("False", "GpuLost"), "GpuLost", timeout=3)
     assert lost.status.phase == "Failed"
     assert [g.pci_address for g in (await node.inventory()).gpus].count(CARD5) == 1
+    # asked about, it is the listed card it is: nothing to check off the bus
+    reply = await node.gpu("recheck", CARD5)
+    assert reply.accepted is False and "off the bus" in reply.message, reply.message
     node.assert_clean_log()
 
 
