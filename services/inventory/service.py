@@ -173,6 +173,8 @@ class InventoryApp(ServiceApp):
         self.health_task: asyncio.Task[None] | None = None
         #: the first check runs with the start scan, before its evaluation
         self.health_first = True
+        #: cards on their compute driver the last health check did not name (each scanned for once)
+        self.unseen: set[str] = set()
 
     def options(self) -> list[Option]:
         return [
@@ -477,7 +479,10 @@ class InventoryApp(ServiceApp):
             watched = watched_cards(self.current or base)
             # a card on its compute driver the check does not name: the library lost sight of it (off
             # the bus, or moved to vfio-pci meanwhile): the scan says which, now, not at the next rescan
-            unseen = news.kind == "checks" and bool(set(watched) - {c.pci_address for c in news.checks})
+            # (once per card: one the library never reads, a card it cannot name, costs no scan per check)
+            missed = set(watched) - {c.pci_address for c in news.checks} if news.kind == "checks" else self.unseen
+            unseen = bool(missed - self.unseen)
+            self.unseen = missed
             if not self.health.note(self.tracker, news, listed=watched, boot_id=base.boot_id) and not unseen:
                 return  # an ignored XID, a fault seen again: nothing to publish (a storm costs no scan)
             self._save(ctx)  # the fault is on disk before anyone hears of it
