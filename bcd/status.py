@@ -524,6 +524,15 @@ def _unhealthy_action(g: Gpu) -> tuple[str, bool]:
             "or raise the inventory's --ecc-correctable-max",
             False,
         )
+    ready = _adapter_not_ready(g)
+    if reason == "GpuLost" and ready is not None and ready.reason == "NotOnBus":
+        # off the bus: no reset reaches it; a hold on it stays listed and says DevicesHealthy=False
+        return (
+            "the card is off the bus: move its work and reboot the node (reseat or replace the card if it stays missing); "
+            "it stays lost until a reboot's clean check, or, once nothing holds it, a reset and `bcd gpu recheck "
+            f"{pci}`",
+            False,
+        )
     # GpuLost, XidCritical, EccUncorrectable: sticky until a person acted
     return (
         f"reset the card (`bcd gpu reset {pci}`) or reboot the node, then `bcd gpu recheck {pci}` if it still reads unhealthy "

@@ -59,8 +59,14 @@ def check_resource_name(name: str) -> str:
 
 
 def profile_token(profile: str) -> str:
-    """A MIG profile as a resource name part: `1g.10gb` stays, `1g.10gb+me` is `1g.10gb.me`."""
-    return re.sub(r"[^A-Za-z0-9_.-]", ".", profile.replace("+", "."))
+    """A MIG profile as a resource name part: `1g.10gb` stays, `1g.10gb+me` is `1g.10gb.me`.
+
+    BadResourceName for a profile that names nothing (empty, or no letter or digit at either end
+    once spelled so): a name is never built of an empty or placeholder part (`mig-.profile.`)."""
+    token = re.sub(r"[^A-Za-z0-9_.-]", ".", profile.replace("+", "."))
+    if not _NAME_PART.match(token):
+        raise BadResourceName(f"MIG profile {profile!r} makes no resource name part ({token!r})")
+    return token
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,14 @@ class ResourceNames:
     def slot_name(self) -> str:
         return f"{self.domain}/{self.slot}"
 
+    @property
+    def mig_pattern(self) -> str:
+        """The MIG resources as a pattern, for people (`bcd.dev/mig-{profile}`): no resource has this name."""
+        return f"{self.domain}/{self.mig}"
+
     def mig_name(self, profile: str) -> str:
-        return f"{self.domain}/{self.mig.replace('{profile}', profile_token(profile))}"
+        """The resource of a MIG profile; BadResourceName when the profile or the name made of it is not valid."""
+        return check_resource_name(f"{self.domain}/{self.mig.replace('{profile}', profile_token(profile))}")
 
 
 def socket_name(resource: str) -> str:
@@ -157,8 +169,11 @@ def resources_of(inventory: Inventory | None, names: ResourceNames) -> set[str]:
     """Every resource this node can have: gpu, slots, and a MIG resource per profile its cards know."""
     out = {names.gpu_name, names.slot_name}
     for g in inventory.gpus if inventory is not None else ():
-        out.update(names.mig_name(p.name) for p in g.mig_profiles if p.name)
-        out.update(names.mig_name(m.profile) for m in g.mig_instances if m.profile)
+        for profile in [*(p.name for p in g.mig_profiles), *(m.profile for m in g.mig_instances)]:
+            try:
+                out.add(names.mig_name(profile))
+            except BadResourceName:
+                continue  # a profile that makes no name is no resource (a hold on it says why)
     return out
 
 
@@ -204,7 +219,11 @@ def plan_advertisement(
                 if mig is None or not mig.profile:
                     problems.append(f"{atom}: MIG instance not in the inventory (no profile, no resource)")
                     continue
-                resource = names.mig_name(mig.profile)
+                try:
+                    resource = names.mig_name(mig.profile)
+                except BadResourceName as exc:
+                    problems.append(f"{atom}: {exc}")
+                    continue
                 visible = mig.uuid or atom
                 if healthy and not mig.uuid:
                     healthy, why = False, f"{atom}: MIG instance has no uuid in the inventory"

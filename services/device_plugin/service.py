@@ -102,7 +102,7 @@ class DevicePluginApp(ServiceApp):
                 metrics.registrations.labels(resource=resource, outcome=outcome)
             for outcome in ("ok", "refused"):
                 metrics.allocations.labels(resource=resource, outcome=outcome)
-        ctx.metadata.update({"kubelet_socket": str(plugin.kubelet_socket), "resources": f"{names.gpu_name},{names.mig_name('<profile>')},{names.slot_name}"})
+        ctx.metadata.update({"kubelet_socket": str(plugin.kubelet_socket), "resources": f"{names.gpu_name},{names.mig_pattern},{names.slot_name}"})
 
         @guarded(ctx.log, "inventory notice")
         async def on_inventory(msg: Any) -> None:

@@ -15,6 +15,9 @@ scan:
   while it is not),
 - disruptions (the boot id at the DisruptionRequired notice; the flow steps
   once per evaluation and clears only on the base driver under a new boot id),
+- each card's last listing (who it is), so a card missing from a scan stays listed, lost
+  (AdapterReady=False/NotOnBus, Healthy=False/GpuLost) with every hold on it accounted for, until
+  it is back or a reboot without it finds nothing claiming it,
 - the last status of each card, so an unchanged condition keeps its `since`
   and only a real change (phase, managementState, a condition's status or
   reason) becomes a GpuChanged event,
@@ -48,11 +51,24 @@ from shared.schemas.common import PCI_RE
 from shared.schemas.inventory import HEALTHY_CONDITION
 
 from .adapters.base import HealthCheck, HealthEvent
-from .health import CardHealth, HealthPolicy, apply_check, apply_event, healthy_condition, lost_everywhere, note_watched
+from .health import (
+    STICKY_FAULTS,
+    CardHealth,
+    HealthPolicy,
+    apply_check,
+    apply_event,
+    healthy_condition,
+    lost_everywhere,
+    lost_off_bus,
+    note_watched,
+    off_bus_condition,
+)
 from .physicalgpu import (
     ADAPTER_READY,
     DISRUPTION_REASONS,
     DISRUPTION_REQUIRED,
+    MANAGED,
+    NOT_ON_BUS,
     ORPHAN_GRACE,
     RECLAIM,
     RECLAIM_FAILED,
@@ -71,6 +87,7 @@ from .physicalgpu import (
     reclaim_answer_applies,
     reclaim_gate,
     reclaim_progress,
+    refusal_stays,
     track_orphan,
 )
 
@@ -127,6 +144,12 @@ class CardRecord(msgspec.Struct, kw_only=True):
     disruption: Disruption | None = None
     #: the card's health faults and last check (health.py); None before any was seen
     health: CardHealth | None = None
+    #: the card as last listed, its identity only (uuid, index, name, memory, NUMA node, drivers):
+    #: a card missing from a scan stays listed from it, lost, so every hold on it is accounted for
+    listing: Gpu | None = None
+    #: since when the card has been missing from the scans (None: listed), and in which boot it went
+    missing_since: datetime | None = None
+    missing_boot: str = ""
 
     def keeps_state(self) -> bool:
         """Something beyond the last status must survive while the card is not listed
@@ -263,6 +286,19 @@ def claim_blind_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
     )
 
 
+def with_claimed_parts(status: PhysicalGPUStatus, said: PhysicalGPUStatus) -> PhysicalGPUStatus:
+    """`status` with what the claims decide (managementState and every condition but AdapterReady,
+    Reconfiguring and Healthy) as `said` had it, the phase derived again: what upstream may hear of
+    a card while the claims are not known yet at start (nothing it was told changes by itself)."""
+    own = {c.type: c for c in status.conditions if c.type in _CLAIM_BLIND}
+    told = {c.type: c for c in said.conditions if c.type not in _CLAIM_BLIND}
+    order = [ADAPTER_READY, MANAGED, RECLAIM, RECONFIGURING, HEALTHY_CONDITION, MIG_LAYOUT]
+    merged = {**own, **told}
+    conditions = [merged[t] for t in order if t in merged] + [c for t, c in merged.items() if t not in order]
+    binding = msgspec.structs.replace(status.driver_binding, management_state=said.driver_binding.management_state)
+    return PhysicalGPUStatus(phase=derive_phase(binding.mode, conditions), driver_binding=binding, conditions=conditions)
+
+
 def _change_text(status: PhysicalGPUStatus, extra: str = "") -> str:
     key = status_key(status)
     return f"{key!r}|{extra}"
@@ -312,6 +348,9 @@ class GpuTracker:
         self.claims_known: bool | None = None
         #: events dropped because the outbox queue was full (the oldest go first).
         self.dropped_events = 0
+        #: PCI address -> the answer to a reclaim request that the card's status does not carry
+        #: (a refusal on a card on its compute driver): the request's reply takes it (`take_answer`)
+        self.answers: dict[str, Condition] = {}
 
     # ------------------------------------------------------------------ state access
 
@@ -381,8 +420,14 @@ class GpuTracker:
         rec = self._record(pci)
         if rec.reclaim is not None:
             return False
+        self.answers.pop(pci, None)  # an answer to an earlier request is not this one's
         rec.reclaim = ReclaimRequest(requested_at=self.clock())
         return True
+
+    def take_answer(self, pci: str, status: PhysicalGPUStatus | None) -> Condition | None:
+        """The answer to the card's last reclaim request: the one the status does not carry, else its Reclaim condition."""
+        kept = self.answers.pop(pci, None)
+        return kept if kept is not None else (condition_of(status.conditions, RECLAIM) if status is not None else None)
 
     def note_switch(self, reply: SwitchReply) -> None:
         """The switcher's result notice: a DisruptionRequired is recorded with the boot it happened in."""
@@ -403,6 +448,11 @@ class GpuTracker:
         if rec.health is None:
             rec.health = CardHealth()
         return rec.health
+
+    def sticky_faults(self, pci: str) -> list[str]:
+        """The card's sticky faults (those only a reset, a reboot or an operator's check after one clear)."""
+        rec = self.state.cards.get(pci)
+        return sorted(r for r in rec.health.faults if r in STICKY_FAULTS) if rec is not None and rec.health is not None else []
 
     def note_health_event(self, event: HealthEvent, *, boot_id: str = "") -> tuple[str, bool]:
         """One event of the watch; (fatal | ignored | noted | unmonitored, whether a card's health changed)."""
@@ -454,14 +504,47 @@ class GpuTracker:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, inv: Inventory, claims: Claims | None, *, switch: SwitchReply | None = None) -> Evaluation:
+    def _missing(self, inv: Inventory, by_card: Mapping[str, list[GpuClaim]], claims_known: bool, known: Inventory | None, now: datetime) -> list[Gpu]:
+        """The cards this scan misses that stay listed, lost (AdapterReady=False/NotOnBus, Healthy=False/GpuLost).
+
+        A card that was listed and is not any more fell off the bus (or was taken out): it stays
+        listed from its last listing, so a hold on it is still accounted for (the converger's claims
+        keep naming it, its hold says DevicesHealthy=False) and a card that comes back is known to be
+        held before it is reported. It goes only after a reboot in which it is still missing, once
+        the claims are known and none names it (the machine was rebuilt without it).
+        """
+        listed = {g.pci_address for g in inv.gpus}
+        before = {g.pci_address: g for g in known.gpus} if known is not None else {}
+        out: list[Gpu] = []
+        for pci, rec in sorted(self.state.cards.items()):
+            if pci in listed:
+                continue
+            last = rec.listing or _identity(before.get(pci))
+            if last is None:
+                continue  # never listed (an exclusion made before the card was seen): nothing to relist
+            if rec.missing_since is None:
+                rec.missing_since, rec.missing_boot = now, inv.boot_id
+                if self.health is not None:
+                    lost_off_bus(self._health(pci), at=now, boot_id=inv.boot_id)
+            elif rec.missing_boot and inv.boot_id and rec.missing_boot != inv.boot_id and claims_known and not by_card.get(pci):
+                del self.state.cards[pci]  # missing through a reboot and held by nothing: gone for good
+                continue
+            rec.listing = last
+            out.append(_lost_gpu(last, rec.missing_since))
+        return out
+
+    def evaluate(
+        self, inv: Inventory, claims: Claims | None, *, switch: SwitchReply | None = None, known: Inventory | None = None
+    ) -> Evaluation:
         """Every listed card's status, from `inv` (a fresh scan) and `claims` (None: the lookup failed).
 
         Returns the inventory with each Gpu.status replaced, and journals a
         GpuChanged for every card whose phase, managementState or a
         condition's status or reason changed. `switch`, the notice that
         caused this evaluation, adds its event (VFIOPrepareSucceeded, ...) to
-        its card's report.
+        its card's report. A card the scan misses stays listed, lost (`_missing`);
+        `known` (the last published inventory) names such a card when a state
+        file of an older bcd kept no listing of it.
         """
         now = self.clock()
         state = self.state
@@ -482,12 +565,16 @@ class GpuTracker:
 
         gpus: list[Gpu] = []
         listed: set[str] = set()
-        for g in inv.gpus:
+        scanned = {g.pci_address for g in inv.gpus}
+        lost = self._missing(inv, by_card, claims_known, known, now)
+        for g in sorted([*inv.gpus, *lost], key=lambda g: (g.index, g.pci_address)):
             pci = g.pci_address
             listed.add(pci)
             rec = self._record(pci)
             if g.uuid:
                 rec.uuid = g.uuid
+            if pci in scanned:
+                rec.listing, rec.missing_since, rec.missing_boot = _identity(g), None, ""
             previous = rec.status
             status = self._derive(
                 g,
@@ -508,13 +595,17 @@ class GpuTracker:
             if notice is not None:
                 result.events.append(self._event(pci, g.uuid, status, now, notice))
                 rec.said = status
-            elif status_key(rec.said) != status_key(status) and not (
-                not claims_known and starting and claim_blind_key(rec.said) == claim_blind_key(status)
-            ):
-                # (while the claims are not known yet at start, a change only they make is not
-                # said: the status stands fail-closed here, and upstream hears only what outlasts
-                # the grace; a change of the card itself, Reconfiguring Completing after a
-                # reboot, is said at once)
+            elif not claims_known and starting and rec.said is not None:
+                # while the claims are not known yet at start, what only they decide is not news:
+                # the status stands fail-closed here, but upstream hears only a change of the card
+                # itself (Reconfiguring Completing after a reboot, a Healthy condition a state file
+                # of an older bcd never had), with the claimed parts as they were last said, never
+                # an Unknown that did not happen; the rest outlasts the grace or is said with the claims
+                told = with_claimed_parts(status, rec.said)
+                if status_key(told) != status_key(rec.said):
+                    result.events.append(self._event(pci, g.uuid, told, now))
+                    rec.said = told
+            elif status_key(rec.said) != status_key(status):
                 result.events.append(self._event(pci, g.uuid, status, now))
                 rec.said = status
 
@@ -602,6 +693,12 @@ class GpuTracker:
             elif decision.verdict == "refuse":
                 rec.reclaim = None
                 outcomes.append("refused")
+                if not refusal_stays(mode):
+                    # on its compute driver there is nothing to reclaim: the request hears it, the card keeps nothing
+                    self.answers[pci] = msgspec.structs.replace(
+                        reclaim, message=_cut(f"{reclaim.message}: the card is on its compute driver ({driver or 'none'}), nothing to reclaim")
+                    )
+                    reclaim = None
             elif _newly_held(previous):
                 outcomes.append("held")
         elif request is not None and request.started_at is not None:
@@ -615,33 +712,37 @@ class GpuTracker:
             if not reclaim_answer_applies(reclaim, previous_state, mstate, mode):
                 reclaim = None
 
-        # Reconfiguring (the disruption flow)
+        # Reconfiguring (the disruption flow; it waits, as it was, while the card is missing from the scans)
         reconf = condition_of(previous, RECONFIGURING)
         disruption = rec.disruption
-        pending = disruption is not None and disruption.pending
-        at_disruption = disruption.boot_id if disruption is not None and disruption.boot_id else boot_id
-        reconf = disruption_flow(
-            reconf,
-            DisruptionFacts(
-                now=now,
-                pci_address=pci,
-                driver=driver,
-                base_driver=base,
-                boot_id_now=boot_id,
-                boot_id_at_disruption=at_disruption if disruption is not None else "",
-                rollback_impossible=pending,
-            ),
-        )
-        if disruption is not None:
-            disruption.pending = False
-            if not disruption.boot_id:
-                disruption.boot_id = boot_id
-            if reconf is None or reconf.reason not in DISRUPTION_REASONS:
-                rec.disruption = None  # cleared: the card is back on its base driver after a new boot
+        if rec.missing_since is None:
+            pending = disruption is not None and disruption.pending
+            at_disruption = disruption.boot_id if disruption is not None and disruption.boot_id else boot_id
+            reconf = disruption_flow(
+                reconf,
+                DisruptionFacts(
+                    now=now,
+                    pci_address=pci,
+                    driver=driver,
+                    base_driver=base,
+                    boot_id_now=boot_id,
+                    boot_id_at_disruption=at_disruption if disruption is not None else "",
+                    rollback_impossible=pending,
+                ),
+            )
+            if disruption is not None:
+                disruption.pending = False
+                if not disruption.boot_id:
+                    disruption.boot_id = boot_id
+                if reconf is None or reconf.reason not in DISRUPTION_REASONS:
+                    rec.disruption = None  # cleared: the card is back on its base driver after a new boot
 
         healthy = (
             healthy_condition(rec.health, self.health, now=now, watched=self.health_watched) if self.health is not None else None
         )
+        if healthy is not None and rec.missing_since is not None and healthy.status != "False":
+            # health not watched: the scan alone says the card is lost
+            healthy = off_bus_condition(rec.missing_since)
         conditions = [c for c in (ready, managed, reclaim, reconf, healthy) if c is not None]
         conditions = _keep_since(conditions, previous)
         return PhysicalGPUStatus(
@@ -675,6 +776,30 @@ class GpuTracker:
         if over > 0:
             del queue[:over]
             self.dropped_events += over
+
+
+def _identity(g: Gpu | None) -> Gpu | None:
+    """What a listing of a card keeps while it is away: who it is, not what it had (no MIG instances,
+    slots or status: a lost card has no atoms but its whole-card id, which names its holds)."""
+    if g is None or not g.uuid:
+        return None
+    return msgspec.structs.replace(
+        g, mig_profiles=[], mig_instances=[], gpu_instances=[], slots=[], mps_running=False, mig_mode=False, status=PhysicalGPUStatus()
+    )
+
+
+def _lost_gpu(last: Gpu, since: datetime) -> Gpu:
+    """A card missing from the scan as the scan would have listed it: no driver, AdapterReady=False/NotOnBus."""
+    ready = Condition(
+        type=ADAPTER_READY,
+        status="False",
+        reason=NOT_ON_BUS,
+        message=_cut(f"the card is not on the bus any more: missing from every scan since {since.strftime('%Y-%m-%dT%H:%M:%SZ')}"),
+        since=since,
+    )
+    return msgspec.structs.replace(
+        last, driver="", status=PhysicalGPUStatus(driver_binding=DriverBinding(driver="", mode="None"), conditions=[ready])
+    )
 
 
 def _newly_held(previous: Sequence[Condition]) -> bool:

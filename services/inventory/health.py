@@ -10,7 +10,8 @@ Two kinds of fault:
 - sticky (GpuLost, XidCritical, EccUncorrectable, RowRemapFailed): never cleared by time or by
   a later clean check alone. A card comes back only when someone acted: a reboot (a fault from
   an earlier boot clears at the first clean check of a new boot) or an operator's `bcd gpu
-  recheck` after a reset (every sticky fault clears when that check is clean);
+  recheck` after a reset (every sticky fault clears when that check is clean; the service asks
+  for that only on a card nothing holds: a held card cannot have been reset);
 - level (RowRemapPending, EccCorrectable over its threshold, Unmonitored): each check sets or
   clears it. Remapped rows stay pending until a reset, so this too needs someone to act.
 
@@ -249,6 +250,16 @@ def apply_check(
     return changed, cleared
 
 
+def lost_off_bus(health: CardHealth, *, at: datetime, boot_id: str) -> bool:
+    """The card is missing from a scan of the host (it fell off the bus): lost, sticky like any GpuLost."""
+    return _raise(health, GPU_LOST, f"the card is not on the bus any more: missing from the scan since {_stamp(at)}", at, boot_id)
+
+
+def off_bus_condition(at: datetime) -> Condition:
+    """Healthy of a card missing from the scans when health is not watched: the scan alone says it is lost."""
+    return Condition(type=HEALTHY, status="False", reason=GPU_LOST, message=f"the card is not on the bus any more: missing from the scan since {_stamp(at)}", since=at)
+
+
 def note_watched(health: CardHealth) -> bool:
     """Events are registered for the card again: Unmonitored clears."""
     return _clear(health, [UNMONITORED])
@@ -305,5 +316,7 @@ __all__ = [
     "apply_check",
     "note_watched",
     "lost_everywhere",
+    "lost_off_bus",
+    "off_bus_condition",
     "healthy_condition",
 ]

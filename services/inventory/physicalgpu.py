@@ -47,8 +47,11 @@ ORPHAN_GRACE = timedelta(minutes=2)
 #: a reclaim not off vfio-pci this long after it started has failed.
 RECLAIM_TIMEOUT = timedelta(minutes=2)
 
+#: AdapterReady=False: the card is missing from the scans (fell off the bus); it stays listed while away
+NOT_ON_BUS = "NotOnBus"
+
 #: AdapterReady=False reasons after which the card is unusable until someone acts (phase Failed).
-FAILED_REASONS = frozenset({"VFIORequiresBareMetal"})
+FAILED_REASONS = frozenset({"VFIORequiresBareMetal", NOT_ON_BUS})
 
 #: Reconfiguring reasons of the disruption flow (DISRUPTION_REASONS, from shared.schemas.inventory).
 DISRUPTION_REQUIRED = "DisruptionRequired"
@@ -136,7 +139,7 @@ PHASE_ROWS: tuple[PhaseRow, ...] = (
         lambda mode, ready, reconf, healthy: ready is not None and ready.status == "False" and ready.reason in FAILED_REASONS,
         "Failed",
         # e.g. a VFIO request on a virtualized node: it never reaches Passthrough.
-        "AdapterReady=False with a reason in FAILED_REASONS (VFIORequiresBareMetal)",
+        "AdapterReady=False with a reason in FAILED_REASONS (VFIORequiresBareMetal, NotOnBus)",
     ),
     PhaseRow(
         "reconfiguring",
@@ -469,7 +472,8 @@ def reclaim_gate(state: ManagementState, reason: str, occupancy_known: bool, occ
 
     A refusal on the state names the managementState value only, never the
     reason behind it: the column tells the operator what to do (wait, free the
-    claim, restore the card's identity).
+    claim, restore the card's identity). A message never repeats the verdict
+    (the reason says Refused, and every reader prints it next to the message).
     """
     if state == "Unknown" and reason == ORPHAN_PENDING:
         return ReclaimDecision(
@@ -479,13 +483,13 @@ def reclaim_gate(state: ManagementState, reason: str, occupancy_known: bool, occ
             "the reclaim starts by itself once it reads Orphaned",
         )
     if state != "Orphaned":
-        return ReclaimDecision("refuse", RECLAIM_REFUSED, f"refused: managementState is {state}")
+        return ReclaimDecision("refuse", RECLAIM_REFUSED, f"managementState is {state}")
     if not occupancy_known:
         return ReclaimDecision(
-            "refuse", RECLAIM_OCCUPANCY_UNKNOWN, "refused: occupancy of the card could not be established"
+            "refuse", RECLAIM_OCCUPANCY_UNKNOWN, "occupancy of the card could not be established"
         )
     if occupied:
-        return ReclaimDecision("refuse", RECLAIM_OCCUPIED, "refused: a claim was found on the card")
+        return ReclaimDecision("refuse", RECLAIM_OCCUPIED, "a claim was found on the card")
     return ReclaimDecision("admit", RECLAIM_IN_PROGRESS, "admitted: returning the card to its compute driver")
 
 
@@ -538,6 +542,13 @@ def reclaim_progress(
 _STATE_ANSWERS = frozenset({RECLAIM_REFUSED, RECLAIM_OCCUPIED, RECLAIM_OCCUPANCY_UNKNOWN})
 
 
+def refusal_stays(mode: DriverMode) -> bool:
+    """A refused reclaim is set on the card only while a reclaim may still be wanted: the card is off
+    its compute driver (on vfio-pci, or none). On its compute driver the refusal is the answer to the
+    request alone (the reply says it), and the card keeps no Reclaim condition."""
+    return mode != "Compute"
+
+
 def reclaim_answer_applies(
     answer: Condition, previous_state: ManagementState | None, state: ManagementState, mode: DriverMode
 ) -> bool:
@@ -553,15 +564,20 @@ def reclaim_answer_applies(
 
     | reason                              | kept while                                           |
     |-------------------------------------|------------------------------------------------------|
-    | Refused, Occupied, OccupancyUnknown | managementState is the one it was answered in        |
+    | Refused, Occupied, OccupancyUnknown | managementState is the one it was answered in, and   |
+    |                                     | the card is off its compute driver (mode not Compute)|
     | Succeeded                           | the card is on a compute driver (mode Compute)       |
     | Failed                              | the card is not on a compute driver (still stuck)    |
     | Held, InProgress, anything else     | never: without a request they describe nothing       |
+
+    A refusal on a card on its compute driver describes nothing about the card (there is
+    nothing to reclaim): it is the request's answer only, never the card's condition
+    (`refusal_stays`), so a healthy free card never reads Reclaim=False.
     """
     if answer.type != RECLAIM:
         return False
     if answer.reason in _STATE_ANSWERS:
-        return previous_state is not None and previous_state == state
+        return refusal_stays(mode) and previous_state is not None and previous_state == state
     if answer.reason == RECLAIM_SUCCEEDED:
         return mode == "Compute"
     if answer.reason == RECLAIM_FAILED:
@@ -686,6 +702,7 @@ __all__ = [
     "ORPHAN_GRACE",
     "RECLAIM_TIMEOUT",
     "FAILED_REASONS",
+    "NOT_ON_BUS",
     "DISRUPTION_REQUIRED",
     "DISRUPTION_PENDING",
     "REBOOT_REQUESTED",

@@ -5,7 +5,9 @@ The current Inventory lives in the node-bus KV bucket
 goes out as a plain message on `bcd.<node>.inventory.changed` so the
 converger can run a pass. `get` answers the last scan; `rescan` scans now.
 A periodic rescan catches what changed behind our back (a MIG instance
-created, a driver rebound). The revision only moves when the content does.
+created, a driver rebound); a health check that no longer names a card on its
+compute driver scans at once (the card fell off the bus, or left its driver).
+The revision only moves when the content does.
 
 Every scan is followed by an evaluation of each card's PhysicalGPU status
 (gpustate.GpuTracker over the physicalgpu tables): the converger's claims
@@ -98,12 +100,13 @@ from .adapters import AdapterError, AdapterUnavailable, load_adapter
 from .adapters.base import Diagnosable, GpuSharer, HealthNotRead, HealthWatcher, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
 from .build import build_inventory, inventory_content_key
 from .gpustate import (
+    claim_text,
+    claims_by_card,
     GpuState,
     GpuStateStore,
     GpuTracker,
     StateFileError,
     reclaim_accepted,
-    reclaim_condition,
     state_dir_from,
 )
 from .health import HealthPolicy
@@ -170,6 +173,8 @@ class InventoryApp(ServiceApp):
         self.health_task: asyncio.Task[None] | None = None
         #: the first check runs with the start scan, before its evaluation
         self.health_first = True
+        #: cards on their compute driver the last health check did not name (each scanned for once)
+        self.unseen: set[str] = set()
 
     def options(self) -> list[Option]:
         return [
@@ -471,18 +476,26 @@ class InventoryApp(ServiceApp):
             base = self.last_base
             if base is None:
                 return
-            if not self.health.note(self.tracker, news, listed=watched_cards(self.current or base), boot_id=base.boot_id):
+            watched = watched_cards(self.current or base)
+            # a card on its compute driver the check does not name: the library lost sight of it (off
+            # the bus, or moved to vfio-pci meanwhile): the scan says which, now, not at the next rescan
+            # (once per card: one the library never reads, a card it cannot name, costs no scan per check)
+            missed = set(watched) - {c.pci_address for c in news.checks} if news.kind == "checks" else self.unseen
+            unseen = bool(missed - self.unseen)
+            self.unseen = missed
+            if not self.health.note(self.tracker, news, listed=watched, boot_id=base.boot_id) and not unseen:
                 return  # an ignored XID, a fault seen again: nothing to publish (a storm costs no scan)
             self._save(ctx)  # the fault is on disk before anyone hears of it
-            if news.kind == "events":
+            if news.kind == "events" or unseen:
                 # an XID can come with the card leaving NVML: read the host again (the last scan when that fails)
                 base = await self._scan(ctx, "health event") or base
             claims = await self._fetch_claims(ctx)
-            await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events")
+            await self._evaluate_and_publish(ctx, base, claims, f"health {news.kind}", scanned=news.kind == "events" or unseen)
 
-    async def _recheck(self, ctx: ServiceContext, pci: str) -> tuple[bool, str, list[str]]:
-        """Check one card now, letting a clean check clear its sticky faults; (done, why not, cleared).
-        Runs under self.lock."""
+    async def _recheck(self, ctx: ServiceContext, pci: str, *, clear: bool = True) -> tuple[bool, str, list[str]]:
+        """Check one card now, letting a clean check clear its sticky faults when `clear` (the card
+        was reset: after a reset bcd made, or on a free card an operator says was); (done, why
+        not, cleared). Runs under self.lock."""
         assert self.tracker is not None
         try:
             checks = await asyncio.to_thread(self.adapter.check_health)
@@ -494,7 +507,7 @@ class InventoryApp(ServiceApp):
         if check is None:
             return False, f"the vendor library does not see {pci} (not on its compute driver, or off the bus): nothing to check", []
         boot_id = self.last_base.boot_id if self.last_base is not None else ""
-        _, cleared = self.tracker.note_health_checks([check], recheck=pci, boot_id=boot_id)
+        _, cleared = self.tracker.note_health_checks([check], recheck=pci if clear else "", boot_id=boot_id)
         return True, "", cleared.get(pci, [])
 
     async def _recheck_logged(self, ctx: ServiceContext, pci: str, why: str) -> None:
@@ -584,7 +597,7 @@ class InventoryApp(ServiceApp):
         tracker = self.tracker
         assert tracker is not None
         revision = self.current.revision if self.current else 0
-        result = tracker.evaluate(base, claims, switch=switch)
+        result = tracker.evaluate(base, claims, switch=switch, known=self.current)
         for outcome in result.reclaims:
             self.m_reclaims.labels(outcome=outcome).inc()
         if result.new_boot:
@@ -977,7 +990,8 @@ class InventoryApp(ServiceApp):
             base = await self._scan(ctx, f"gpu {action}")
             if base is None:
                 raise Refused("the host cannot be scanned right now; try again", code="503")
-            listed = any(g.pci_address == pci for g in base.gpus)
+            # a card off the bus is not in the scan but still listed (lost): it is asked about too
+            listed = any(g.pci_address == pci for g in base.gpus) or self._listed(pci)
             record = tracker.card(pci)
             if not listed and not (action == "include" and record is not None and record.excluded):
                 return refuse(f"no GPU at {pci} in this node's inventory")
@@ -1003,7 +1017,7 @@ class InventoryApp(ServiceApp):
             inv = await self._evaluate_and_publish(ctx, base, claims, f"gpu {action}")
         card = next((g for g in inv.gpus if g.pci_address == pci), None)
         if action == "reclaim":
-            condition = reclaim_condition(card.status if card is not None else None)
+            condition = tracker.take_answer(pci, card.status if card is not None else None)
             text = condition.message if condition is not None else "no Reclaim condition"
             accepted = not changed or reclaim_accepted(condition)
             message = f"{note}: {text}" if note else text
@@ -1023,7 +1037,12 @@ class InventoryApp(ServiceApp):
         if not self._watching():
             why = "health checks are off (--health-checks off)" if not self.health_policy.enabled else f"the {ctx.opts.adapter} adapter cannot watch GPU health"
             return GpuReply(pci=pci, action="recheck", accepted=False, message=f"not checked: {why}")
-        done, problem, cleared = await self._recheck(ctx, pci)
+        # a reset is what a sticky fault waits for, and no reset happens to a held card (bcd refuses
+        # it, the driver refuses a reset of a card in use): a recheck of a held card checks and says,
+        # but keeps its sticky faults. Claims not known count as held (fail-closed).
+        holders = claims_by_card(claims).get(pci, []) if claims is not None else None
+        held_by = claim_text(holders) if holders else ("someone (the converger's claims did not answer)" if holders is None else "")
+        done, problem, cleared = await self._recheck(ctx, pci, clear=not held_by)
         if not done:
             return GpuReply(pci=pci, action="recheck", accepted=False, message=f"not checked: {problem}")
         try:
@@ -1036,9 +1055,16 @@ class InventoryApp(ServiceApp):
         health = card.status.health() if card is not None else None
         said = health_text(health) if health is not None else "no Healthy condition"
         accepted = health is not None and health.status != "False"
-        message = (f"cleared {', '.join(cleared)}; " if cleared else "nothing cleared; ") + said
-        if not accepted:
-            message += " (a reset that worked and a clean check clear a fatal fault; a pending row remap needs the reset)"
+        kept = tracker.sticky_faults(pci)
+        if held_by and kept:
+            message = (
+                f"kept {', '.join(kept)}: the card is held ({held_by}), so it cannot have been reset; "
+                "sticky faults stay until the hold is released and the card is reset (bcd gpu reset) or the node rebooted; " + said
+            )
+        else:
+            message = (f"cleared {', '.join(cleared)}; " if cleared else "nothing cleared; ") + said
+            if not accepted:
+                message += " (a reset that worked and a clean check clear a fatal fault; a pending row remap needs the reset)"
         ctx.log.info("gpu request", action="recheck", pci=pci, accepted=accepted, message=message)
         return GpuReply(pci=pci, action="recheck", accepted=accepted, message=message, gpu=card)
 

@@ -91,6 +91,8 @@ async def test_pods_get_the_devices_of_kubernetes_holds_and_lose_them_before_any
     try:
         await apply(node, kube("k1", GPU[0]), kube("k2", GPU[4], GPU[5]), kube("km", MIG), assignment("plain", GPU[3]))
 
+        # the PING metadata names the MIG resources as their pattern (issue 41: it said `bcd.dev/mig-.profile.`)
+        assert node.ping()["device_plugin"]["metadata"]["resources"] == "bcd.dev/gpu,bcd.dev/mig-{profile},bcd.dev/gpu-slot"
         # one registration per atom kind; exactly the atoms of the Kubernetes holds, with NUMA nodes
         await kubelet.wait_registered(RES)
         devices = await kubelet.wait_devices(RES, lambda d: set(d) == {GPU[0], GPU[4], GPU[5]})

@@ -121,3 +121,55 @@ async def test_an_xid_reaches_the_kubelet_the_control_plane_and_new_holds(tmp_pa
         assert ("racing" in node.holds()) == (outcome == "kept")
     finally:
         await asyncio.to_thread(node.stop)
+
+
+def unplug(host: Path, uuid: str, present: bool) -> None:
+    """The card falls off the bus (`present: false`) or comes back."""
+    doc = json.loads(host.read_text())
+    next(g for g in doc["gpus"] if g["uuid"] == uuid)["present"] = present
+    tmp = host.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, host)
+
+
+async def test_a_held_card_off_the_bus_is_news_everywhere_and_never_unclaimed_on_its_return(tmp_path) -> None:
+    """Issue 41 (2): `present: false` on a card held by train-01: it stayed Ready ~30 s, then dropped
+    out of the GPU table while the hold stayed; no hold or gpu event, `bcd doctor` said every card
+    healthy, `bcd gpu list <pci>` said "no card"; back on the bus, upstream first heard Ready/Unclaimed."""
+    node = Node(tmp_path, env={"BCD_HEALTH_INTERVAL": "1"})
+    await asyncio.to_thread(node.start)
+    pci = PCI[GPU[2]]
+    try:
+        gen = await asyncio.to_thread(node.apply, {"node_id": "node-1", "devices": [assignment("train-01", GPU[2])]})
+        await asyncio.to_thread(node.wait_generation, gen)
+
+        def states() -> list[str]:
+            return [(e.event or {}).get("management_state", "") for e in applied(node, "gpu") if (e.event or {}).get("pci_address") == pci]
+
+        await asyncio.to_thread(wait_for, lambda: "Managed" in states(), 15, "the card said Managed by its hold")
+        held_from = states().index("Managed")
+        unplug(node.host, GPU[2], False)
+
+        def hold_said():
+            got = {e.allocation_id: e for e in applied(node, "hold")}
+            return got.get("train-01")
+
+        said = await asyncio.to_thread(wait_for, hold_said, 15, "the hold saying its card is lost")
+        assert "DevicesHealthy=False GpuLost" in said.detail and "fell off the bus" in said.detail, said.detail
+        assert "train-01" in node.holds()
+        status = await asyncio.to_thread(bcd, "status", "--state-dir", str(node.state))
+        assert status.returncode == 1 and "GpuLost" in status.stdout, status.stdout
+        doctor = await asyncio.to_thread(bcd, "doctor", "--state-dir", str(node.state))
+        assert f"{pci} is unhealthy (Healthy=False/GpuLost)" in doctor.stdout, doctor.stdout
+        listed = await asyncio.to_thread(bcd, "gpu", "list", pci, "--state-dir", str(node.state))
+        assert listed.returncode == 0 and "GpuLost" in listed.stdout, listed.stdout + listed.stderr
+
+        lost_events = len(states())
+        unplug(node.host, GPU[2], True)
+        rescan = await asyncio.to_thread(bcd, "gpu", "recheck", pci, "--state-dir", str(node.state))  # scans the host now
+        assert rescan.returncode == 1 and "kept GpuLost: the card is held" in rescan.stdout, rescan.stdout
+        await asyncio.to_thread(wait_for, lambda: len(states()) > lost_events, 15, "the card's return said")
+        await asyncio.sleep(1)
+        assert "Unclaimed" not in states()[held_from:], states()
+    finally:
+        await asyncio.to_thread(node.stop)

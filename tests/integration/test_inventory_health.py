@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from shared.schemas import GpuClaim
+
 from .harness import NodeBus
 from .test_inventory_gpu import CARD0, CARD1, CARD2, CARD3, Node, cond, host_file, node, until  # noqa: F401 - fixtures
 
@@ -184,3 +186,76 @@ async def test_a_broken_host_file_loses_no_card(node: Node) -> None:
     add_health(node, CARD1, xids=[xid(79)])
     await node.wait_card(CARD1, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed after the file reads again")
     assert health(await node.card(CARD0)) == ("True", "Checked")
+
+
+async def test_a_recheck_of_a_held_card_checks_but_keeps_its_sticky_faults(node: Node) -> None:
+    """Issue 41 (8): XID 79 on a held card; `bcd gpu reset` is refused (held), yet `bcd gpu recheck`
+    answered `cleared XidCritical; Healthy=True`. No reset happens to a held card, so a recheck of one
+    checks and says, keeping its sticky faults; on a free card a clean check clears them."""
+    node.claims = [GpuClaim(pci_address=CARD2, kind="allocation", holder="train-01")]
+    await node.start(**FAST)
+    add_health(node, CARD2, xids=[xid(79)])
+    await node.wait_card(CARD2, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed")
+
+    held = await node.gpu("recheck", CARD2)
+    assert held.accepted is False, held.message
+    assert held.message.startswith("kept XidCritical: the card is held (allocation train-01)"), held.message
+    assert "until the hold is released and the card is reset (bcd gpu reset) or the node rebooted" in held.message
+    assert held.gpu is not None and health(held.gpu) == ("False", "XidCritical")
+    assert health(await node.card(CARD2)) == ("False", "XidCritical")
+
+    # the hold goes; the operator reset the card another way and asks: a clean check clears it
+    await node.set_claims()
+    await node.wait_card(CARD2, lambda g: g.status.driver_binding.management_state == "Unclaimed", "free")
+    free = await node.gpu("recheck", CARD2)
+    assert free.accepted is True and free.message.startswith("cleared XidCritical; Healthy=True Checked"), free.message
+    node.assert_clean_log()
+
+
+async def test_a_held_card_that_falls_off_the_bus_is_lost_at_once_and_never_said_unclaimed(node: Node) -> None:
+    """Issue 41 (2): `present: false` on a held card: it stayed Ready until the 30-s scan, then dropped
+    out of the inventory silently while the hold stayed; back on the bus it was first said
+    Ready/Unclaimed. Now it is GpuLost as promptly as an XID (the scan interval here is 60 s), stays
+    listed, is said upstream, and its return never reads Unclaimed while held."""
+    node.claims = [GpuClaim(pci_address=CARD2, kind="allocation", holder="train-01")]
+    await node.start(**{**FAST, "BCD_HEALTH_INTERVAL": "30"})  # neither the scan nor a check finds it
+    await node.wait_card(CARD2, lambda g: g.status.driver_binding.management_state == "Managed", "held")
+    before = len(await node.events_of(CARD2))
+
+    node.edit_host(**{CARD2: {"present": False}})
+    lost = await node.wait_card(CARD2, lambda g: health(g) == ("False", "GpuLost"), "GpuLost", timeout=3)
+    assert lost.status.phase == "Failed" and cond(lost, "AdapterReady") == ("False", "NotOnBus")
+    assert lost.status.driver_binding.management_state == "Managed"  # its hold is still accounted for
+    said = (await node.events_of(CARD2))[before:]
+    assert said and said[-1].phase == "Failed"
+    assert ("Healthy", "False", "GpuLost") in [(c.type, c.status, c.reason) for c in said[-1].status.conditions]
+
+    node.edit_host(**{CARD2: {"present": True}})
+    await node.rescan()
+    back = await node.card(CARD2)
+    assert back.status.driver_binding.management_state == "Managed" and health(back) == ("False", "GpuLost")
+    assert all(e.management_state != "Unclaimed" for e in (await node.events_of(CARD2))[before:])
+    node.assert_clean_log()
+
+
+async def test_a_free_card_that_falls_off_the_bus_is_lost_too(node: Node) -> None:
+    await node.start(**FAST)
+    node.edit_host(**{CARD5: {"present": False}})
+    lost = await node.wait_card(CARD5, lambda g: health(g) == ("False", "GpuLost"), "GpuLost", timeout=3)
+    assert lost.status.phase == "Failed"
+    assert [g.pci_address for g in (await node.inventory()).gpus].count(CARD5) == 1
+    # asked about, it is the listed card it is: nothing to check off the bus
+    reply = await node.gpu("recheck", CARD5)
+    assert reply.accepted is False and "off the bus" in reply.message, reply.message
+    node.assert_clean_log()
+
+
+async def test_a_card_the_check_no_longer_sees_is_scanned_at_once(node: Node) -> None:
+    """The class of issue 41 (2) for any adapter: a card on its compute driver that a health check no
+    longer names (NVML lost sight of it) makes the inventory scan now, not at the next rescan (60 s
+    here): here the card went to vfio-pci behind bcd's back, which is no loss."""
+    await node.start(**FAST)
+    node.edit_host(**{CARD6: {"driver": "vfio-pci", "driver_override": "vfio-pci"}})
+    moved = await node.wait_card(CARD6, lambda g: g.status.driver_binding.mode == "Passthrough", "scanned on vfio-pci", timeout=5)
+    assert health(moved) != ("False", "GpuLost")
+    node.assert_clean_log()

@@ -150,6 +150,27 @@ def test_names_sockets_and_profiles():
     assert socket_name("bcd.dev/mig-1g.10gb") == "bcd-mig-1g.10gb.sock"
 
 
+@pytest.mark.parametrize("profile", ["", "<profile>", "+", "-1g", "1g.10gb-"])
+def test_a_profile_that_makes_no_name_part_builds_no_resource_name(profile):
+    """Issue 41 (14c): `mig_name('<profile>')` was `bcd.dev/mig-.profile.` (in the PING metadata): a name
+    is never built of an empty or placeholder part."""
+    with pytest.raises(BadResourceName):
+        NAMES.mig_name(profile)
+
+
+def test_the_mig_resources_are_named_as_a_pattern_for_people():
+    assert NAMES.mig_pattern == "bcd.dev/mig-{profile}"
+    assert ResourceNames(domain="example.com", mig="accel-mig-{profile}").mig_pattern == "example.com/accel-mig-{profile}"
+
+
+def test_a_mig_instance_whose_profile_makes_no_name_is_not_advertised_and_the_hold_says_why():
+    odd = MigInstance(atom_id=MIG, uuid="MIG-aaaaaaaa-0000-4000-8000-000000000000", gi=1, ci=0, profile="<?>")
+    advert = plan_advertisement({"km": hold("km", MIG)}, inventory(card(U1, 1, migs=(odd,))), NAMES)
+    assert not any(r.startswith("bcd.dev/mig-") for r in advert.resources)
+    view = advert.holds["km"]
+    assert not view.advertised and "makes no resource name part" in view.reason
+
+
 def dev(i: str, alloc: str, numa: int | None = 0) -> AdvertisedDevice:
     return AdvertisedDevice(i, "bcd.dev/gpu", alloc, i, f"bcd.dev/gpu={i}", True, numa, i)
 

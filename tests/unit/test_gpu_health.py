@@ -325,6 +325,21 @@ def test_the_fake_watch_reports_what_happens_after_it_opened(tmp_path: Path) -> 
     assert a.wait_health_events(0.05) == []
 
 
+def test_a_watched_card_that_falls_off_the_bus_is_a_gone_event_and_one_on_vfio_is_not(tmp_path: Path) -> None:
+    """Issue 41 (2): `present: false` was only seen by the next scan (30 s); NVML says GPU_IS_LOST at once."""
+    path = host_copy(tmp_path)
+    a = FakeHwAdapter(path, cdi_dir=tmp_path)
+    assert a.open_health_watch() == []
+    change(path, lambda d: d["gpus"][0].update(driver="vfio-pci"))
+    assert a.wait_health_events(0.3) == []  # moved to vfio-pci: out of NVML's sight, not lost
+    change(path, lambda d: d["gpus"][0].update(driver="nvidia"))
+    assert a.wait_health_events(0.3) == []  # watched again
+    change(path, lambda d: d["gpus"][0].update(present=False))
+    [e] = a.wait_health_events(2.0)
+    assert (e.pci_address, e.kind) == (PCI, "gone") and "fell off the bus" in e.message
+    assert a.wait_health_events(0.2) == []  # said once
+
+
 def test_the_fake_checks_and_the_library_gone(tmp_path: Path) -> None:
     path = host_copy(tmp_path)
     a = FakeHwAdapter(path, cdi_dir=tmp_path)

@@ -37,6 +37,8 @@ from services.inventory.gpustate import (
     state_dir_from,
 )
 from services.inventory.physicalgpu import ORPHAN_GRACE, RECLAIM_TIMEOUT
+from services.inventory.adapters.base import HealthCheck
+from services.inventory.health import HealthPolicy
 from shared.eventids import gpu_id
 from shared.schemas import (
     Claims,
@@ -411,11 +413,13 @@ def _orphaned(clock: Clock, t: GpuTracker) -> Inventory:
 
 RECLAIM_CASES = [
     # (id, card, claims, excluded, Reclaim (status, reason), message words, request kept)
-    ("managed", gpu(), claims((PCI, "allocation", "a-1")), False, ("False", "Refused"), "refused: managementState is Managed", False),
-    ("excluded", gpu(driver=""), FREE, True, ("False", "Refused"), "refused: managementState is Excluded", False),
-    ("unclaimed", gpu(), FREE, False, ("False", "Refused"), "refused: managementState is Unclaimed", False),
-    ("no-live-binding", gpu(driver=""), FREE, False, ("False", "Refused"), "refused: managementState is Unknown", False),
-    ("indeterminate", gpu(driver="vfio-pci"), None, False, ("False", "Refused"), "refused: managementState is Unknown", False),
+    # (on its compute driver a refusal is the request's answer only: the card keeps no Reclaim condition)
+    ("managed", gpu(), claims((PCI, "allocation", "a-1")), False, None, "managementState is Managed: the card is on its compute driver", False),
+    ("managed-vm", gpu(driver="vfio-pci"), claims((PCI, "instance", "vm-1")), False, ("False", "Refused"), "managementState is Managed", False),
+    ("excluded", gpu(driver=""), FREE, True, ("False", "Refused"), "managementState is Excluded", False),
+    ("unclaimed", gpu(), FREE, False, None, "managementState is Unclaimed: the card is on its compute driver (nvidia), nothing to reclaim", False),
+    ("no-live-binding", gpu(driver=""), FREE, False, ("False", "Refused"), "managementState is Unknown", False),
+    ("indeterminate", gpu(driver="vfio-pci"), None, False, ("False", "Refused"), "managementState is Unknown", False),
     ("orphan-pending", gpu(driver="vfio-pci"), FREE, False, ("Unknown", "Held"), "held", True),
 ]
 
@@ -426,7 +430,7 @@ RECLAIM_CASES = [
     ids=[c[0] for c in RECLAIM_CASES],
 )
 def test_a_reclaim_on_each_management_state(
-    card: Gpu, given: Claims | None, excluded: bool, expected: tuple[str, str], words: str, kept: bool
+    card: Gpu, given: Claims | None, excluded: bool, expected: tuple[str, str] | None, words: str, kept: bool
 ) -> None:
     t = tracker()
     if excluded:
@@ -434,9 +438,11 @@ def test_a_reclaim_on_each_management_state(
     assert t.request_reclaim(PCI) is True
     result = t.evaluate(inv(card), given)
     status = result.inventory.gpus[0].status
-    reclaim = reclaim_condition(status)
-    assert reclaim is not None and (reclaim.status, reclaim.reason) == expected
+    assert sr(status, "Reclaim") == expected
+    reclaim = t.take_answer(PCI, status)
+    assert reclaim is not None and reclaim.reason in ("Refused", "Held")
     assert reclaim.message.startswith(words)
+    assert not reclaim.message.lower().startswith("refused")  # the reason says it; the reply prints it
     assert reclaim_accepted(reclaim) is kept
     rec = t.card(PCI)
     assert rec is not None and (rec.reclaim is not None) is kept
@@ -507,7 +513,7 @@ def test_a_held_reclaim_is_refused_when_a_claim_appears() -> None:
     assert result.reclaims == ["refused"]
     reclaim = reclaim_condition(status_of(t))
     assert reclaim is not None and (reclaim.status, reclaim.reason) == ("False", "Refused")
-    assert reclaim.message == "refused: managementState is Managed"
+    assert reclaim.message == "managementState is Managed"
     rec = t.card(PCI)
     assert rec is not None and rec.reclaim is None
 
@@ -583,30 +589,31 @@ def test_a_new_reclaim_after_a_refusal_is_gated_again() -> None:
 
 
 def test_a_refusal_on_an_excluded_card_is_cleared_once_it_is_included() -> None:
-    """exclude -> reclaim (refused: Excluded) -> include: the card read Unclaimed with the stale refusal."""
+    """exclude -> reclaim (refused: Excluded) -> include: the card read Unclaimed with the stale refusal.
+    (A card with no driver: on its compute driver a refusal never sits on the card, issue 41.)"""
     clock = Clock()
     t = tracker(clock)
-    t.evaluate(inv(gpu()), FREE)
+    bare = gpu(driver="")
+    t.evaluate(inv(bare), FREE)
     assert t.exclude(PCI) is True
-    assert answer(t.evaluate(inv(gpu()), FREE).inventory.gpus[0].status)[1] == "Excluded"
+    assert answer(t.evaluate(inv(bare), FREE).inventory.gpus[0].status)[1] == "Excluded"
     t.request_reclaim(PCI)
-    refused = t.evaluate(inv(gpu()), FREE)
+    refused = t.evaluate(inv(bare), FREE)
     assert refused.reclaims == ["refused"]
     reclaim = reclaim_condition(status_of(t))
     assert reclaim is not None and (reclaim.status, reclaim.reason) == ("False", "Refused")
-    assert reclaim.message == "refused: managementState is Excluded"
+    assert reclaim.message == "managementState is Excluded"
     # the refusal stands while the card still reads Excluded
     clock.advance(timedelta(seconds=30))
-    assert t.evaluate(inv(gpu()), FREE).events == []
+    assert t.evaluate(inv(bare), FREE).events == []
     assert sr(status_of(t), "Reclaim") == ("False", "Refused")
 
     assert t.include(PCI) is True
     clock.advance(timedelta(seconds=1))
-    result = t.evaluate(inv(gpu()), FREE)
+    result = t.evaluate(inv(bare), FREE)
     status = result.inventory.gpus[0].status
-    assert answer(status) == ("Ready", "Unclaimed", "NoBackingAllocation")
+    assert answer(status)[1:] == ("Unknown", "NoLiveBinding")
     assert reclaim_condition(status) is None
-    assert [c.type for c in status.conditions] == ["AdapterReady", "Managed"]
     # one event says so, and the cleared condition does not come back
     assert len(result.events) == 1 and reclaim_condition(result.events[0].event.status) is None
     clock.advance(timedelta(seconds=1))
@@ -615,9 +622,44 @@ def test_a_refusal_on_an_excluded_card_is_cleared_once_it_is_included() -> None:
     assert reclaim_condition(status_of(t)) is None
 
 
+def test_a_refused_reclaim_leaves_nothing_on_a_healthy_free_card() -> None:
+    """Issue 41 (10): a refused reclaim left Reclaim=False/Refused on a free card on its compute driver
+    until a restart, its message "refused: refused: ...". The answer goes to the request only."""
+    clock = Clock()
+    t = tracker(clock)
+    t.evaluate(inv(gpu()), FREE)
+    t.sent(len(t.outbox))
+    t.request_reclaim(PCI)
+    result = t.evaluate(inv(gpu()), FREE)
+    assert result.reclaims == ["refused"]
+    assert reclaim_condition(result.inventory.gpus[0].status) is None
+    assert result.events == []  # nothing about the card changed: no event
+    said = t.take_answer(PCI, result.inventory.gpus[0].status)
+    assert said is not None and (said.status, said.reason) == ("False", "Refused")
+    assert said.message == "managementState is Unclaimed: the card is on its compute driver (nvidia), nothing to reclaim"
+    # taken once; a later request's answer is its own
+    assert t.take_answer(PCI, result.inventory.gpus[0].status) is None
+    clock.advance(timedelta(minutes=5))
+    assert reclaim_condition(t.evaluate(inv(gpu()), FREE).inventory.gpus[0].status) is None
+
+
+def test_a_refusal_on_vfio_is_cleared_when_the_card_is_back_on_its_compute_driver() -> None:
+    """The class of issue 41 (10): a refusal describes the present. Refused while a VM held the card on
+    vfio-pci; the VM's card goes back to its compute driver and the claim with it: the refusal goes."""
+    clock = Clock()
+    t = tracker(clock)
+    t.request_reclaim(PCI)
+    assert t.evaluate(inv(gpu(driver="vfio-pci")), claims((PCI, "instance", "vm-1"))).reclaims == ["refused"]
+    assert sr(status_of(t), "Reclaim") == ("False", "Refused")
+    clock.advance(timedelta(seconds=5))
+    # the same managementState (Managed, now by a hold) but the card is on its compute driver
+    t.evaluate(inv(gpu()), claims((PCI, "allocation", "a-1")))
+    assert reclaim_condition(status_of(t)) is None
+
+
 STALE_ANSWER_CASES = [
     # (id, card then claims to reach the answer, the card and claims after, Reclaim after)
-    ("refused-unclaimed-stays-unclaimed", (gpu(), FREE), (gpu(), FREE), ("False", "Refused")),
+    ("refused-unclaimed-stays-unclaimed", (gpu(), FREE), (gpu(), FREE), None),  # issue 41: nothing on a free card
     ("refused-unclaimed-then-claimed", (gpu(), FREE), (gpu(), claims((PCI, "allocation", "a-1"))), None),
     ("refused-managed-then-released", (gpu(), claims((PCI, "allocation", "a-1"))), (gpu(), FREE), None),
     ("refused-managed-vm-then-orphan-pending", (gpu(driver="vfio-pci"), claims((PCI, "instance", "vm-1"))), (gpu(driver="vfio-pci"), FREE), None),
@@ -1099,6 +1141,33 @@ def test_a_state_file_of_an_older_bcd_says_nothing_at_its_first_evaluation() -> 
     assert new.evaluate(inv(gpu()), FREE).events == []
 
 
+def test_an_upgrade_from_a_state_file_without_healthy_says_no_unknown_that_did_not_happen() -> None:
+    """Issue 41 (12): from a gpus.json with no Healthy condition (a bcd older than GPU health), the
+    start said a `gpu` event with managementState Unknown for every card (the converger not answering
+    yet), then Managed again. The start computes Healthy and carries what was said forward."""
+    clock = Clock()
+    old = tracker(clock)  # an older bcd: no health at all
+    held = claims((PCI2, "allocation", "a-1"))
+    old.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    state = decode_state(old.snapshot())
+    for rec in state.cards.values():
+        assert rec.status is not None and cond(rec.status, "Healthy") is None
+        rec.said = None  # what an older bcd wrote: its last status stands for what was said
+
+    clock.advance(timedelta(minutes=5))
+    new = tracker(clock, state=state, health=HealthPolicy())
+    new.note_health_checks([HealthCheck(pci_address=p, answers=True) for p in (PCI, PCI2)], boot_id=BOOT)
+    starting = new.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
+    said = {e.event.pci_address: e.event for e in starting.events}
+    # the news is the card's own (Healthy=True); what the claims decide is what was said before
+    assert {p: e.management_state for p, e in said.items()} == {PCI: "Unclaimed", PCI2: "Managed"}
+    assert all(sr(e.status, "Healthy") == ("True", "Checked") and e.phase == "Ready" for e in said.values())
+    assert all(sr(e.status, "Managed")[0] == "True" for e in said.values())
+    assert status_of(new, PCI2).driver_binding.management_state == "Unknown"  # fail-closed here all the same
+    clock.advance(timedelta(milliseconds=100))
+    assert new.evaluate(inv(gpu(), gpu(PCI2, index=1)), held).events == []  # the claims change nothing
+
+
 def test_a_change_of_the_card_itself_is_said_at_start_while_the_claims_are_not_known() -> None:
     """The grace holds back only what the missing claims make (managementState Unknown); a reboot's
     Reconfiguring Completing is the card's own news and must reach upstream even if the converger
@@ -1123,3 +1192,92 @@ def test_a_change_of_the_card_itself_is_said_at_start_while_the_claims_are_not_k
     # what the claims then add (Unclaimed for Unknown) is said once they are known
     third = after.evaluate(inv(gpu(), boot="boot-b"), FREE)
     assert [e.event.management_state for e in third.events] == ["Unclaimed"]
+
+
+# --------------------------------------------------------------------------- a card missing from the scan (issue 41, point 2)
+
+
+def _lost_case(**kw: Any) -> tuple[Clock, GpuTracker]:
+    clock = Clock()
+    t = tracker(clock, health=HealthPolicy(), **kw)
+    t.note_health_checks([HealthCheck(pci_address=p, answers=True) for p in (PCI, PCI2)], boot_id=BOOT)
+    t.evaluate(inv(gpu(), gpu(PCI2, index=1)), claims((PCI2, "allocation", "train-01")))
+    t.sent(len(t.outbox))
+    return clock, t
+
+
+def test_a_held_card_missing_from_the_scan_stays_listed_lost_and_said() -> None:
+    """Issue 41 (2): with `present: false` on a held card it silently dropped out of the inventory while
+    its hold stayed; no gpu event, nothing unhealthy. It stays listed: Healthy=False/GpuLost, phase
+    Failed, still Managed by its hold, and one gpu event says so."""
+    clock, t = _lost_case()
+    clock.advance(timedelta(seconds=1))
+    result = t.evaluate(inv(gpu()), claims((PCI2, "allocation", "train-01")))
+    lost = next(g for g in result.inventory.gpus if g.pci_address == PCI2)
+    assert [g.pci_address for g in result.inventory.gpus] == [PCI, PCI2]
+    assert lost.atom_id == gpu(PCI2, index=1).atom_id  # the id its holds name
+    assert sr(lost.status, "Healthy") == ("False", "GpuLost")
+    assert sr(lost.status, "AdapterReady") == ("False", "NotOnBus")
+    assert answer(lost.status) == ("Failed", "Managed", "BackingAllocation")
+    assert (lost.driver, lost.status.driver_binding.mode) == ("", "None")
+    assert "not on the bus any more" in cond(lost.status, "Healthy").message
+    assert [(e.event.pci_address, e.event.phase) for e in result.events] == [(PCI2, "Failed")]
+    # still missing: nothing new to say
+    clock.advance(timedelta(seconds=30))
+    assert t.evaluate(inv(gpu()), claims((PCI2, "allocation", "train-01"))).events == []
+
+
+def test_a_held_card_that_comes_back_is_never_said_unclaimed_and_stays_lost() -> None:
+    """Issue 41 (2): the card that came back was first said Ready/Unclaimed while held. The claims kept
+    naming it (it stayed listed), and its GpuLost is sticky until a person acts."""
+    clock, t = _lost_case()
+    held = claims((PCI2, "allocation", "train-01"))
+    t.evaluate(inv(gpu()), held)
+    clock.advance(timedelta(seconds=5))
+    back = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    card = next(g for g in back.inventory.gpus if g.pci_address == PCI2)
+    assert card.status.driver_binding.management_state == "Managed"
+    assert sr(card.status, "Healthy") == ("False", "GpuLost")
+    assert all(e.event.management_state != "Unclaimed" for e in back.events if e.event.pci_address == PCI2)
+    assert t.card(PCI2).missing_since is None and sr(card.status, "AdapterReady") == ("True", "AdapterReady")
+
+
+def test_a_free_card_missing_from_the_scan_is_lost_until_a_reboot_without_it() -> None:
+    clock, t = _lost_case()
+    clock.advance(timedelta(seconds=1))
+    gone = t.evaluate(inv(gpu(PCI2, index=1)), claims((PCI2, "allocation", "train-01")))
+    lost = next(g for g in gone.inventory.gpus if g.pci_address == PCI)
+    assert sr(lost.status, "Healthy") == ("False", "GpuLost") and lost.status.phase == "Failed"
+    # a reboot without it: the claims not known yet, it stays; known and naming nothing on it, it goes
+    assert PCI in [g.pci_address for g in t.evaluate(inv(gpu(PCI2, index=1), boot="boot-b"), None).inventory.gpus]
+    after = t.evaluate(inv(gpu(PCI2, index=1), boot="boot-b"), claims((PCI2, "allocation", "train-01")))
+    assert [g.pci_address for g in after.inventory.gpus] == [PCI2]
+    assert t.card(PCI) is None
+
+
+def test_a_held_card_missing_through_a_reboot_stays_listed() -> None:
+    clock, t = _lost_case()
+    held = claims((PCI2, "allocation", "train-01"))
+    t.evaluate(inv(gpu()), held)
+    after = t.evaluate(inv(gpu(), boot="boot-b"), held)
+    assert sr(next(g for g in after.inventory.gpus if g.pci_address == PCI2).status, "Healthy") == ("False", "GpuLost")
+
+
+def test_a_missing_card_is_lost_even_when_health_is_not_watched() -> None:
+    clock = Clock()
+    t = tracker(clock, health=HealthPolicy(enabled=False))
+    t.evaluate(inv(gpu(), gpu(PCI2, index=1)), FREE)
+    lost = next(g for g in t.evaluate(inv(gpu()), FREE).inventory.gpus if g.pci_address == PCI2)
+    assert sr(lost.status, "Healthy") == ("False", "GpuLost") and lost.status.phase == "Failed"
+
+
+def test_a_state_file_without_listings_relists_a_missing_card_from_the_last_inventory() -> None:
+    """An older bcd's gpus.json keeps no listing: the last published inventory names the card."""
+    clock, t = _lost_case()
+    last = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), FREE).inventory
+    state = decode_state(t.snapshot())
+    for rec in state.cards.values():
+        rec.listing = None
+    after = tracker(clock, state=state, health=HealthPolicy())
+    result = after.evaluate(inv(gpu()), FREE, known=last)
+    assert [g.pci_address for g in result.inventory.gpus] == [PCI, PCI2]

@@ -328,27 +328,27 @@ STATES = ["Managed", "Excluded", "Unclaimed", "Orphaned", "Unknown"]
         pytest.param("Unknown", "OrphanPending", True, False, "hold", "Held", None, id="orphan-pending-held"),
         pytest.param("Unknown", "OrphanPending", False, True, "hold", "Held", None, id="held-before-occupancy"),
         pytest.param(
-            "Managed", "BackingAllocation", True, False, "refuse", "Refused", "refused: managementState is Managed",
+            "Managed", "BackingAllocation", True, False, "refuse", "Refused", "managementState is Managed",
             id="managed",
         ),
         pytest.param(
             "Managed", "ExcludedReleasePending", True, False, "refuse", "Refused",
-            "refused: managementState is Managed", id="managed-excluded-release-pending",
+            "managementState is Managed", id="managed-excluded-release-pending",
         ),
         pytest.param(
-            "Excluded", "Excluded", True, False, "refuse", "Refused", "refused: managementState is Excluded",
+            "Excluded", "Excluded", True, False, "refuse", "Refused", "managementState is Excluded",
             id="excluded",
         ),
         pytest.param(
             "Unclaimed", "NoBackingAllocation", True, False, "refuse", "Refused",
-            "refused: managementState is Unclaimed", id="unclaimed",
+            "managementState is Unclaimed", id="unclaimed",
         ),
         pytest.param(
-            "Unknown", "NoLiveBinding", True, False, "refuse", "Refused", "refused: managementState is Unknown",
+            "Unknown", "NoLiveBinding", True, False, "refuse", "Refused", "managementState is Unknown",
             id="unknown-no-live-binding",
         ),
         pytest.param(
-            "Unknown", "Indeterminate", True, False, "refuse", "Refused", "refused: managementState is Unknown",
+            "Unknown", "Indeterminate", True, False, "refuse", "Refused", "managementState is Unknown",
             id="unknown-indeterminate",
         ),
         pytest.param(
@@ -386,7 +386,7 @@ def test_a_reclaim_on_each_derived_management_state(card: CardFacts) -> None:
     elif managed.reason == "OrphanPending":
         assert d.verdict == "hold"
     else:
-        assert (d.verdict, d.message) == ("refuse", f"refused: managementState is {state}")
+        assert (d.verdict, d.message) == ("refuse", f"managementState is {state}")
 
 
 def test_each_management_state_value_is_tried() -> None:
@@ -456,7 +456,10 @@ def test_reclaim_timeout_is_two_minutes() -> None:
     ("reason", "previous", "state", "mode", "kept"),
     [
         # a refusal stands while the managementState it was answered in does (issue 12)
-        pytest.param("Refused", "Excluded", "Excluded", "Compute", True, id="refused-state-unchanged"),
+        pytest.param("Refused", "Excluded", "Excluded", "None", True, id="refused-state-unchanged"),
+        # ... and only off the compute driver: on it there is nothing to reclaim (issue 41)
+        pytest.param("Refused", "Excluded", "Excluded", "Compute", False, id="refused-on-the-compute-driver"),
+        pytest.param("Refused", "Managed", "Managed", "Passthrough", True, id="refused-vm-card-still-on-vfio"),
         pytest.param("Refused", "Excluded", "Unclaimed", "Compute", False, id="refused-after-include"),
         pytest.param("Refused", "Unclaimed", "Managed", "Compute", False, id="refused-then-claimed"),
         pytest.param("Refused", None, "Unclaimed", "Compute", False, id="refused-no-previous-status"),

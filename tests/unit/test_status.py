@@ -228,6 +228,19 @@ ATTENTION_CASES = [
         False,
     ),
     (
+        "gpu-lost-off-the-bus",  # issue 41: a card missing from the scan stays listed, lost
+        "Failed",
+        _binding("None", "Managed", ""),
+        [
+            _cond("AdapterReady", "False", "NotOnBus", "the card is not on the bus any more"),
+            _cond("Healthy", "False", "GpuLost", "the card is not on the bus any more: missing from the scan since 2026-12-03T10:00:00Z"),
+        ],
+        "unhealthy",
+        "unhealthy: the card is not on the bus any more",
+        "the card is off the bus: move its work and reboot the node",
+        False,
+    ),
+    (
         "ecc-uncorrectable",
         "Failed",
         _binding(),

@@ -6,7 +6,8 @@ rise of an ECC counter, `gone` turning true) and nothing from before, so a resta
 knows an earlier XID only from its own gpus.json. A host file that cannot be read is
 HealthNotRead (nothing is concluded), never the library gone. It polls the file (every POLL_SECONDS, and
 decodes it only when its inode, size or mtime moved), from the inventory's health thread.
-Cards NVML cannot see (on vfio-pci, off the bus) are neither watched nor checked.
+Cards NVML cannot see (on vfio-pci, off the bus) are neither watched nor checked; a watched card
+that goes off the bus (`present` turning false) is a `gone` event, as NVML's GPU_IS_LOST is.
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class FakeHealthWatch:
             )
         for pci in [p for p in self.seen if not any(c.pci_address == p and _watched(c) for c in host.gpus)]:
             del self.seen[pci]
+            if not any(c.pci_address == pci and c.present for c in host.gpus):
+                # a watched card that fell off the bus: NVML says so at once (GPU_IS_LOST), not at the next scan
+                events.append(HealthEvent(pci, "gone", now, message="the card fell off the bus (fake host: present false)"))
         return events
 
 
