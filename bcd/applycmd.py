@@ -127,8 +127,7 @@ def apply_command(args: argparse.Namespace) -> int:
         return _dry_run(args, info, checked)
     if info.put_command:
         # the compose node: its control plane's key is its container's, and it signs there
-        how = info.put_command.replace("SPEC", str(args.spec))
-        return _refused(args, f"{args.state_dir} is a node whose control plane signs in its own container: put the spec with `{how}` (a dry run works here)")
+        return _refused(args, f"{args.state_dir} is a node whose control plane signs in its own container: {put_advice(info, args.spec)} (a dry run works here)")
     events = Path(info.controlplane_dir) / EVENTS_FILE if info.controlplane_dir else None
     offset = events_offset(events) if events is not None else 0
     try:
@@ -182,6 +181,19 @@ def apply_command(args: argparse.Namespace) -> int:
     return follower.exit_code()
 
 
+def put_advice(info: Any, spec: object) -> str:
+    """How a spec is put on this node, in words: one answer for the dry run's advice and apply's refusal.
+
+    A compose node's control plane signs in its own container (`put_command`), where `bcd
+    apply` refuses; everywhere else `bcd apply` puts it.
+    """
+    from .dryrun import APPLY_ADVICE
+
+    if info.put_command:
+        return f"put the spec with `{info.put_command.replace('SPEC', str(spec))}`"
+    return APPLY_ADVICE
+
+
 def _put_json(args: argparse.Namespace, result: PutResult) -> dict[str, Any]:
     return {
         "spec": str(args.spec),
@@ -210,7 +222,7 @@ def _dry_run(args: argparse.Namespace, info: Any, checked: Any) -> int:
     if args.json:
         print(json.dumps({"spec": str(args.spec), **dry_run_json(d)}, indent=2))
     else:
-        print(render_dry_run(d, str(args.spec)))
+        print(render_dry_run(d, str(args.spec), put_advice(info, args.spec)))
     return 1 if d.would_fail else 0
 
 

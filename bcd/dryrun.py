@@ -224,7 +224,12 @@ def dry_run(info: NodeInfo, spec: NodeSpec) -> DryRun:
     return summarize_plan(spec, plan(spec, observed, config), dict(observed.holds), notes)
 
 
-def render_dry_run(d: DryRun, source: str = "") -> str:
+#: what the dry run's last line advises on a node where `bcd apply` puts the spec itself
+APPLY_ADVICE = "`bcd apply` without --dry-run puts it"
+
+
+def render_dry_run(d: DryRun, source: str = "", advice: str = APPLY_ADVICE) -> str:
+    """The plan as lines; `advice` ends the last one: how a spec is put on this node (bcd.applycmd.put_advice)."""
     what = f"{source} " if source else ""
     lines = [f"DRY RUN: nothing was put. The plan for {what}on node {d.node_id} as generation {d.generation}, against its holds now:"]
     for h in d.holds:
@@ -243,7 +248,7 @@ def render_dry_run(d: DryRun, source: str = "") -> str:
     counts = {a: len(d.by_action(a)) for a in ("bind", "rebind", "restore", "keep", "wait", "release", "refuse")}
     # rebind, restore and wait only when there are any (the four others always)
     tally = ", ".join(f"{n} {a}" for a, n in counts.items() if n or a not in ("rebind", "restore", "wait"))
-    lines.append(f"would be: {d.state} ({tally}); `bcd apply` without --dry-run puts it")
+    lines.append(f"would be: {d.state} ({tally}); {advice}")
     return "\n".join(lines)
 
 
@@ -260,4 +265,4 @@ def dry_run_json(d: DryRun) -> dict[str, Any]:
     }
 
 
-__all__ = ["PlannedHold", "DryRun", "summarize_plan", "read_state", "observe_node", "ask_node", "dry_run", "render_dry_run", "dry_run_json"]
+__all__ = ["APPLY_ADVICE", "PlannedHold", "DryRun", "summarize_plan", "read_state", "observe_node", "ask_node", "dry_run", "render_dry_run", "dry_run_json"]

@@ -20,7 +20,7 @@ def run(tmp_path: Path, body: str, capsys, **flags) -> tuple[int, list[str], str
     spec = tmp_path / "spec.json"
     spec.write_text(body)
     args = argparse.Namespace(
-        spec=spec, state_dir=tmp_path / "state", json=flags.pop("json", False), dry_run=False, wait=False,
+        spec=spec, state_dir=tmp_path / "state", json=flags.pop("json", False), dry_run=flags.pop("dry_run", False), wait=False,
         wait_timeout=5.0, allow_unknown_fields=False, force=False, timeout=1.0, **flags,
     )  # fmt: skip
     code = apply_command(args)
@@ -76,3 +76,23 @@ def test_a_node_that_signs_in_its_container_names_the_command_that_puts(tmp_path
     assert code == 2
     assert len(err) == 1 and f"put the spec with `deploy/compose/node.sh apply /srv/node {tmp_path / 'spec.json'}`" in err[0], err
     assert json.loads(out)["outcome"] == "REFUSED"
+
+
+def test_a_dry_run_on_a_node_that_signs_in_its_container_advises_the_command_that_puts(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 41.14: the dry run on a compose node ended with "`bcd apply` without --dry-run puts it",
+    which `bcd apply` refuses there; its advice is now the refusal's (one function for both)."""
+    from bcd import dryrun
+
+    state = tmp_path / "state"
+    state.mkdir()
+    write_node_info(
+        state,
+        NodeInfo(node_id="node-1", nats_url="nats://127.0.0.1:1", creds_dir=str(state), put_command="deploy/compose/node.sh apply /srv/node SPEC"),
+    )
+    planned = dryrun.DryRun(node_id="node-1", generation=1, state="CONVERGED", message="", holds=[], switches=[], notes=[])
+    monkeypatch.setattr(dryrun, "dry_run", lambda _info, _spec: planned)
+    code, _, out = run(tmp_path, json.dumps({"node_id": "node-1", "devices": [HOLD]}), capsys, dry_run=True)
+    assert code == 0
+    last = out.splitlines()[-1]
+    assert last.endswith(f"put the spec with `deploy/compose/node.sh apply /srv/node {tmp_path / 'spec.json'}`"), last
+    assert "bcd apply" not in last
