@@ -166,9 +166,8 @@ def apply_command(args: argparse.Namespace) -> int:
         return 0
     _say(applied + "; waiting for the node's outcome...", json_mode=args.json)
     assert events is not None  # put_through_node refuses a node without an embedded control plane
+    # the record names the holds the spec dropped; no result is taken from it (only the node's events)
     follower = Follower.for_spec(result.spec, result.generation, peek_state(Path(info.controlplane_dir)).reservations)
-    for line in follower.start_lines():
-        _say(line, json_mode=args.json)
     try:
         follow(events, offset, follower, timeout=args.wait_timeout, emit=lambda text: _say(text, json_mode=args.json))
     except KeyboardInterrupt:
