@@ -12,6 +12,7 @@ one-off `put` (put.py) put through here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,7 +25,7 @@ from shared.subjects import UPSTREAM_NODESPECS_BUCKET
 
 from .buckets import UpstreamObjects
 from .nodes import Nodes
-from .specs import PutResult, UnknownNode, check_spec
+from .specs import PutResult, UnknownNode, check_fits, check_spec, signed_bytes
 from .state import StateStore, apply_spec, next_generation, now_utc, reserve_generation
 
 log = logs.get_logger("controlplane")
@@ -33,8 +34,12 @@ log = logs.get_logger("controlplane")
 class SpecPublisher:
     """Signs with `key` and puts into `bcd_nodespecs`, keeping the generations in `store`."""
 
-    def __init__(self, key: Ed25519PrivateKey, objects: UpstreamObjects, store: StateStore, nodes: Nodes) -> None:
+    def __init__(self, key: Ed25519PrivateKey, objects: UpstreamObjects, store: StateStore, nodes: Nodes, *, max_payload: Callable[[], int]) -> None:
         self.key = key
+        #: the upstream bus's max_payload now (the server's INFO, read at each put: a reconnect may
+        #: land on another server): a spec whose envelope it cannot carry is refused before a
+        #: generation is reserved (specs.check_fits, the dry run's check too)
+        self.max_payload = max_payload
         self.key_id = key_id(key)
         self._objects = objects
         self._store = store
@@ -62,6 +67,8 @@ class SpecPublisher:
         draft, requested, node_id = checked.draft, checked.requested, checked.draft.node_id
         if require_known_node and not await self._nodes.known(node_id, wait=hello_wait):
             raise UnknownNode(node_id)
+        # before the reservation: a put the bus cannot carry must not cost a generation (issue 41.6)
+        check_fits(checked, self.max_payload())
         published = await self.published_generation(node_id)
         with self._store.transaction() as st:
             gen, note = next_generation(st, node_id, requested, published)
@@ -70,7 +77,7 @@ class SpecPublisher:
             reserve_generation(st, node_id, gen)
         final = msgspec.structs.replace(draft, generation=gen)
         # fields this schema does not know (allowed) travel as given: they are for a newer node
-        signed = sign_node_spec(self.key, encode({**checked.fields, "generation": gen}) if checked.unknown else final)
+        signed = sign_node_spec(self.key, signed_bytes(checked, gen))
         kv = await self._objects.bucket(UPSTREAM_NODESPECS_BUCKET)
         payload = encode(signed)
         put_at = time.perf_counter()

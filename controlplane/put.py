@@ -23,7 +23,7 @@ from .buckets import UpstreamObjects
 from .keys import load_or_create_cp_key
 from .nodes import Nodes
 from .publish import SpecPublisher
-from .specs import PutResult, check_spec
+from .specs import PutResult, SpecTooLarge, check_spec
 from .state import StateStore
 from .upstream import close, connect_upstream
 
@@ -66,10 +66,14 @@ async def put_spec_file(
     try:
         store = StateStore(Path(state_dir))
         objects = UpstreamObjects(nc.jetstream(timeout=5.0), replicas)
-        publisher = SpecPublisher(key, objects, store, Nodes(objects, store))
+        publisher = SpecPublisher(key, objects, store, Nodes(objects, store), max_payload=lambda: nc.max_payload)
         try:
             await objects.ensure()
             return await publisher.put(data, allow_unknown_fields=allow_unknown_fields, require_known_node=require_known_node, hello_wait=wait)
+        except nats.errors.MaxPayloadError:
+            # check_fits refuses such a spec before a generation is reserved; should the server
+            # say it anyway, it is still the spec's size, not an unreachable upstream
+            raise SpecTooLarge(f"spec: its signed envelope is above upstream {nats_url}'s max_payload of {nc.max_payload} bytes") from None
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
     finally:

@@ -6,6 +6,8 @@ Every wait is bounded: `--wait-timeout` inside, the subprocess timeout outside.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import json
 import subprocess
 import sys
@@ -197,3 +199,81 @@ def test_strict_specs_unknown_nodes_and_the_unknown_fields_condition(node: Node)
     [off] = wait_for(cleared, 30, "the condition cleared")
     assert off.event["condition"]["reason"] == "NoUnknownFields"
     assert [x["status"] for x in node.status()["converger"]["conditions"] if x["type"] == "NodeSpecUnknownFields"] == ["False"]
+
+
+def _spec_of_signed_size(target: int) -> dict:
+    """A spec whose NodeSpec JSON, as a put signs it (at the widest generation), is `target` bytes:
+    device-less holds whose env lines pad it, the last hold's lines trimmed to the byte."""
+    from controlplane.specs import check_spec, signed_bytes
+    from shared.schemas.common import INT64_MAX
+
+    full = 3990
+
+    def doc(n: int, a: int, b: int) -> dict:
+        holds = [{**assignment(f"pad-{i:03d}"), "env": [f"PAD_A=x{'y' * full}", f"PAD_B=x{'y' * full}"]} for i in range(n)]
+        holds[-1]["env"] = [f"PAD_A=x{'y' * a}", f"PAD_B=x{'y' * b}"]
+        return {"node_id": "node-1", "devices": holds}
+
+    def size(d: dict) -> int:
+        return len(signed_bytes(check_spec(json.dumps(d)), INT64_MAX))
+
+    n = 1
+    while size(doc(n, full, full)) < target:
+        n += 1
+    short = size(doc(n, full, full)) - target
+    a = full - min(short, full)
+    b = full - (short - (full - a))
+    out = doc(n, a, b)
+    assert 0 <= b <= full and size(out) == target, (n, a, b, size(out), target)
+    return out
+
+
+def test_the_dry_run_and_the_apply_give_one_answer_at_the_size_limit(node: Node) -> None:
+    """Issue 41.6: a 991 KB spec: `--dry-run` said it would converge, `bcd apply` exited 3 ("node not
+    reachable", `nats: maximum payload exceeded`) and burned a generation each try. One function
+    (controlplane.specs.spec_limit: the node bus's max_payload less the signed envelope) now decides
+    for both: one byte over is exit 2 naming the limit from each, with no generation spent; at the
+    limit, the dry run accepts it and the apply carries it to the node."""
+    from controlplane.specs import spec_limit
+
+    limit = spec_limit(1024 * 1024)  # the node bus's max_payload (bcd/nodebus.py)
+    gen = node.apply(json.loads(DEMO.read_text()))
+    over = write(node, _spec_of_signed_size(limit + 1))
+    for flags in (("--dry-run",), ("--no-wait",), ("--no-wait",)):
+        out = apply(node, over, *flags, timeout=60)
+        assert out.returncode == 2, (flags, out.stdout, out.stderr)
+        assert f"above the {limit} bytes a spec may be here" in out.stderr and "not reachable" not in out.stderr, out.stderr
+        assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert last_generation(node) == gen  # two refused tries cost no generation
+
+    fits = write(node, _spec_of_signed_size(limit))
+    dry = apply(node, fits, "--dry-run", "--json", timeout=60)
+    assert dry.returncode in (0, 1) and json.loads(dry.stdout)["generation"] == gen + 1, dry.stdout + dry.stderr
+    out = apply(node, fits, "--no-wait", timeout=60)
+    assert out.returncode == 0 and f"as generation {gen + 1}" in out.stdout, out.stdout + out.stderr
+    # and the node takes it: the bridge relays the envelope and the converger reports the generation
+    node.wait_generation(gen + 1, timeout=120)
+
+
+def test_wait_says_nothing_the_node_did_not_report_with_the_converger_stopped(node: Node) -> None:
+    """Issue 41.7: with the converger stopped (SIGSTOP), `apply --wait` printed `kept ... (bound at an
+    earlier generation)` for every hold of a generation the converger never saw. Now: no hold line,
+    TIMEOUT (exit 3), every hold pending; once it runs again the node's own report decides."""
+    demo = json.loads(DEMO.read_text())
+    gen = node.apply(demo)
+    node.wait_generation(gen)
+    again = write(node, {**demo, "devices": [a for a in demo["devices"] if a["allocation_id"] != "too-big"]})
+    pid = node.pids()["converger"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = apply(node, again, "--wait", "--wait-timeout", "3", "--json", timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert out.returncode == 3, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["outcome"] == "TIMEOUT" and doc["generation"] == gen + 1
+    assert {a["result"] for a in doc["allocations"]} == {"pending"}
+    assert not any(line.startswith(("kept", "bound")) for line in out.stderr.splitlines()), out.stderr
+    assert f"generation {gen + 1}: no outcome within 3 s, TIMEOUT" in out.stderr
+    # the converger runs again and reports the generation: the same holds, now said kept by the node
+    node.wait_generation(gen + 1)

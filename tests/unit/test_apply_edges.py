@@ -90,7 +90,7 @@ def test_a_dry_run_on_a_node_that_signs_in_its_container_advises_the_command_tha
         NodeInfo(node_id="node-1", nats_url="nats://127.0.0.1:1", creds_dir=str(state), put_command="deploy/compose/node.sh apply /srv/node SPEC"),
     )
     planned = dryrun.DryRun(node_id="node-1", generation=1, state="CONVERGED", message="", holds=[], switches=[], notes=[])
-    monkeypatch.setattr(dryrun, "dry_run", lambda _info, _spec: planned)
+    monkeypatch.setattr(dryrun, "dry_run", lambda _info, _spec, _checked=None: planned)
     code, _, out = run(tmp_path, json.dumps({"node_id": "node-1", "devices": [HOLD]}), capsys, dry_run=True)
     assert code == 0
     last = out.splitlines()[-1]
