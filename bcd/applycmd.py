@@ -3,10 +3,15 @@
 Exit codes (bcd.exits): 0 applied (with `--wait`: CONVERGED; with
 `--dry-run`: the plan refuses nothing), 1 FAILED (or the node refused the
 spec, a newer generation superseded it, the dry run's plan refuses
-something), 2 the spec was refused here and nothing was put (a field NodeSpec
-does not know, a value the schema refuses, a node that never announced
-itself, an unreadable file), 3 the control plane was not reachable, or no
-outcome within `--wait-timeout` (the node may be down).
+something, the node is at the last generation a spec can carry), 2 the spec
+was refused here and nothing was put (a field NodeSpec does not know, a value
+the schema refuses, a generation asked for above 2^53 - 1, a signed envelope
+the node bus cannot carry, a node that never announced itself, an unreadable
+file), 3 the control plane was not reachable, or no outcome within
+`--wait-timeout` (the node may be down).
+
+A `generation` in the spec file is ignored (said on stderr) unless
+`--generation-from-file`: generations are the control plane's to give.
 """
 
 from __future__ import annotations
@@ -21,19 +26,20 @@ from typing import Any
 from controlplane.keys import KeyFileError
 from controlplane.ledger import EVENTS_FILE
 from controlplane.specs import PutResult, UnknownNode, check_spec
-from controlplane.state import StateError, next_generation, peek_state
+from controlplane.state import GenerationExhausted, StateError, next_generation, peek_state
 from shared.fsutil import read_regular
 from shared.schemas import BadMessage
 from shared.schemas.strict import UnknownFieldsError
 
 from .applywait import Follower, events_offset, follow
 from .client import node_info
-from .putspec import put_through_node
+from .putspec import put_through_node, unasked_generation
 
 #: a spec file larger than this is not read (the control plane takes at most 4 MiB of JSON).
 SPEC_FILE_MAX_BYTES = 4 * 1024 * 1024
 #: unknown fields listed one per line before "... and N more".
 UNKNOWN_LINES = 20
+EXIT_FAILED = 1
 EXIT_REFUSED = 2
 EXIT_UNREACHABLE = 3
 DEFAULT_TIMEOUT_S = 120.0
@@ -76,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="put fields NodeSpec does not know as given (for a newer node) instead of refusing the spec (exit 2)",
     )
     p.add_argument("--force", action="store_true", help="put the spec even for a node the control plane never heard from")
+    p.add_argument(
+        "--generation-from-file",
+        action="store_true",
+        help="put the spec at the `generation` its file carries (up to 2^53 - 1; bumped to the next when not above the last) "
+        "instead of ignoring it; without it the control plane gives the next generation",
+    )
 
 
 def _say(text: str, *, json_mode: bool) -> None:
@@ -116,12 +128,18 @@ def apply_command(args: argparse.Namespace) -> int:
         data = read_regular(args.spec, max_bytes=SPEC_FILE_MAX_BYTES)
     except OSError as exc:
         return _refused(args, f"{args.spec}: cannot read ({exc.strerror or exc})")
+    given = None
     try:
+        if not args.generation_from_file:
+            # the control plane gives generations; one from a file is taken only when asked (issue 41.5)
+            data, given = unasked_generation(data)
         checked = check_spec(data, allow_unknown_fields=args.allow_unknown_fields)
     except UnknownFieldsError as exc:
         return _unknown(args, exc)
     except BadMessage as exc:
         return _refused(args, f"{args.spec}: {exc}")
+    if given is not None:
+        print(f"note: {args.spec}: its generation {given} is ignored; the control plane puts the next one (--generation-from-file takes it)", file=sys.stderr)
     info = node_info(state_dir)
     if args.dry_run:
         return _dry_run(args, info, checked)
@@ -152,6 +170,8 @@ def apply_command(args: argparse.Namespace) -> int:
         return _refused(args, str(exc))
     except (KeyFileError, StateError) as exc:  # the control plane's files: the text says what to do
         return _refused(args, str(exc))
+    except GenerationExhausted as exc:  # the node's situation, not the spec's: refused, what to do said
+        return _refused(args, str(exc), {"node_id": exc.node_id}, code=EXIT_FAILED)
     wait = args.wait if args.wait is not None else sys.stdout.isatty()
     if result.note:
         print(f"note: {result.note}", file=sys.stderr)
@@ -212,12 +232,18 @@ def _dry_run(args: argparse.Namespace, info: Any, checked: Any) -> int:
     spec = checked.draft
     if spec.node_id != info.node_id:
         return _refused(args, f"the spec names node {spec.node_id}; {args.state_dir} is node {info.node_id}: a dry run plans against this node only")
-    generation, _ = next_generation(peek_state(Path(info.controlplane_dir)), spec.node_id, checked.requested) if info.controlplane_dir else (
-        checked.requested if checked.requested is not None else 0,
-        "",
-    )
+    try:
+        generation, _ = next_generation(peek_state(Path(info.controlplane_dir)), spec.node_id, checked.requested) if info.controlplane_dir else (
+            checked.requested if checked.requested is not None else 0,
+            "",
+        )
+    except GenerationExhausted as exc:  # what the put would say, said by the dry run too (not an internal error)
+        return _refused(args, str(exc), {"node_id": exc.node_id}, code=EXIT_FAILED)
     # a node bus or service that does not answer ends in bcd.exits (exit 3 or 4)
-    d = dry_run(info, msgspec.structs.replace(spec, generation=generation))
+    try:
+        d = dry_run(info, msgspec.structs.replace(spec, generation=generation), checked)
+    except BadMessage as exc:  # SpecTooLarge: the put's own check, so both give one answer
+        return _refused(args, f"{args.spec}: {exc}")
     if args.json:
         print(json.dumps({"spec": str(args.spec), **dry_run_json(d)}, indent=2))
     else:

@@ -39,7 +39,6 @@ from shared.schemas import (
     AllocationBound,
     AllocationFailed,
     AllocationReleased,
-    BadMessage,
     Condition,
     Hello,
     HoldCondition,
@@ -142,12 +141,9 @@ def next_generation(state: ControlPlaneState, node_id: str, requested: int | Non
     if requested is not None and requested > last:
         return requested, ""
     if last + 1 > INT64_MAX:
-        # a spec's generation is an int64 (docs/upstream.md): there is no next one to put
-        raise BadMessage(
-            f"node {node_id}'s last put generation is {last}: the next, {last + 1}, is above the largest a spec may "
-            f"carry ({INT64_MAX}); a node that took a spec at {last} needs its control plane's record and its "
-            "state reset (docs/upstream.md, generations)"
-        )
+        # a spec's generation is an int64 (docs/upstream.md): there is no next one to put. Not the
+        # caller's input (the spec is fine): the node's situation, said with what to do
+        raise GenerationExhausted(node_id, last)
     if requested is None:
         return last + 1, ""
     return last + 1, f"generation {requested} is not above the last put generation {last}; put as {last + 1}"
@@ -298,6 +294,21 @@ def peek_state(state_dir: Path) -> ControlPlaneState:
         return ControlPlaneState()
 
 
+class GenerationExhausted(Exception):
+    """The node's last generation is the largest a spec can carry: no put can follow it."""
+
+    #: a situation an operator can be in (bcd.exits prints it as one line, not an internal error)
+    operator_error = True
+
+    def __init__(self, node_id: str, last: int) -> None:
+        super().__init__(
+            f"node {node_id} is at generation {last}, the largest a spec can carry ({INT64_MAX}): no spec can follow it; "
+            "see docs/upstream.md, \"Generations\", for how a node gets there and what brings it back"
+        )
+        self.node_id = node_id
+        self.last = last
+
+
 class StateError(Exception):
     """state.json is unusable; the text says what to do."""
 
@@ -399,6 +410,7 @@ __all__ = [
     "apply_event",
     "remember_processed",
     "remember_boot",
+    "GenerationExhausted",
     "StateError",
     "StateStore",
 ]
