@@ -25,6 +25,7 @@ from typing import Any
 
 from controlplane.keys import KeyFileError
 from controlplane.ledger import EVENTS_FILE
+from controlplane.publish import RebaseRefused
 from controlplane.specs import PutResult, UnknownNode, check_spec
 from controlplane.state import GenerationExhausted, StateError, next_generation, peek_state
 from shared.fsutil import read_regular
@@ -33,7 +34,7 @@ from shared.schemas.strict import UnknownFieldsError
 
 from .applywait import Follower, events_offset, follow
 from .client import node_info
-from .putspec import put_through_node, unasked_generation
+from .putspec import put_through_node, rebase_through_node, unasked_generation
 
 #: a spec file larger than this is not read (the control plane takes at most 4 MiB of JSON).
 SPEC_FILE_MAX_BYTES = 4 * 1024 * 1024
@@ -200,6 +201,59 @@ def apply_command(args: argparse.Namespace) -> int:
     return follower.exit_code()
 
 
+def add_rebase_arguments(p: argparse.ArgumentParser) -> None:
+    """`bcd rebase`'s own flags (the parser gives --state-dir, --json, --timeout)."""
+    p.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="follow the rebased generation to the node's outcome, as `apply --wait` (default: wait when stdout is a terminal)",
+    )
+    p.add_argument("--wait-timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS", help="as apply's (default %(default)g)")
+
+
+def rebase_command(args: argparse.Namespace) -> int:
+    """`bcd rebase`: the node's embedded control plane, with its key, brings a node put above
+    2^53 - 1 back to its count (controlplane.publish.SpecPublisher.rebase): the same spec at
+    a generation never put before, which the node takes though it is lower; its holds kept.
+    Exit 0 rebased (with --wait: the node reported it CONVERGED), 1 nothing to rebase or the
+    node's outcome not CONVERGED, 2 a node whose control plane is not here, 3 unreachable."""
+    state_dir = args.state_dir.resolve()
+    info = node_info(state_dir)
+    args.spec = "the node's spec"
+    if info.put_command:
+        return _refused(args, f"{args.state_dir} is a node whose control plane signs in its own container: rebase it there (`python -m controlplane rebase {info.node_id}`)")
+    events = Path(info.controlplane_dir) / EVENTS_FILE if info.controlplane_dir else None
+    offset = events_offset(events) if events is not None else 0
+    try:
+        result = asyncio.run(rebase_through_node(state_dir, connect_timeout=getattr(args, "timeout", None) or 5.0))
+    except RebaseRefused as exc:
+        return _refused(args, str(exc), code=EXIT_FAILED)
+    except ConnectionError as exc:
+        return _refused(args, f"{exc}; is `bcd up` running? (--state-dir {args.state_dir})", code=EXIT_UNREACHABLE)
+    except ValueError as exc:  # a node joined to another upstream
+        return _refused(args, str(exc))
+    except (KeyFileError, StateError) as exc:
+        return _refused(args, str(exc))
+    stuck = result.spec.rebase_from
+    said = f"rebased node {result.node_id} from generation {stuck} to {result.generation}: its spec as it was, its holds kept"
+    wait = args.wait if args.wait is not None else sys.stdout.isatty()
+    if not wait or events is None:
+        if args.json:
+            print(json.dumps({**_put_json(args, result), "rebased_from": stuck, "outcome": "rebased"}, indent=2))
+        else:
+            print(said)
+        return 0
+    _say(said + "; waiting for the node's outcome...", json_mode=args.json)
+    follower = Follower.for_spec(result.spec, result.generation, peek_state(Path(info.controlplane_dir)).reservations)
+    follow(events, offset, follower, timeout=args.wait_timeout, emit=lambda text: _say(text, json_mode=args.json))
+    for line in follower.summary(args.wait_timeout):
+        _say(line, json_mode=args.json)
+    if args.json:
+        print(json.dumps({**_put_json(args, result), "rebased_from": stuck, **follower.to_json()}, indent=2))
+    return follower.exit_code()
+
+
 def put_advice(info: Any, spec: object) -> str:
     """How a spec is put on this node, in words: one answer for the dry run's advice and apply's refusal.
 
@@ -251,4 +305,4 @@ def _dry_run(args: argparse.Namespace, info: Any, checked: Any) -> int:
     return 1 if d.would_fail else 0
 
 
-__all__ = ["add_arguments", "apply_command", "EXIT_REFUSED", "DEFAULT_TIMEOUT_S"]
+__all__ = ["add_arguments", "add_rebase_arguments", "apply_command", "rebase_command", "EXIT_REFUSED", "DEFAULT_TIMEOUT_S"]

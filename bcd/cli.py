@@ -450,6 +450,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return apply_command(args)
 
 
+def cmd_rebase(args: argparse.Namespace) -> int:
+    """Bring a node put above generation 2^53 - 1 back to its control plane's count, holds kept; see bcd/applycmd.py."""
+    from .applycmd import rebase_command
+
+    return rebase_command(args)
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     from .events import follow_events
 
@@ -817,6 +824,15 @@ def build_parser() -> argparse.ArgumentParser:
     from .applycmd import add_arguments as apply_arguments
 
     apply_arguments(ap)
+    from .applycmd import add_rebase_arguments
+
+    add_rebase_arguments(
+        client(
+            "rebase",
+            cmd_rebase,
+            "the node's control plane puts its spec again at a generation it can count on from, for a node above 2^53 - 1; holds kept",
+        )
+    )
     rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")
     rel.add_argument(
         "--clear-unreadable", action="store_true", help="remove the unreadable-releases marker (you assert no pod holds a GPU of an allocation the node does not know)"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from controlplane.put import LOCAL_HELLO_WAIT_S, put_spec_file
+from controlplane.put import LOCAL_HELLO_WAIT_S, put_spec_file, rebase_node
 from controlplane.specs import PutResult
 from shared.schemas import encode
 from shared.schemas.codec import DEFAULT_MAX_BYTES, bounded_json_loads
@@ -45,6 +45,21 @@ async def put_through_node(
         allow_unknown_fields=allow_unknown_fields,
         require_known_node=not force,
         hello_wait=lambda node_id: LOCAL_HELLO_WAIT_S if node_id == info.node_id else 0.0,
+        connect_timeout=connect_timeout,
+    )
+
+
+async def rebase_through_node(state: Path, *, connect_timeout: float = 5.0) -> PutResult:
+    """`bcd rebase`: the embedded control plane rebases the node of `state` (controlplane.publish)."""
+    info = node_info(Path(state))
+    if not info.controlplane_dir:
+        raise ValueError("this node joined an existing upstream: its control plane rebases it (`python -m controlplane rebase NODE`)")
+    return await rebase_node(
+        info.upstream_url or info.nats_url,
+        CONTROLPLANE_USER,
+        Path(info.creds_dir) / f"{CONTROLPLANE_USER}.password",
+        Path(info.controlplane_dir),
+        info.node_id,
         connect_timeout=connect_timeout,
     )
 
@@ -81,4 +96,4 @@ async def apply_spec_file(state: Path, spec_file: Path | str) -> int:
     return result.generation
 
 
-__all__ = ["put_through_node", "apply_spec_file", "unasked_generation"]
+__all__ = ["put_through_node", "apply_spec_file", "rebase_through_node", "unasked_generation"]

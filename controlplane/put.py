@@ -1,4 +1,4 @@
-"""One spec put as a one-off (`bcd-controlplane put`, `bcd apply`): connect, check, sign, put, close.
+"""One spec put as a one-off (`bcd-controlplane put`, `bcd apply`; a rebase too): connect, check, sign, put, close.
 
 This module owns a put that does not run the serve loop. Everything that can be
 judged offline is judged before connecting. Then one connection try is made
@@ -80,4 +80,38 @@ async def put_spec_file(
         await close(nc)
 
 
-__all__ = ["LOCAL_HELLO_WAIT_S", "put_spec_file"]
+
+
+async def rebase_node(
+    nats_url: str,
+    user: str,
+    password_file: Path | None,
+    state_dir: Path,
+    node_id: str,
+    *,
+    connect_timeout: float = 5.0,
+    replicas: int = 1,
+    nkey_file: Path | None = None,
+    tls: UpstreamTls | None = None,
+) -> PutResult:
+    """`bcd rebase`, `bcd-controlplane rebase`: SpecPublisher.rebase as a one-off, like a put.
+
+    Raises RebaseRefused (nothing to rebase, or not this control plane's spec), ConnectionError
+    when upstream cannot be reached.
+    """
+    key, _ = load_or_create_cp_key(state_dir)
+    nc = await connect_upstream(nats_url, user, password_file, nkey_file=nkey_file, tls=tls, reconnect=False, timeout=connect_timeout)
+    try:
+        store = StateStore(Path(state_dir))
+        objects = UpstreamObjects(nc.jetstream(timeout=5.0), replicas)
+        publisher = SpecPublisher(key, objects, store, Nodes(objects, store), max_payload=lambda: nc.max_payload)
+        try:
+            await objects.ensure()
+            return await publisher.rebase(node_id)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
+    finally:
+        await close(nc)
+
+
+__all__ = ["LOCAL_HELLO_WAIT_S", "put_spec_file", "rebase_node"]

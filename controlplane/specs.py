@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from shared.schemas import NODE_SPEC_CODEC, SIGNED_NODE_SPEC_CODEC, BadMessage, NodeSpec, SignedNodeSpec, encode
+from shared.schemas import GENERATION_SAFE_MAX, NODE_SPEC_CODEC, SIGNED_NODE_SPEC_CODEC, BadMessage, NodeSpec, SignedNodeSpec, encode
 from shared.schemas.codec import DEFAULT_MAX_BYTES, bounded_json_loads
 from shared.schemas.common import INT64_MAX
 from shared.schemas.strict import UnknownField, UnknownFieldsError, unknown_fields
@@ -70,8 +70,9 @@ def _spec_fields(spec: NodeSpec | dict[str, Any] | str | bytes) -> dict[str, Any
 #: the largest generation a put may ask for (a spec that carries one): 2^53 - 1, the largest
 #: integer every JSON reader takes exactly (one that reads numbers as doubles too), and far below
 #: the int64 top (2^63 - 1), so a node is never put where no next generation exists. Only the
-#: control plane's own count (last + 1) goes above it, one put at a time.
-GENERATION_REQUEST_MAX = 2**53 - 1
+#: control plane's own count (last + 1) goes above it, one put at a time; a node found above it
+#: (put there by an earlier release or another control plane) can be rebased (publish.py).
+GENERATION_REQUEST_MAX = GENERATION_SAFE_MAX
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ def check_spec(spec: NodeSpec | dict[str, Any] | str | bytes, *, allow_unknown_f
     requested = fields.get("generation")
     # Validate first (with any generation), so a bad spec never consumes one.
     draft = NODE_SPEC_CODEC.decode(encode({**fields, "generation": requested if isinstance(requested, int) and requested >= 0 else 0}))
+    if fields.get("rebase_from") is not None:
+        # a rebase is the control plane's own act (SpecPublisher.rebase), never a spec's field
+        raise BadMessage("spec: rebase_from is set by a rebase only (`bcd rebase`, `python -m controlplane rebase`) - at `$.rebase_from`")
     if requested is not None:
         NODE_SPEC_CODEC.decode(encode(fields))  # a malformed generation fails here, named
         if requested > GENERATION_REQUEST_MAX:
@@ -144,7 +148,16 @@ def signed_bytes(checked: "CheckedSpec", generation: int) -> bytes:
     (allowed) travel as given, else the spec as this schema encodes it."""
     if checked.unknown:
         return encode({**checked.fields, "generation": generation})
-    return encode(msgspec.structs.replace(checked.draft, generation=generation))
+    return spec_json(msgspec.structs.replace(checked.draft, generation=generation))
+
+
+def spec_json(spec: NodeSpec) -> bytes:
+    """A NodeSpec's JSON as a control plane signs it: `rebase_from` only on a rebase, so a node of
+    an earlier release (which does not know the field) never reads it in an ordinary spec."""
+    doc = msgspec.to_builtins(spec)
+    if doc.get("rebase_from") is None:
+        doc.pop("rebase_from", None)
+    return encode(doc)
 
 
 class SpecTooLarge(BadMessage):
@@ -173,4 +186,4 @@ class UnknownNode(ValueError):
         self.node_id = node_id
 
 
-__all__ = ["GENERATION_REQUEST_MAX", "PutResult", "CheckedSpec", "check_spec", "UnknownNode", "SpecTooLarge", "check_fits", "signed_bytes", "signed_size", "spec_limit"]
+__all__ = ["GENERATION_REQUEST_MAX", "PutResult", "CheckedSpec", "check_spec", "UnknownNode", "SpecTooLarge", "check_fits", "signed_bytes", "signed_size", "spec_json", "spec_limit"]

@@ -236,10 +236,12 @@ def test_mig_layout_refusals_failures_and_a_mode_change_that_needs_a_reset(mig_n
         (("mig-layout", PCI[0], "1g.18gb"), "supports no MIG profiles"),
         (("mig-layout", PCI[7], "5g.99gb"), "has no MIG profile 5g.99gb"),
         (("mig-layout", PCI[7], "one,two"), "is not a GPU instance profile"),
-        (("mig-layout", "0000:99:00.0", "1g.18gb"), "the inventory lists no GPU at that address"),
     ):
         out = gpu(node, *args)
         assert out.returncode == 1 and "REFUSED" in out.stdout and why in out.stdout, (args, out.stdout, out.stderr)
+    # an address the inventory does not list is an input error (README's exit codes), asked of no service
+    unlisted = gpu(node, "mig-layout", "0000:99:00.0", "1g.18gb")
+    assert unlisted.returncode == 2 and "no card 0000:99:00.0 on node node-1" in unlisted.stderr, (unlisted.stdout, unlisted.stderr)
     usage = gpu(node, "mig-layout", PCI[7])
     assert usage.returncode == 2 and "a LAYOUT is needed" in usage.stderr
 
