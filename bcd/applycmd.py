@@ -131,7 +131,7 @@ def apply_command(args: argparse.Namespace) -> int:
         return _refused(args, f"{args.spec}: cannot read ({exc.strerror or exc})")
     given = None
     try:
-        if not args.generation_from_file:
+        if not getattr(args, "generation_from_file", False):  # a Namespace built by a caller, not the parser
             # the control plane gives generations; one from a file is taken only when asked (issue 41.5)
             data, given = unasked_generation(data)
         checked = check_spec(data, allow_unknown_fields=args.allow_unknown_fields)
