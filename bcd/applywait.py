@@ -9,12 +9,17 @@ deadline. A spec with more than `PER_HOLD_LINES` assignments gets progress
 lines (`bound 120/1024, ...`) instead of a line per hold, and its failures up
 to that many.
 
-Results per allocation: `bound` (a Bound at or below the generation for the
-same reservation), `kept` (the control plane already had it active on the
-same devices: an unchanged hold is not reported again; a Released of it at
-the generation means its assignment changed and a Bound follows), `failed` (an AllocationFailed at the
-generation), `pending` (nothing yet). Holds no longer named come back as
-`released` at the generation.
+Only what the node said about THIS generation decides a result (issue 41.7: with
+the converger stopped, `kept ... (bound at an earlier generation)` lines were
+printed from the control plane's record before the node had seen the spec).
+Results per allocation: `bound` (a Bound at the generation for the same
+reservation), `failed` (an AllocationFailed at the generation), `kept` (the
+node's section reported the generation CONVERGED or FAILED and the hold had
+no event of its own: held unchanged, said then and not before), `pending`
+(nothing yet; on a timeout, what the node never reported stays pending).
+Holds no longer named come back as `released` at the generation. Events of an
+earlier generation print nothing; a Bound among them only lends its cgroup
+parent to the line said when the section comes.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ class HoldOutcome:
             text = f"{self.result:<8} {who}  {_devices(self.devices) or '(no devices)'}"
             if self.cgroup_parent:
                 text += f"  cgroup parent {self.cgroup_parent}"
-            return text + ("  (bound at an earlier generation)" if self.result == "kept" else "")
+            return text + ("  (held from an earlier generation)" if self.result == "kept" else "")
         return f"pending  {who}"
 
     def to_json(self) -> dict[str, Any]:
@@ -123,22 +128,13 @@ class Follower:
     def for_spec(
         cls, spec: NodeSpec, generation: int, reservations: Mapping[str, Reservation] | None = None, *, per_hold_lines: int = PER_HOLD_LINES
     ) -> "Follower":
-        """`reservations`: the control plane's record right after the put; an active one of the same
-        allocation on this node is a kept hold (its Bound was sent at an earlier generation)."""
-        holds: dict[str, HoldOutcome] = {}
-        for a in spec.devices:
-            h = HoldOutcome(allocation_id=a.allocation_id, reservation_id=a.reservation_id, devices=list(a.devices))
-            r = (reservations or {}).get(a.reservation_id)
-            if (
-                r is not None
-                and r.state == "active"
-                and r.node_id == spec.node_id
-                and r.allocation_id == a.allocation_id
-                # on other devices it is a changed assignment: released and bound again (upstream.md)
-                and (not r.devices or sorted(r.devices) == sorted(a.devices))
-            ):
-                h.result, h.devices = "kept", list(r.devices) or h.devices
-            holds[a.allocation_id] = h
+        """`reservations`: the control plane's record right after the put. It decides no hold's result
+        (only the node's events at the generation do); it names the holds the spec dropped, which
+        the outcome lists as still releasing when the node reported no Released for them."""
+        holds = {
+            a.allocation_id: HoldOutcome(allocation_id=a.allocation_id, reservation_id=a.reservation_id, devices=list(a.devices))
+            for a in spec.devices
+        }
         releasing = {
             r.allocation_id: r
             for r in (reservations or {}).values()
@@ -173,13 +169,6 @@ class Follower:
 
     # ------------------------------------------------------------------ feeding
 
-    def start_lines(self) -> list[str]:
-        """What is known right after the put (the kept holds), before any event."""
-        if self.quiet:
-            kept = self.counts()["kept"]
-            return [f"{len(self.holds)} assignments; {kept} kept from earlier generations"] if kept else []
-        return [h.line() for h in self.holds.values() if h.result == "kept"]
-
     def feed(self, rec: EventRecord) -> list[str]:
         """One verified (or plain, accepted) event; returns the lines to print."""
         if self.done or rec.node_id != self.node_id or rec.outcome != "applied":
@@ -200,14 +189,20 @@ class Follower:
 
     def _bound(self, rec: EventRecord, ev: dict[str, Any]) -> list[str]:
         h = self._hold(rec)
-        # a later generation's bind is not this generation's outcome
-        if h is None or (rec.generation is not None and rec.generation > self.generation):
+        # another generation's bind is not this generation's outcome: a later one's never, an
+        # earlier one's (drained from the outbox after the put) says only where the hold was
+        # bound, kept for the line the section may bring
+        if h is None or rec.generation is None or rec.generation > self.generation:
             return []
-        h.result = "bound"
-        h.generation = rec.generation
+        if h.result == "failed" or (rec.generation < self.generation and h.result == "bound"):
+            return []
         h.devices = [str(d) for d in ev.get("devices") or h.devices]
         h.cgroup_parent = str(ev.get("cgroup_parent") or "")
         h.cdi_devices = [str(d) for d in ev.get("cdi_devices") or []]
+        if rec.generation < self.generation:
+            return []
+        h.result = "bound"
+        h.generation = rec.generation
         h.reason = h.message = ""
         return [] if self.quiet else [h.line()]
 
@@ -236,12 +231,8 @@ class Follower:
         }
         self.released.append(entry)
         h = self.holds.get(rec.allocation_id)
-        again = ""
-        if h is not None:
-            # the spec still names it: its assignment changed, the Bound that binds it again follows
-            again = "  (its assignment changed: bound again)"
-            if h.result == "kept":
-                h.result = "pending"
+        # the spec still names it: its assignment changed, the Bound that binds it again follows
+        again = "  (its assignment changed: bound again)" if h is not None else ""
         if self.quiet:
             return []
         return [f"released {rec.allocation_id} ({rec.reservation_id})  {_devices(entry['devices']) or '(no devices)'}{again}"]
@@ -267,15 +258,20 @@ class Follower:
             return []
         self.section = dict(ev)
         self.outcome = state  # type: ignore[assignment]
+        kept: list[str] = []
         for h in self.holds.values():
-            # the section comes after every event of its generation: what is still
-            # pending is held without a new report (bound before, or re-created unreported)
+            # the section comes after every event of its generation (DESIGN 5): what is still
+            # pending is held without a new report (bound before, or re-created unreported),
+            # which the node says by reporting the generation, and only then is it said here
             if h.result == "pending":
                 h.result = "kept"
+                kept.append(h.line())
+        if self.quiet:
+            kept = [f"{len(kept)} held from earlier generations"] if kept else []
         # a hold the spec dropped with no Released by now is a Kubernetes release still pending:
         # said, not left out (its devices stay claimed until it is reported)
         done = {r["allocation_id"] for r in self.released}
-        return [
+        return kept + [
             f"releasing {alloc} ({r.reservation_id})  {_devices(r.devices) or '(no devices)'}  "
             "(a Kubernetes hold: released once no pod holds its devices; `bcd status` shows it, `bcd releases` lists it)"
             for alloc, r in sorted(self.releasing.items())
@@ -324,8 +320,9 @@ class Follower:
         else:
             waited = f" within {timeout_s:g} s" if timeout_s is not None else ""
             lines.append(
-                f"generation {self.generation}: no outcome{waited} ({tally}, {c['pending']} pending); "
-                "the node may be down (`bcd status`), the spec stays put"
+                f"generation {self.generation}: no outcome{waited}, TIMEOUT ({tally}, {c['pending']} pending: the node "
+                "reported nothing for them at this generation); the node may be down or its converger stopped "
+                "(`bcd status`), the spec stays put"
             )
         return lines
 

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -171,6 +172,27 @@ def _canonical_pci(address: str) -> str:
     return f"0000:{a}" if a.count(":") == 1 else a
 
 
+#: a PCI function address as sysfs spells it: domain:bus:device.function
+_PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-1][0-9a-f]\.[0-7]")
+
+
+def _listed_card(args: argparse.Namespace, inv: Inventory) -> str:
+    """The card `args.pci` names, canonical, when the inventory lists it; else UsageError (exit 2).
+
+    Every `bcd gpu` subcommand that takes an address goes through here before it asks
+    anything of a service, so a typo or a card this node does not have is an input error
+    (README's exit-code table) for all of them alike, not a refusal (exit 1) from
+    whichever service the action happens to go to.
+    """
+    pci = _canonical_pci(args.pci)
+    if not _PCI_ADDRESS.fullmatch(pci):
+        raise UsageError(f"gpu {args.action}: {args.pci!r} is not a PCI address (like 0000:3b:00.0)")
+    if not any(g.pci_address == pci for g in inv.gpus):
+        listed = ", ".join(g.pci_address for g in inv.gpus) or "none"
+        raise UsageError(f"gpu {args.action}: no card {args.pci} on node {inv.node_id} (its cards: {listed})")
+    return pci
+
+
 def cmd_gpu(args: argparse.Namespace) -> int:
     """`bcd gpu list`, or exclude / include / reclaim / recheck one card by its PCI address (through the inventory).
 
@@ -182,14 +204,14 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     info = node_info(args.state_dir)
     subjects = NodeSubjects(info.node_id)
 
-    if args.action == "list":
+    async def listing() -> Inventory:
+        nc = await connect(info)
+        try:
+            return await request(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
+        finally:
+            await nc.close()
 
-        async def listing() -> Inventory:
-            nc = await connect(info)
-            try:
-                return await request(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
-            finally:
-                await nc.close()
+    if args.action == "list":
 
         async def maintenance() -> list[GpuOp] | None:
             nc = await connect(info)
@@ -201,14 +223,10 @@ def cmd_gpu(args: argparse.Namespace) -> int:
                 await nc.close()
 
         inv = _run(listing())
-        ops = _run(maintenance())
         if args.pci:
-            pci = _canonical_pci(args.pci)
-            cards = [g for g in inv.gpus if g.pci_address == pci]
-            if not cards:
-                listed = ", ".join(g.pci_address for g in inv.gpus) or "none"
-                raise UsageError(f"gpu list: no card {args.pci} on node {inv.node_id} (its cards: {listed})")
-            inv = msgspec.structs.replace(inv, gpus=cards)
+            pci = _listed_card(args, inv)
+            inv = msgspec.structs.replace(inv, gpus=[g for g in inv.gpus if g.pci_address == pci])
+        ops = _run(maintenance())
         if args.json:
             rows = [
                 {"pci_address": g.pci_address, **msgspec.to_builtins(g.status), "maintenance": [msgspec.to_builtins(o) for o in ops or () if o.pci == g.pci_address]}
@@ -221,6 +239,8 @@ def cmd_gpu(args: argparse.Namespace) -> int:
 
     if not args.pci:
         raise UsageError(f"gpu {args.action}: a PCI address is needed (like 0000:3b:00.0)")
+    _check_op_flags(args)
+    args.pci = _listed_card(args, _run(listing()))
 
     if args.action in ("reset", "diag", "mig-layout"):
         return _gpu_op(args, info, subjects)
@@ -246,6 +266,18 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     return 0 if reply.accepted else 1
 
 
+def _check_op_flags(args: argparse.Namespace) -> None:
+    """The flags an action takes, checked before anything is asked of the node (UsageError, exit 2)."""
+    if args.action == "diag" and args.level is None:
+        raise UsageError("gpu diag: --level N is needed (1 quick, 2 medium, 3 long, 4 extended)")
+    if args.action != "diag" and args.level is not None:
+        raise UsageError(f"gpu {args.action}: --level is for diag")
+    if args.action == "mig-layout" and not args.layout:
+        raise UsageError("gpu mig-layout: a LAYOUT is needed: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")
+    if args.action != "mig-layout" and args.layout:
+        raise UsageError(f"gpu {args.action}: only mig-layout takes a LAYOUT")
+
+
 async def _follow(nc: Any, subjects: NodeSubjects, wait: float, pick: Any) -> tuple[Any, Any]:
     """Ask the converger's status every half second until `pick(status)` is something, or `wait` is over:
     (what pick gave or None, the last status)."""
@@ -264,14 +296,6 @@ def _gpu_op(args: argparse.Namespace, info: Any, subjects: NodeSubjects) -> int:
     from .status import op_line
 
     level = args.level if args.action == "diag" else 0
-    if args.action == "diag" and not level:
-        raise UsageError("gpu diag: --level N is needed (1 quick, 2 medium, 3 long, 4 extended)")
-    if args.action != "diag" and args.level:
-        raise UsageError(f"gpu {args.action}: --level is for diag")
-    if args.action == "mig-layout" and not args.layout:
-        raise UsageError("gpu mig-layout: a LAYOUT is needed: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")
-    if args.action != "mig-layout" and args.layout:
-        raise UsageError(f"gpu {args.action}: only mig-layout takes a LAYOUT")
     req = GpuOpRequest(op=args.action, pci=_canonical_pci(args.pci), level=level, layout=args.layout or "")
     if args.action == "mig-layout":
         return _mig_layout(args, info, subjects, req)
@@ -422,6 +446,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from .applycmd import apply_command
 
     return apply_command(args)
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    """Bring a node put above generation 2^53 - 1 back to its control plane's count, holds kept; see bcd/applycmd.py."""
+    from .applycmd import rebase_command
+
+    return rebase_command(args)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -791,6 +822,15 @@ def build_parser() -> argparse.ArgumentParser:
     from .applycmd import add_arguments as apply_arguments
 
     apply_arguments(ap)
+    from .applycmd import add_rebase_arguments
+
+    add_rebase_arguments(
+        client(
+            "rebase",
+            cmd_rebase,
+            "the node's control plane puts its spec again at a generation it can count on from, for a node above 2^53 - 1; holds kept",
+        )
+    )
     rel = client("releases", cmd_releases, "pending Kubernetes releases; --clear-unreadable removes the unreadable marker")
     rel.add_argument(
         "--clear-unreadable", action="store_true", help="remove the unreadable-releases marker (you assert no pod holds a GPU of an allocation the node does not know)"
@@ -814,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by every action but list)")
     gpu.add_argument("layout", nargs="?", metavar="LAYOUT", help="mig-layout: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")
-    gpu.add_argument("--level", type=int, default=0, choices=range(0, 5), metavar="N", help="diag: 1 quick, 2 medium, 3 long, 4 extended (from 2: refused on a held card)")
+    gpu.add_argument("--level", type=int, default=None, choices=range(1, 5), metavar="N", help="diag: 1 quick, 2 medium, 3 long, 4 extended (from 2: refused on a held card)")
     gpu.add_argument("--wait", type=float, default=600.0, metavar="SECONDS", help="reset, diag, mig-layout: how long to follow it (default 600)")
     gpu.add_argument("--no-wait", action="store_true", help="reset, diag, mig-layout: return once it started (or was set)")
     ev = client("events", cmd_events, "the control plane's verified event log: the last events, then follow")

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from controlplane.ledger import short_atom
+from controlplane.specs import CheckedSpec, check_fits
 from services.converger.domains import NoDomains
 from services.converger.model import (
     BindHold,
@@ -200,20 +201,29 @@ def observe_node(info: NodeInfo, spec: NodeSpec, inventory: Inventory) -> tuple[
     return observed, notes
 
 
-async def ask_node(info: NodeInfo) -> tuple[Inventory, ConvergerStatus]:
+async def ask_node(info: NodeInfo) -> tuple[Inventory, ConvergerStatus, int]:
+    """The node's inventory, its converger's status, and its bus's max_payload (the server's INFO)."""
     nc = await connect(info)
     subjects = NodeSubjects(info.node_id)
     try:
         inventory = await call(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=5)
         status = await call(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=5)
+        max_payload = nc.max_payload
     finally:
         await nc.close()
-    return inventory, status
+    return inventory, status, max_payload
 
 
-def dry_run(info: NodeInfo, spec: NodeSpec) -> DryRun:
-    """Plan `spec` (its generation already the one a put would give it) against the node now."""
-    inventory, status = asyncio.run(ask_node(info))
+def dry_run(info: NodeInfo, spec: NodeSpec, checked: CheckedSpec | None = None) -> DryRun:
+    """Plan `spec` (its generation already the one a put would give it) against the node now.
+
+    With `checked` (the spec as the put would take it), first the put's own size check
+    against the node bus's max_payload (controlplane.specs.check_fits: SpecTooLarge, exit 2):
+    what the dry run accepts, the apply can carry.
+    """
+    inventory, status, max_payload = asyncio.run(ask_node(info))
+    if checked is not None:
+        check_fits(checked, max_payload)
     observed, notes = observe_node(info, spec, inventory)
     config = PlanConfig(
         node_id=info.node_id,
@@ -224,7 +234,12 @@ def dry_run(info: NodeInfo, spec: NodeSpec) -> DryRun:
     return summarize_plan(spec, plan(spec, observed, config), dict(observed.holds), notes)
 
 
-def render_dry_run(d: DryRun, source: str = "") -> str:
+#: what the dry run's last line advises on a node where `bcd apply` puts the spec itself
+APPLY_ADVICE = "`bcd apply` without --dry-run puts it"
+
+
+def render_dry_run(d: DryRun, source: str = "", advice: str = APPLY_ADVICE) -> str:
+    """The plan as lines; `advice` ends the last one: how a spec is put on this node (bcd.applycmd.put_advice)."""
     what = f"{source} " if source else ""
     lines = [f"DRY RUN: nothing was put. The plan for {what}on node {d.node_id} as generation {d.generation}, against its holds now:"]
     for h in d.holds:
@@ -243,7 +258,7 @@ def render_dry_run(d: DryRun, source: str = "") -> str:
     counts = {a: len(d.by_action(a)) for a in ("bind", "rebind", "restore", "keep", "wait", "release", "refuse")}
     # rebind, restore and wait only when there are any (the four others always)
     tally = ", ".join(f"{n} {a}" for a, n in counts.items() if n or a not in ("rebind", "restore", "wait"))
-    lines.append(f"would be: {d.state} ({tally}); `bcd apply` without --dry-run puts it")
+    lines.append(f"would be: {d.state} ({tally}); {advice}")
     return "\n".join(lines)
 
 
@@ -260,4 +275,4 @@ def dry_run_json(d: DryRun) -> dict[str, Any]:
     }
 
 
-__all__ = ["PlannedHold", "DryRun", "summarize_plan", "read_state", "observe_node", "ask_node", "dry_run", "render_dry_run", "dry_run_json"]
+__all__ = ["APPLY_ADVICE", "PlannedHold", "DryRun", "summarize_plan", "read_state", "observe_node", "ask_node", "dry_run", "render_dry_run", "dry_run_json"]

@@ -464,10 +464,18 @@ async def run_demo(state: Path, info: NodeInfo, spec_file: Path, services: list[
         try:
             generation = await apply_spec_file(state, spec_file)
         except Exception as exc:  # noqa: BLE001 - shown to the user, the node keeps running
-            print(f"bcd up: could not apply {spec_file}: {exc}", file=sys.stderr)
-            return
-        print(f"\napplied {spec_file} as generation {generation}; waiting for the node to report...\n", flush=True)
-    for _ in range(100):
+            # never silent after this (issue 41.5): what failed, how to go on, then the node as it is
+            print(
+                f"bcd up: could not apply {spec_file}: {exc}\n"
+                f"bcd up: the node runs on without it: `bcd status --state-dir {state}` shows where it stands, "
+                f"`bcd apply {spec_file} --state-dir {state}` tries again (--debug shows why it fails)",
+                file=sys.stderr,
+                flush=True,
+            )
+            generation = None
+        else:
+            print(f"\napplied {spec_file} as generation {generation}; waiting for the node to report...\n", flush=True)
+    for _ in range(100 if generation is not None else 0):
         report = await gather(info)
         sec = report.converger.section if report.converger else None
         if sec is not None and sec.observed_generation == generation and sec.state != "PROGRESSING" and report.outbox and report.outbox.messages == 0:

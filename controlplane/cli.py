@@ -28,10 +28,11 @@ from shared.subjects import CONTROLPLANE_USER
 from shared.tlsconfig import TlsConfigError
 
 from .keys import KeyFileError, load_or_create_cp_key
-from .put import LOCAL_HELLO_WAIT_S, put_spec_file
+from .publish import RebaseRefused
+from .put import LOCAL_HELLO_WAIT_S, put_spec_file, rebase_node
 from .serve import ControlPlane
 from .specs import UnknownNode
-from .state import StateError
+from .state import GenerationExhausted, StateError
 from .stopping import sleep_unless
 from .upstream import TLS_CHECK_S, close, connect_serving, tls_from_args, watch_tls
 
@@ -94,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for the node's Hello: a spec for a node that never said Hello is refused (exit 2) [env BCD_CP_HELLO_WAIT]",
     )
     put.add_argument("--force", action="store_true", help="put the spec even for a node that never said Hello")
+    rebase = sub.add_parser(
+        "rebase",
+        parents=[common],
+        help="put a node's spec (ours, in the bucket) again at a generation our count goes on from, for a node above 2^53 - 1; its holds kept",
+    )
+    rebase.add_argument("node_id", help="the node to rebase")
     return parser
 
 
@@ -163,12 +170,22 @@ async def _put(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _rebase(args: argparse.Namespace) -> int:
+    result = await rebase_node(
+        args.nats_url, args.user, args.password_file, args.state_dir, args.node_id,
+        replicas=args.replicas, nkey_file=args.nkey_file, tls=tls_from_args(args),
+    )  # fmt: skip
+    print(f"note: node {result.node_id} {result.note}; its holds kept", file=sys.stderr)
+    print(result.generation)
+    return 0
+
+
 def _put_main(args: argparse.Namespace) -> int:
-    """`put` as a command: its generation on stdout, a refusal or failure as one line on stderr
-    (`bcd-controlplane put: ...`), as `bcd apply` says it; `serve` logs structured lines."""
+    """`put` (and `rebase`) as a command: its generation on stdout, a refusal or failure as one line
+    on stderr (`bcd-controlplane put: ...`), as `bcd apply` says it; `serve` logs structured lines."""
 
     def say(text: str, code: int) -> int:
-        print(f"bcd-controlplane put: {text}", file=sys.stderr)
+        print(f"bcd-controlplane {args.command}: {text}", file=sys.stderr)
         return code
 
     if args.state_dir is None:
@@ -178,9 +195,11 @@ def _put_main(args: argparse.Namespace) -> int:
     except TlsConfigError as exc:
         return say(str(exc), 2)
     try:
-        return asyncio.run(_put(args))
+        return asyncio.run(_rebase(args) if args.command == "rebase" else _put(args))
     except (KeyFileError, StateError) as exc:
         return say(str(exc), 2)
+    except (GenerationExhausted, RebaseRefused) as exc:  # the node's situation: refused, what to do said
+        return say(str(exc), 1)
     except UnknownNode as exc:
         return say(f"{exc}: is the node id right? Nothing was put (--force puts it anyway)", 2)
     except UnknownFieldsError as exc:
@@ -195,7 +214,7 @@ def _put_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "put":
+    if args.command in ("put", "rebase"):
         # a command, not a server: warnings and errors only, the outcome as one line
         logs.configure("controlplane", "ERROR", args.log_format)
         return _put_main(args)

@@ -1,4 +1,4 @@
-"""One spec put as a one-off (`bcd-controlplane put`, `bcd apply`): connect, check, sign, put, close.
+"""One spec put as a one-off (`bcd-controlplane put`, `bcd apply`; a rebase too): connect, check, sign, put, close.
 
 This module owns a put that does not run the serve loop. Everything that can be
 judged offline is judged before connecting. Then one connection try is made
@@ -23,7 +23,7 @@ from .buckets import UpstreamObjects
 from .keys import load_or_create_cp_key
 from .nodes import Nodes
 from .publish import SpecPublisher
-from .specs import PutResult, check_spec
+from .specs import PutResult, SpecTooLarge, check_spec
 from .state import StateStore
 from .upstream import close, connect_upstream
 
@@ -66,14 +66,52 @@ async def put_spec_file(
     try:
         store = StateStore(Path(state_dir))
         objects = UpstreamObjects(nc.jetstream(timeout=5.0), replicas)
-        publisher = SpecPublisher(key, objects, store, Nodes(objects, store))
+        publisher = SpecPublisher(key, objects, store, Nodes(objects, store), max_payload=lambda: nc.max_payload)
         try:
             await objects.ensure()
             return await publisher.put(data, allow_unknown_fields=allow_unknown_fields, require_known_node=require_known_node, hello_wait=wait)
+        except nats.errors.MaxPayloadError:
+            # check_fits refuses such a spec before a generation is reserved; should the server
+            # say it anyway, it is still the spec's size, not an unreachable upstream
+            raise SpecTooLarge(f"spec: its signed envelope is above upstream {nats_url}'s max_payload of {nc.max_payload} bytes") from None
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
     finally:
         await close(nc)
 
 
-__all__ = ["LOCAL_HELLO_WAIT_S", "put_spec_file"]
+
+
+async def rebase_node(
+    nats_url: str,
+    user: str,
+    password_file: Path | None,
+    state_dir: Path,
+    node_id: str,
+    *,
+    connect_timeout: float = 5.0,
+    replicas: int = 1,
+    nkey_file: Path | None = None,
+    tls: UpstreamTls | None = None,
+) -> PutResult:
+    """`bcd rebase`, `bcd-controlplane rebase`: SpecPublisher.rebase as a one-off, like a put.
+
+    Raises RebaseRefused (nothing to rebase, or not this control plane's spec), ConnectionError
+    when upstream cannot be reached.
+    """
+    key, _ = load_or_create_cp_key(state_dir)
+    nc = await connect_upstream(nats_url, user, password_file, nkey_file=nkey_file, tls=tls, reconnect=False, timeout=connect_timeout)
+    try:
+        store = StateStore(Path(state_dir))
+        objects = UpstreamObjects(nc.jetstream(timeout=5.0), replicas)
+        publisher = SpecPublisher(key, objects, store, Nodes(objects, store), max_payload=lambda: nc.max_payload)
+        try:
+            await objects.ensure()
+            return await publisher.rebase(node_id)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
+    finally:
+        await close(nc)
+
+
+__all__ = ["LOCAL_HELLO_WAIT_S", "put_spec_file", "rebase_node"]

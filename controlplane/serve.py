@@ -90,7 +90,7 @@ class ControlPlane:
         self._fetch_timeout = fetch_timeout
         self.objects = UpstreamObjects(self.js, replicas)
         self.nodes = Nodes(self.objects, self.store)
-        self.publisher = SpecPublisher(key, self.objects, self.store, self.nodes)
+        self.publisher = SpecPublisher(key, self.objects, self.store, self.nodes, max_payload=lambda: nc.max_payload)
         self.judge = Judge(self.nodes)
         self.ledger = EventLedger(self.events_path)
         #: set while `run` consumes (its subscriptions are in place on the server).

@@ -39,7 +39,6 @@ from shared.schemas import (
     AllocationBound,
     AllocationFailed,
     AllocationReleased,
-    BadMessage,
     Condition,
     Hello,
     HoldCondition,
@@ -50,6 +49,7 @@ from shared.schemas import (
 )
 from shared.schemas.codec import BoundedDecoder
 from shared.schemas.common import INT64_MAX
+from shared.schemas.nodespec import GENERATION_SAFE_MAX
 
 log = logs.get_logger("controlplane")
 
@@ -142,15 +142,34 @@ def next_generation(state: ControlPlaneState, node_id: str, requested: int | Non
     if requested is not None and requested > last:
         return requested, ""
     if last + 1 > INT64_MAX:
-        # a spec's generation is an int64 (docs/upstream.md): there is no next one to put
-        raise BadMessage(
-            f"node {node_id}'s last put generation is {last}: the next, {last + 1}, is above the largest a spec may "
-            f"carry ({INT64_MAX}); a node that took a spec at {last} needs its control plane's record and its "
-            "state reset (docs/upstream.md, generations)"
-        )
+        # a spec's generation is an int64 (docs/upstream.md): there is no next one to put. Not the
+        # caller's input (the spec is fine): the node's situation, said with what to do
+        raise GenerationExhausted(node_id, last)
     if requested is None:
         return last + 1, ""
     return last + 1, f"generation {requested} is not above the last put generation {last}; put as {last + 1}"
+
+
+def rebase_target(state: ControlPlaneState, node_id: str, stuck: int) -> int:
+    """The generation a rebase of a node at `stuck` puts it at: one above the highest this control
+    plane issued at or below GENERATION_SAFE_MAX (1 with none). Never issued before, so no event
+    id of an earlier spec (they carry the generation) comes back, and at or below the bound, so
+    the control plane's count goes on from there."""
+    rec = state.nodes.get(node_id)
+    below = [min(last, GENERATION_SAFE_MAX) for first, last in (issued_runs(rec) if rec is not None else []) if first <= GENERATION_SAFE_MAX]
+    target = max(below, default=0) + 1
+    if target > GENERATION_SAFE_MAX or target >= stuck:
+        raise ValueError(f"node {node_id}: no generation at or below {GENERATION_SAFE_MAX} is left to rebase to")
+    return target
+
+
+def record_rebase(state: ControlPlaneState, node_id: str, stuck: int, target: int) -> None:
+    """A rebase from `stuck` to `target` is being put: both issued (events of either are believed:
+    holds bound at `stuck` report at it), and `target` the last, which the count goes on from."""
+    rec = state.node(node_id)
+    _record_issued(rec, stuck)
+    _record_issued(rec, target)
+    rec.last_generation = target
 
 
 def issued_runs(rec: NodeRecord) -> list[tuple[int, int]]:
@@ -298,6 +317,22 @@ def peek_state(state_dir: Path) -> ControlPlaneState:
         return ControlPlaneState()
 
 
+class GenerationExhausted(Exception):
+    """The node's last generation is the largest a spec can carry: no put can follow it."""
+
+    #: a situation an operator can be in (bcd.exits prints it as one line, not an internal error)
+    operator_error = True
+
+    def __init__(self, node_id: str, last: int) -> None:
+        super().__init__(
+            f"node {node_id} is at generation {last}, the largest a spec can carry ({INT64_MAX}): no spec can follow it; "
+            "`bcd rebase` (this node's control plane) or `python -m controlplane rebase` brings it back with its holds "
+            "(docs/upstream.md, \"Generations\")"
+        )
+        self.node_id = node_id
+        self.last = last
+
+
 class StateError(Exception):
     """state.json is unusable; the text says what to do."""
 
@@ -393,12 +428,15 @@ __all__ = [
     "next_generation",
     "MAX_ISSUED_RUNS",
     "issued_runs",
+    "rebase_target",
+    "record_rebase",
     "generation_issued",
     "reserve_generation",
     "apply_spec",
     "apply_event",
     "remember_processed",
     "remember_boot",
+    "GenerationExhausted",
     "StateError",
     "StateStore",
 ]

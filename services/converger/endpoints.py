@@ -52,6 +52,7 @@ from shared.schemas import (
     PendingReleaseSummary,
     SignedNodeSpec,
     SpecAck,
+    takes_rebase,
 )
 from shared.schemas.bus import PASSTHROUGH_CLAIM, PROBLEMS_MAX
 from shared.schemas.common import clip
@@ -132,7 +133,10 @@ class Endpoints:
             raise Refused(f"refused: {exc}", code="400") from None
         body = signed.spec
         current = facts.spec.generation if facts.spec is not None else -1
-        if spec.generation < current:
+        # lower is refused (an old spec replayed), but for the control plane's signed rebase of a
+        # node put where no generation follows (docs/upstream.md, "Generations")
+        rebase = takes_rebase(spec, current)
+        if spec.generation < current and not rebase:
             raise Refused(f"generation {spec.generation} is lower than the applied {current}", code="409")
         if facts.spec is not None and spec == facts.spec:
             return SpecAck(generation=spec.generation, changed=False)
@@ -147,6 +151,7 @@ class Endpoints:
         self.log.info(
             "spec accepted",
             generation=spec.generation,
+            **({"rebased_from": current} if rebase else {}),
             assignments=len(spec.devices),
             instances=len(spec.instances),
             # False: taken unchecked under --accept-unsigned-specs (lab only)

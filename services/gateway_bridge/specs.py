@@ -38,6 +38,7 @@ from shared.schemas import (
     NodeSpec,
     SchemaViolation,
     clip,
+    takes_rebase,
 )
 from shared.signing import VerificationError
 from shared.spectrust import SpecTrust
@@ -174,7 +175,9 @@ class SpecIntake:
             # relayed as it came: an envelope the node bus cannot carry would be retried forever
             await self.reject(f"refused: the signed spec is {len(data)} bytes, above the node bus's max_payload of {limit}")
             return
-        if spec.generation < self.applied_generation:
+        # lower is refused (an old spec replayed), but for the control plane's signed rebase of a
+        # node put where no generation follows (docs/upstream.md, "Generations")
+        if spec.generation < self.applied_generation and not takes_rebase(spec, self.applied_generation):
             await self.reject(f"refused: generation {spec.generation} is lower than the applied {self.applied_generation}")
             return
         if self.pending is not None and spec.generation < self.pending.generation:
@@ -206,7 +209,9 @@ class SpecIntake:
             self._unreachable(spec, describe(exc))
             return
         self._handed(spec)
-        self.applied_generation = max(self.applied_generation, ack.generation)
+        # a rebase the converger took moves the applied generation down; nothing else does
+        rebased = ack.generation == spec.generation and takes_rebase(spec, self.applied_generation)
+        self.applied_generation = ack.generation if rebased else max(self.applied_generation, ack.generation)
         if not self.converger_reachable:
             self.converger_reachable = True
             self.log.info("converger reachable again; spec handed over", generation=ack.generation, changed=ack.changed)

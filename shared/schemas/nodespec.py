@@ -136,13 +136,27 @@ class InstanceGpus(Struct, kw_only=True):
     gpus: Annotated[list[PciAddress], msgspec.Meta(max_length=64)] = []
 
 
+#: the largest generation a control plane asks for or rebases a node to: 2^53 - 1, the largest
+#: integer every JSON reader takes exactly. Above it a node can be rebased (docs/upstream.md,
+#: "Generations"): a generation there was never a control plane's count, and no count gets there.
+GENERATION_SAFE_MAX = 2**53 - 1
+
+
 class NodeSpec(Struct, kw_only=True):
     node_id: Id
     generation: Generation
     devices: Annotated[list[DeviceAssignment], msgspec.Meta(max_length=MAX_ASSIGNMENTS)] = []
     instances: Annotated[list[InstanceGpus], msgspec.Meta(max_length=256)] = []
+    #: a rebase only (a control plane's `rebase`, signed like any spec): the applied generation,
+    #: above GENERATION_SAFE_MAX, that this spec's lower one replaces. Absent otherwise.
+    rebase_from: Generation | None = None
 
     def __post_init__(self) -> None:
+        if self.rebase_from is not None and not (self.generation <= GENERATION_SAFE_MAX < self.rebase_from):
+            raise ValueError(
+                f"rebase_from: a rebase goes from a generation above {GENERATION_SAFE_MAX} to one at or below it, "
+                f"not from {self.rebase_from} to {self.generation}"
+            )
         seen: set[str] = set()
         for a in self.devices:
             if a.allocation_id in seen:
@@ -168,6 +182,16 @@ class SignedNodeSpec(Struct, kw_only=True):
     signature: bytes = b""
 
 
+def takes_rebase(spec: NodeSpec, applied: int) -> bool:
+    """Does a node at generation `applied` take `spec`, lower, as its control plane's rebase?
+
+    Only a spec naming exactly the applied generation (so an old rebase replayed later names
+    another and is refused as any lower generation is), from above GENERATION_SAFE_MAX (where no
+    control plane's count gets again, __post_init__). The bridge and the converger both ask.
+    """
+    return spec.rebase_from is not None and spec.rebase_from == applied and spec.generation < applied
+
+
 __all__ = [
     "Binding",
     "BINDINGS",
@@ -177,4 +201,7 @@ __all__ = [
     "InstanceGpus",
     "NodeSpec",
     "SignedNodeSpec",
+    "GENERATION_SAFE_MAX",
+    "takes_rebase",
 ]
+

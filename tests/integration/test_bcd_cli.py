@@ -150,6 +150,77 @@ def test_no_node_at_the_state_dir(tmp_path: Path) -> None:
         assert f"no node at {tmp_path}" in _one_line(out), command
 
 
+def _readme_exit_codes() -> dict[int, str]:
+    """README's exit-code table ("The `bcd` command"): code -> meaning, as the operator reads it."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| code | meaning |") :].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]
+    return {int(code.strip()): meaning.strip() for code, meaning in rows}
+
+
+def _interrupted(cmd: list[str]) -> int:
+    """Ctrl-C (SIGINT) a following command once it printed something; its exit code."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO, env=_env()) as proc:
+        assert proc.stdout is not None
+        try:
+            os.set_blocking(proc.stdout.fileno(), False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not proc.stdout.read(1):
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            return proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _stdout_closed(cmd: list[str]) -> int:
+    """The reader gone before the command writes (`| head -1`); its exit code."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO, env=_env()) as proc:
+        assert proc.stdout is not None
+        proc.stdout.close()
+        return proc.wait(60)
+
+
+def test_every_code_of_readmes_exit_code_table_comes_from_a_real_command(running: Node, tmp_path: Path) -> None:
+    """Issue 41.9: README said 2 for an address the inventory does not list, `bcd gpu` gave 1. Each
+    row of README's table is driven here by real commands against a real node; a row without a
+    command, or a command that ends otherwise, fails, so README and the code cannot drift apart."""
+    s = ("--state-dir", str(running.state))
+    cli = [sys.executable, "-m", "bcd.cli"]
+    inventory_pid = running.pids()["inventory"]
+
+    def no_service() -> list[int]:
+        os.kill(inventory_pid, signal.SIGSTOP)  # the bus answers, the inventory does not
+        try:
+            return [bcd("inventory", *s, timeout=60).returncode]
+        finally:
+            os.kill(inventory_pid, signal.SIGCONT)
+
+    drive = {
+        0: lambda: [bcd("ping", *s, timeout=60).returncode, bcd("gpu", "list", "0000:18:00.0", *s, timeout=60).returncode],
+        # the demo's plan refuses three of its holds; nothing is put
+        1: lambda: [bcd("apply", str(REPO / "examples/specs/demo.json"), "--dry-run", *s, timeout=60).returncode],
+        2: lambda: [
+            bcd("gpu", *argv, *s, timeout=60).returncode
+            for argv in (("exclude", "0000:99:00.0"), ("include", "zz:zz"), ("reclaim", "0000:99:00.0"), ("recheck", "zz:zz"),
+                         ("reset", "0000:99:00.0"), ("diag", "0000:99:00.0", "--level", "1"), ("mig-layout", "zz:zz", "all-disabled"),
+                         ("diag", "0000:18:00.0", "--level", "0"))
+        ] + [bcd("status", "--no-such-flag", *s, timeout=60).returncode],  # fmt: skip
+        3: lambda: [bcd("status", "--state-dir", str(tmp_path), timeout=60).returncode],
+        4: no_service,
+        130: lambda: [_interrupted([*cli, "events", *s, "--last", "1"])],
+        141: lambda: [_stdout_closed([*cli, "status", *s])],
+    }
+    table = _readme_exit_codes()
+    assert set(table) == set(drive), f"README's exit codes {sorted(table)} and the commands that drive them {sorted(drive)} differ"
+    running.apply({"node_id": "node-1", "devices": [{"allocation_id": "a1", "reservation_id": "rsv-a1", "binding": "BINDING_HOLD", "devices": []}]})
+    for code, driver in drive.items():
+        got = driver()
+        assert got == [code] * len(got), f"README: {code} = {table[code]!r}; the commands gave {got}"
+
+
 def test_zz_a_stopped_node(running: Node) -> None:
     """Runs last: stops the module's node, then every read command ends at once, in one line."""
     running.stop()

@@ -100,8 +100,10 @@ def test_reset_and_diag_refuse_every_kind_of_holder_and_say_how_they_end(maint_n
     assert failed.returncode == 1 and "reset 0000:db:00.0: Refused" in failed.stdout and "no function reset" in failed.stdout, failed.stdout
     diag = gpu(node, "diag", PCI[5], "--level", "3")
     assert diag.returncode == 1 and "diag level 3 0000:ab:00.0: Failed" in diag.stdout and "3 uncorrectable ECC errors" in diag.stdout, diag.stdout
-    bad = gpu(node, "reset", "0000:99:00.0")
-    assert bad.returncode == 1 and "the inventory lists no GPU at that address" in bad.stdout
+    # an address the inventory does not list is an input error (README's exit codes), asked of no service
+    for args in (("reset", "0000:99:00.0"), ("diag", "0000:99:00.0", "--level", "1"), ("mig-layout", "zz:zz", "all-disabled")):
+        bad = gpu(node, *args)
+        assert bad.returncode == 2 and "bcd: gpu " in bad.stderr and bad.stdout == "", (args, bad.stdout, bad.stderr)
 
     # kept per card: bcd gpu list, bcd status, the metrics
     listing = gpu(node, "list")
@@ -115,7 +117,7 @@ def test_reset_and_diag_refuse_every_kind_of_holder_and_say_how_they_end(maint_n
     assert m[("bcd_gpu_diag_passed", (("level", "3"), ("pci_address", PCI[5])))] == 0
     assert m[("bcd_gpu_diag_passed", (("level", "1"), ("pci_address", PCI[0])))] == 1
     assert m[("bcd_gpu_operations_total", (("op", "reset"), ("outcome", "Succeeded")))] == 1
-    assert m[("bcd_gpu_operations_total", (("op", "reset"), ("outcome", "Refused")))] == len(holders) + 2  # the holders, no reset, not listed
+    assert m[("bcd_gpu_operations_total", (("op", "reset"), ("outcome", "Refused")))] == len(holders) + 1  # the holders, no reset (a card not listed never reaches the converger)
     assert m[("bcd_gpu_operations_running", (("op", "diag"),))] == 0
 
 
@@ -234,10 +236,12 @@ def test_mig_layout_refusals_failures_and_a_mode_change_that_needs_a_reset(mig_n
         (("mig-layout", PCI[0], "1g.18gb"), "supports no MIG profiles"),
         (("mig-layout", PCI[7], "5g.99gb"), "has no MIG profile 5g.99gb"),
         (("mig-layout", PCI[7], "one,two"), "is not a GPU instance profile"),
-        (("mig-layout", "0000:99:00.0", "1g.18gb"), "the inventory lists no GPU at that address"),
     ):
         out = gpu(node, *args)
         assert out.returncode == 1 and "REFUSED" in out.stdout and why in out.stdout, (args, out.stdout, out.stderr)
+    # an address the inventory does not list is an input error (README's exit codes), asked of no service
+    unlisted = gpu(node, "mig-layout", "0000:99:00.0", "1g.18gb")
+    assert unlisted.returncode == 2 and "no card 0000:99:00.0 on node node-1" in unlisted.stderr, (unlisted.stdout, unlisted.stderr)
     usage = gpu(node, "mig-layout", PCI[7])
     assert usage.returncode == 2 and "a LAYOUT is needed" in usage.stderr
 

@@ -51,3 +51,20 @@ def test_a_second_make_run_keeps_the_users_holds(tmp_path) -> None:
         assert f"node-1 already has generation {gen}" in text and f"bcd apply {DEMO}" in text
     finally:
         again.stop()
+
+
+def test_make_run_is_never_silent_after_a_failed_apply(tmp_path) -> None:
+    """Issue 41.5: `make run` said `could not apply examples/specs/demo.json` and then nothing. Now it
+    says how to go on and shows the node (the status table, then the verified events)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"node_id": "node-1", "devices": [')
+    node = Node(tmp_path, "--apply", str(bad)).start()
+    try:
+        wait_for(lambda: "verified events" in node.log_path.read_text(), 60, "the status and the events after the failed apply")
+        text = node.log_path.read_text()
+        assert f"bcd up: could not apply {bad}: spec: not valid JSON" in text, text
+        assert f"bcd up: the node runs on without it: `bcd status --state-dir {node.state}`" in text
+        assert f"`bcd apply {bad} --state-dir {node.state}` tries again" in text
+        assert node.proc is not None and node.proc.poll() is None  # the node keeps running
+    finally:
+        node.stop()

@@ -120,11 +120,38 @@ def test_a_bind_of_an_earlier_generation_counts_kept_holds_and_releases() -> Non
         "rsv-keep": Reservation(reservation_id="rsv-keep", node_id="node-1", allocation_id="keep", state="active", generation=5, devices=[GPU[2]], updated_at=NOW)
     }
     f = Follower.for_spec(spec(assignment("keep", GPU[2]), assignment("late", GPU[3])), 5, reservations)
-    assert f.start_lines() == ["kept     keep (rsv-keep)  GPU-5f1c…0003  (bound at an earlier generation)"]
-    lines = run(f, [released("gone", 5, GPU[4]), bound("late", 4, GPU[3]), section(5, "CONVERGED")])
-    assert lines[0] == "released gone (rsv-gone)  GPU-5f1c…0005"
-    assert f.holds["late"].result == "bound"  # bound by generation 4's pass, reported after our put
-    assert f.counts() == {"bound": 1, "kept": 1, "failed": 0, "pending": 0, "released": 1}
+    assert f.counts()["kept"] == 0  # nothing is said kept before the node reports the generation
+    lines = run(f, [released("gone", 5, GPU[4]), bound("late", 4, GPU[3], cgroup="bcd-alloc-late.slice")])
+    assert lines == ["released gone (rsv-gone)  GPU-5f1c…0005"]
+    assert f.holds["late"].result == "pending"  # bound by generation 4's pass: not this generation's word
+    lines = run(f, [section(5, "CONVERGED")])
+    assert lines == [
+        "kept     keep (rsv-keep)  GPU-5f1c…0003  (held from an earlier generation)",
+        "kept     late (rsv-late)  GPU-5f1c…0004  cgroup parent bcd-alloc-late.slice  (held from an earlier generation)",
+    ]
+    assert f.counts() == {"bound": 0, "kept": 2, "failed": 0, "pending": 0, "released": 1}
+
+
+def test_with_the_converger_stopped_nothing_is_said_but_no_outcome() -> None:
+    """Issue 41.7: with the converger stopped (kill -STOP), `apply --wait` printed five
+    `kept ... (bound at an earlier generation)` lines for a generation the converger never saw,
+    inferred from the control plane's record; now only the node's events at the generation say
+    anything, and none came: TIMEOUT, exit 3, every hold pending."""
+    names = [f"h{i}" for i in range(5)]
+    reservations = {
+        f"rsv-{n}": Reservation(reservation_id=f"rsv-{n}", node_id="node-1", allocation_id=n, state="active", generation=4, devices=[GPU[i]], updated_at=NOW)
+        for i, n in enumerate(names)
+    }
+    f = Follower.for_spec(spec(*(assignment(n, GPU[i]) for i, n in enumerate(names))), 5, reservations)
+    # what the outbox may still drain: generation 4's own reports
+    lines = run(f, [bound(n, 4, GPU[i]) for i, n in enumerate(names)] + [section(4, "CONVERGED")])
+    assert lines == []
+    assert f.outcome is None and f.exit_code() == EXIT_TIMEOUT
+    assert f.counts() == {"bound": 0, "kept": 0, "failed": 0, "pending": 5, "released": 0}
+    (summary,) = f.summary(2.0)
+    assert summary.startswith("generation 5: no outcome within 2 s, TIMEOUT (0 bound, 0 kept, 0 failed, 0 released, 5 pending")
+    assert "kept" not in " ".join(lines) and f.to_json()["outcome"] == "TIMEOUT"
+    assert [a["result"] for a in f.to_json()["allocations"]] == ["pending"] * 5
 
 
 def test_progressing_is_said_once_per_message_and_is_no_outcome() -> None:
@@ -202,7 +229,6 @@ def test_a_held_allocation_on_other_devices_is_not_said_kept_but_released_and_bo
         "rsv-job-a": Reservation(reservation_id="rsv-job-a", node_id="node-1", allocation_id="job-a", state="active", generation=4, devices=[GPU[2]], updated_at=NOW)
     }
     f = Follower.for_spec(spec(assignment("job-a", GPU[3])), 5, reservations)
-    assert f.start_lines() == []
     lines = run(f, [released("job-a", 5, GPU[2]), bound("job-a", 5, GPU[3]), section(5, "CONVERGED")])
     assert lines[0] == "released job-a (rsv-job-a)  GPU-5f1c…0003  (its assignment changed: bound again)"
     assert f.holds["job-a"].result == "bound" and f.holds["job-a"].devices == [GPU[3]]
@@ -210,7 +236,7 @@ def test_a_held_allocation_on_other_devices_is_not_said_kept_but_released_and_bo
 
 
 def test_a_kept_hold_released_at_the_generation_is_bound_again_not_kept() -> None:
-    """Same devices, other env or limits: premarked kept, then its Released and Bound come."""
+    """Same devices, other env or limits: its Released and Bound come; never said kept."""
     reservations = {
         "rsv-job-a": Reservation(reservation_id="rsv-job-a", node_id="node-1", allocation_id="job-a", state="active", generation=4, devices=[GPU[2]], updated_at=NOW)
     }

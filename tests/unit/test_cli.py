@@ -491,21 +491,26 @@ def _main(*argv: str) -> int:
 def test_gpu_recheck_asks_the_inventory_and_exits_0_only_when_accepted(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], accepted: bool, message: str, card: tuple | None, code: int, said: str
 ) -> None:
-    from shared.schemas import GpuReply, GpuRequest
+    from shared.schemas import Empty, GpuReply, GpuRequest
     from shared.subjects import NodeSubjects
 
+    from tests.converger_kit import host_inventory
+
     gpu = _card(*card) if card is not None else None
-    asked = _fake_node(monkeypatch, {NodeSubjects("node-1").inventory_gpu: GpuReply(pci=CARD, action="recheck", accepted=accepted, message=message, gpu=gpu)})
+    s = NodeSubjects("node-1")
+    inv = host_inventory()
+    asked = _fake_node(monkeypatch, {s.inventory_get: inv, s.inventory_gpu: GpuReply(pci=CARD, action="recheck", accepted=accepted, message=message, gpu=gpu)})
     assert _main("gpu", "recheck", CARD, "--state-dir", "st") == code
-    # the same endpoint and request as exclude, include and reclaim, the address as typed
-    assert asked == [(NodeSubjects("node-1").inventory_gpu, GpuRequest(action="recheck", pci=CARD))]
+    # the address checked against the inventory first, then the same endpoint and request as
+    # exclude, include and reclaim
+    assert asked == [(s.inventory_get, Empty()), (s.inventory_gpu, GpuRequest(action="recheck", pci=CARD))]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(said), lines
     if gpu is not None:
         health = next(c for c in gpu.status.conditions if c.type == "Healthy")
         assert f"  Healthy={health.status} {health.reason}: {health.message}" in lines
     # --json: the GpuReply as it came
-    _fake_node(monkeypatch, {NodeSubjects("node-1").inventory_gpu: GpuReply(pci=CARD, action="recheck", accepted=accepted, message=message, gpu=gpu)})
+    _fake_node(monkeypatch, {s.inventory_get: inv, s.inventory_gpu: GpuReply(pci=CARD, action="recheck", accepted=accepted, message=message, gpu=gpu)})
     assert _main("gpu", "recheck", CARD, "--state-dir", "st", "--json") == code
     doc = json.loads(capsys.readouterr().out)
     assert (doc["action"], doc["accepted"], doc["message"]) == ("recheck", accepted, message)
@@ -516,6 +521,66 @@ def test_gpu_recheck_needs_an_address(monkeypatch: pytest.MonkeyPatch, capsys: p
     assert _main("gpu", "recheck", "--state-dir", "st") == Exit.USAGE
     assert asked == [] and "gpu recheck: a PCI address is needed" in capsys.readouterr().err
     assert cli.build_parser().parse_args(["gpu", "recheck", CARD]).action == "recheck"
+
+
+GPU_ACTIONS = ("list", "exclude", "include", "reclaim", "recheck", "reset", "diag", "mig-layout")
+
+
+def _action_argv(action: str, address: str) -> list[str]:
+    """`bcd gpu ACTION ADDRESS` with whatever else the action needs."""
+    extra = {"diag": ["--level", "1"], "mig-layout": ["all-disabled"]}.get(action, [])
+    return ["gpu", action, address, *extra, "--state-dir", "st"]
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("action", GPU_ACTIONS)
+@pytest.mark.parametrize(
+    ("address", "said"),
+    [
+        pytest.param("0000:99:00.0", "no card 0000:99:00.0 on node node-1 (its cards: 0000:18:00.0", id="not-listed"),
+        pytest.param("zz:zz", "'zz:zz' is not a PCI address (like 0000:3b:00.0)", id="not-an-address"),
+        pytest.param("0000:18:00.0;rm", "is not a PCI address", id="trailing-junk"),
+    ],
+)
+def test_every_gpu_subcommand_refuses_a_bad_or_unknown_address_with_exit_2_asking_no_action(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], action: str, address: str, said: str
+) -> None:
+    """Issue 41.9: README's table says an address the inventory does not list is 2, for every `bcd gpu`
+    action (exclude/include/reclaim/recheck went to the inventory and got 1, reset/diag/mig-layout to
+    the converger and got 1); nothing but the inventory's listing is asked."""
+    from tests.converger_kit import host_inventory
+    from shared.subjects import NodeSubjects
+
+    s = NodeSubjects("node-1")
+    asked = _fake_node(monkeypatch, {s.inventory_get: host_inventory()})
+    assert _main(*_action_argv(action, address)) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+    assert [subject for subject, _ in asked] in ([], [s.inventory_get]), asked
+
+
+def test_gpu_diag_offers_only_the_levels_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41.14: `--level 0` was offered (choices 0-4 in help and completion) and then refused."""
+    level = next(a for a in _subparser("gpu")._actions if a.dest == "level")
+    assert list(level.choices) == [1, 2, 3, 4]
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["gpu", "diag", CARD, "--level", "0"])
+    assert exc.value.code == Exit.USAGE
+    assert cli.build_parser().parse_args(["gpu", "reset", CARD]).level is None
+    assert cli.cmd_completion(argparse.Namespace(shell="bash")) == 0
+    script = capsys.readouterr().out
+    assert "0 1 2 3 4" not in script
+
+
+@pytest.mark.parametrize(("argv", "said"), [(["gpu", "diag", CARD], "--level N is needed"), (["gpu", "reset", CARD, "--level", "2"], "--level is for diag")])
+def test_gpu_flags_are_checked_before_the_node_is_asked(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], said: str) -> None:
+    asked = _fake_node(monkeypatch, {})
+    assert _main(*argv, "--state-dir", "st") == Exit.USAGE
+    assert asked == [] and said in capsys.readouterr().err
 
 
 def test_gpu_list_shows_each_cards_health_and_why(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,7 +30,7 @@ import shared.schemas.common
 import shared.schemas.events
 import shared.schemas.inventory
 import shared.schemas.nodespec
-from controlplane.state import ControlPlaneState, next_generation
+from controlplane.state import ControlPlaneState, GenerationExhausted, next_generation
 from shared.holdfiles import HoldContent, HoldDevice, NotAHold, build_cdi_spec, hold_from_wire, hold_to_wire, parse_hold, render_cdi_spec
 from shared.schemas import (
     HELPER_FILE_WRITE_CODEC,
@@ -194,7 +194,9 @@ def test_the_control_plane_puts_no_generation_past_the_largest() -> None:
     state.node("node-1").last_generation = INT64_MAX - 1
     assert next_generation(state, "node-1", None) == (INT64_MAX, "")
     state.node("node-1").last_generation = INT64_MAX
-    with pytest.raises(BadMessage, match="above the largest a spec may carry"):
+    # the node's situation, not bad input: an operator's error naming the way back (issue 41.5)
+    with pytest.raises(GenerationExhausted, match="the largest a spec can carry") as exc:
         next_generation(state, "node-1", None)
-    with pytest.raises(BadMessage):
+    assert exc.value.operator_error and "bcd rebase" in str(exc.value)
+    with pytest.raises(GenerationExhausted):
         next_generation(state, "node-1", 5)
