@@ -346,10 +346,10 @@ def test_an_unreadable_vendor_spec_fails_the_cdi_write(tmp_path: Path) -> None:
 
 def test_a_slice_backend_failure_is_a_failure_not_a_refusal(tmp_path: Path) -> None:
     ops = make_ops(tmp_path)
-    (tmp_path / "run" / "slices").mkdir()
-    (tmp_path / "run" / "slices" / "bcd-alloc-x.slice.json").write_text("garbage")
+    # (a garbled record is no failure: apply writes it whole again; a directory in its place is)
+    (tmp_path / "run" / "slices" / "bcd-alloc-x.slice.json" / "sub").mkdir(parents=True)
     r = ask(ops, "slice.apply", HelperSliceApply(allocation_id="x", limits=limits_to_wire(Limits(cpus="0"))))
-    assert (r.ok, r.outcome) == (False, "failed") and "unreadable" in r.reason
+    assert (r.ok, r.outcome) == (False, "failed") and "cannot write fake slice record" in r.reason
 
 
 @pytest.mark.parametrize("what", ["directory", "fifo"])
