@@ -16,7 +16,10 @@ This module owns that one thing:
   backends so the fake records exactly what systemd would be sent);
 - the port (`Slices`) and its backends: `SystemdSlices` (transient slice units
   over D-Bus with pystemd, an optional dependency) and `FakeSlices` (one JSON
-  record per slice under `<run_dir>/slices`, what a fakehw host keeps).
+  record per slice under `<run_dir>/slices`, what a fakehw host keeps);
+- what a slice must read back as (`slice_differences`, pure: the properties
+  `Slices.properties` reads against those `slice_properties` makes), so a
+  slice changed from outside is drift by content, not only a missing one.
 
 Every backend failure the converger can outlive is a `SliceError` (retried in
 30 s); a malformed id or limits is a `ValueError` (a bug or a refusal, never
@@ -29,7 +32,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -45,6 +48,8 @@ log = get_logger(__name__)
 #: where the services find cgroup v2 (SystemdSlices' cgroup_root: huge page limits, emptiness)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SLICE_PREFIX = "bcd-alloc-"
+#: where FakeSlices keeps its records under the run dir (the converger's hold-dir watch looks there too)
+FAKE_SLICES_SUBDIR = "slices"
 SLICE_SUFFIX = ".slice"
 #: a fake slice record read back (a few properties and pids).
 SLICE_RECORD_MAX_BYTES = 1024 * 1024
@@ -273,6 +278,53 @@ class Slices(Protocol):
         {} for a missing slice."""
         ...
 
+    @property
+    def reads_hugepages(self) -> bool:
+        """Whether `properties` can say "hugepages" (False: huge page limits are neither
+        enforced nor read, so their absence is no difference)."""
+        ...
+
+
+def wanted_properties(allocation_id: str, limits: Limits, *, hugepages: bool = True) -> dict[str, Any]:
+    """What `Slices.properties` reads back for a slice applied with `limits` (and nothing
+    else since): `slice_properties`, plus "hugepages" when there are some and `hugepages`
+    (the backend reads them). ValueError as `slice_properties`."""
+    wanted: dict[str, Any] = dict(slice_properties(allocation_id, limits))
+    if hugepages and limits.hugepages:
+        wanted["hugepages"] = _hugepages_record(limits.hugepages)
+    return wanted
+
+
+def slice_differences(allocation_id: str, limits: Limits, found: Mapping[str, Any] | None, *, hugepages: bool = True) -> tuple[str, ...]:
+    """The names of the properties a live slice reads back (`Slices.properties`: `found`)
+    with values other than `limits` make, in `PROPERTY_SIGNATURES` order, then any other
+    name; () when they agree. Pure.
+
+    `found` None: the slice is there but does not read (a fake record garbled from
+    outside): ("unreadable",). `hugepages` False: the backend does not read huge page
+    limits, so "hugepages" is not compared. ValueError as `slice_properties`."""
+    if found is None:
+        return ("unreadable",)
+    wanted = wanted_properties(allocation_id, limits, hugepages=hugepages)
+    names = [*PROPERTY_SIGNATURES, *sorted(n for n in {*wanted, *found} if n not in PROPERTY_SIGNATURES)]
+    if not hugepages:
+        names = [n for n in names if n != "hugepages"]
+    return tuple(n for n in names if (n in wanted or n in found) and wanted.get(n) != found.get(n))
+
+
+def read_properties(slices: Slices, allocation_ids: list[str]) -> dict[str, dict[str, Any] | None]:
+    """`Slices.properties` of each of `allocation_ids` ({} for a missing slice), None for
+    one that does not read (a SliceError, logged): the caller compares them
+    (`slice_differences`) and never stops for one slice."""
+    found: dict[str, dict[str, Any] | None] = {}
+    for alloc in allocation_ids:
+        try:
+            found[alloc] = slices.properties(alloc)
+        except SliceError as exc:
+            log.warning("slice properties unreadable", allocation_id=alloc, error=str(exc))
+            found[alloc] = None
+    return found
+
 
 # ---------------------------------------------------------------- fake backend
 
@@ -297,10 +349,17 @@ class FakeSlices:
     spelled a `-` of the id as `.`) is the allocation's slice too: seen by
     `exists`, `is_empty`, `list` and `properties`, removed by `stop` once
     empty; `apply` only ever writes the current name.
+
+    A record edited from outside is what `properties` reads (so the converger
+    sees the drift); one that no longer reads is written again whole by
+    `apply`, with no pids (what it said of them does not read either).
     """
 
+    #: a record says its huge page limits
+    reads_hugepages = True
+
     def __init__(self, run_dir: Path | str) -> None:
-        self.dir = Path(run_dir) / "slices"
+        self.dir = Path(run_dir) / FAKE_SLICES_SUBDIR
         self._lock = threading.Lock()
 
     def path(self, allocation_id: str) -> Path:
@@ -345,7 +404,12 @@ class FakeSlices:
         props = slice_properties(allocation_id, limits)
         with self._lock:
             path = self.path(allocation_id)
-            old = self._read_path(path)
+            try:
+                old = self._read_path(path)
+            except SliceError as exc:
+                # garbled from outside: the record is ours, made whole again (never a retry forever)
+                log.warning("fake slice record unreadable; written again", path=str(path), error=str(exc))
+                old = None
             record = {
                 "name": slice_name(allocation_id),
                 "properties": {k: _to_json(k, v) for k, v in props},
@@ -397,8 +461,12 @@ class FakeSlices:
         records = self._records(allocation_id)
         if not records:
             return {}
-        record = records[0][1]
-        out: dict[str, Any] = {k: _from_json(k, v) for k, v in record["properties"].items()}
+        path, record = records[0]
+        try:
+            out: dict[str, Any] = {k: _from_json(k, v) for k, v in record["properties"].items()}
+        except (TypeError, ValueError) as exc:
+            # a byte array edited into something else (300, "0-3")
+            raise SliceError(f"fake slice record {path} is malformed: {exc}") from None
         if record.get("hugepages"):
             out["hugepages"] = record["hugepages"]
         return out
@@ -485,6 +553,11 @@ class SystemdSlices:
         self.start_wait_s = start_wait_s
         self._lock = threading.RLock()
         self._warned_hugepages: set[str] = set()
+
+    @property
+    def reads_hugepages(self) -> bool:
+        """Huge page limits are enforced and read only through `cgroup_root`."""
+        return self.cgroup_root is not None
 
     # -- connection
 
@@ -784,6 +857,10 @@ __all__ = [
     "slice_names",
     "allocation_of",
     "slice_properties",
+    "wanted_properties",
+    "slice_differences",
+    "read_properties",
+    "FAKE_SLICES_SUBDIR",
     "parse_cpulist",
     "cpulist_to_bitmask",
     "bitmask_to_cpulist",

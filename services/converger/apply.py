@@ -198,7 +198,11 @@ class Applier:
                 log.info("leftover slice stopped", allocation_id=step.allocation_id)
         elif isinstance(step, EnsureSlice):
             self.writer.apply_slice(step.allocation_id, step.limits)
-            log.info("slice recreated", allocation_id=step.allocation_id)
+            if step.drifted:
+                self.count_drift("slice")
+                log.warning("slice changed from outside put back to its limits", allocation_id=step.allocation_id, properties=list(step.drifted))
+            else:
+                log.info("slice recreated", allocation_id=step.allocation_id)
         elif isinstance(step, WriteEnv):
             self.writer.write_env(step.content)
             log.info("env file rewritten", allocation_id=step.allocation_id)

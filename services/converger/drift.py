@@ -14,21 +14,37 @@ card Unclaimed with the section CONVERGED. So:
 - `journal_disagreements` is pure: the journal (what was reported bound, and
   what bcd wrote: `ConvergerState.written`, digests of each hold's spec and env
   file) against the disk as read now, one line per hold whose files are missing
-  or not what bcd wrote (an edit that still parses is drift by content); the status carries them (`ConvergerStatus.drift`), `bcd status` shows
-  them and `bcd doctor` warns `hold-drift`.
+  or not what bcd wrote (an edit that still parses is drift by content), and
+  whose slice is missing or reads back other than its recorded limits make
+  (`SlicesNow`; a fake host's slice records are in the watched dirs too); the
+  status carries them (`ConvergerStatus.drift`), `bcd status` shows them and
+  `bcd doctor` warns `hold-drift`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.fsutil import content_digest
 from shared.holddisk import DiskView
 from shared.holdfiles import BINDING_CLAIM, hold_file_name
+from shared.slices import slice_differences, slice_name
 
 from .model import ConvergerState
+
+@dataclass(frozen=True)
+class SlicesNow:
+    """What the listed slices read back now (`Slices.properties`; None: does not read); a slice
+    absent here is not listed (missing)."""
+
+    props: Mapping[str, Mapping[str, Any] | None]
+    #: the backend reads huge page limits (False: they are not compared)
+    hugepages: bool = True
+
 
 #: one entry of a directory as the signature sees it: (name, inode, size, mtime in ns)
 Entry = tuple[str, int, int, int]
@@ -56,11 +72,17 @@ def dirs_signature(dirs: Iterable[Path | None]) -> tuple[tuple[str, tuple[Entry,
     return tuple(out)
 
 
-def journal_disagreements(state: ConvergerState, disk: DiskView, pending_releases: Mapping[str, object] = {}) -> list[str]:  # noqa: B006 - read-only
+def journal_disagreements(
+    state: ConvergerState,
+    disk: DiskView,
+    pending_releases: Mapping[str, object] = {},  # noqa: B006 - read-only
+    slices: SlicesNow | None = None,
+) -> list[str]:
     """Where the journal and the hold files disagree, one line each, sorted; [] when they agree.
 
     The journal is what was reported: a hold reported bound (and not being released) must
-    have its CDI spec, its env file and (consumer copies kept) its consumer copy."""
+    have its CDI spec, its env file, (consumer copies kept) its consumer copy and (`slices`
+    given: the backend listed its slices) its slice as its recorded limits make it."""
     lines: list[str] = []
     for alloc in sorted(state.reported):
         facts = state.bound.get(alloc)
@@ -84,6 +106,17 @@ def journal_disagreements(state: ConvergerState, disk: DiskView, pending_release
         missing = []
         if alloc not in disk.env_files:
             missing.append("its env file")
+        limits = rec.content.limits if rec is not None and rec.content.cgroup_parent else None
+        if slices is not None and limits is not None and not hold.legacy_slice:
+            if alloc not in slices.props:
+                missing.append(f"its slice {slice_name(alloc)}")
+            else:
+                try:
+                    differs = slice_differences(alloc, limits, slices.props[alloc], hugepages=slices.hugepages)
+                except ValueError:
+                    differs = ()
+                if differs:
+                    lines.append(f"{alloc}: its slice {slice_name(alloc)} is not what bcd made ({', '.join(differs)}): put back by the next pass")
         copies = disk.consumer_copies
         # (the copy of an edited spec is judged once the spec is put back: it is what bcd wrote)
         if copies is not None and not spec_edited and copies.get(alloc) != hold.consumer_digest:
@@ -97,4 +130,4 @@ def journal_disagreements(state: ConvergerState, disk: DiskView, pending_release
     return lines
 
 
-__all__ = ["Entry", "dirs_signature", "journal_disagreements"]
+__all__ = ["Entry", "SlicesNow", "dirs_signature", "journal_disagreements"]

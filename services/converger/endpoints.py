@@ -194,7 +194,9 @@ class Endpoints:
         problems = [*disk.problems, *(p for p in (self.outbox.warning, self.outbox.error) if p)]
         pending, _ = await asyncio.to_thread(self.releases.peek)
         freed = await asyncio.to_thread(self.releases.freed) if pending else set()
-        drift = journal_disagreements(state, disk, pending)
+        sliced = sorted(a for a, rec in state.written.items() if a in state.reported and rec.content.cgroup_parent)
+        slices_now = await asyncio.to_thread(self.dirs.slices_now, sliced) if sliced else None
+        drift = journal_disagreements(state, disk, pending, slices_now)
         # an env file whose hold spec is not on disk and that no bind or release is writing or removing
         orphans = [
             f"{Path(self.dirs.run_dir) / 'allocations' / (a + '.env')}: an env file of no hold on disk: left alone"

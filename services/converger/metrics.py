@@ -27,9 +27,9 @@ class ConvergerMetrics:
         self.passes = Counter("bcd_converger_passes", "Passes by outcome", ["outcome"], registry=reg)
         self.failures = Counter("bcd_hold_failures", "Holds refused, by reason", ["reason"], registry=reg)
         self.drift = Counter(
-            "bcd_hold_drift", "Hold files found not as bcd wrote them (edited from outside) and put back, by file", ["file"], registry=reg
+            "bcd_hold_drift", "Hold files (and slices) found not as bcd wrote them (edited from outside) and put back, by file", ["file"], registry=reg
         )
-        for file in ("cdi", "cdi-consumer", "allocation-env"):
+        for file in ("cdi", "cdi-consumer", "allocation-env", "slice"):
             self.drift.labels(file=file)
         self.generation = Gauge("bcd_converger_observed_generation", "Generation of the last pass", registry=reg)
         self.section = Gauge("bcd_section_state", "1 for the devices section's current state", ["state"], registry=reg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -249,6 +249,12 @@ class Observed:
     #: allocation ids with a bcd-alloc-<id>.slice present, and those of them that are empty.
     slices: frozenset[str] = frozenset()
     empty_slices: frozenset[str] = frozenset()
+    #: allocation -> what its slice reads back (`Slices.properties`), for the present slices of
+    #: holds on disk with a cgroup parent; None where it does not read. The plan compares it
+    #: with what the hold's limits make (`shared.slices.slice_differences`).
+    slice_props: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    #: the slice backend reads huge page limits (False: they are not compared)
+    slice_hugepages: bool = True
     inventory: Inventory | None = None
     vendor: VendorCdi | None = None
     #: PCI address -> holder text, GPUs claimed by the VFIO side (instance specs, running domains).
@@ -317,8 +323,14 @@ class StopSlice:
 
 @dataclass(frozen=True)
 class EnsureSlice:
+    """Create a kept hold's missing slice, or apply its limits again to one that reads back
+    otherwise (changed from outside: `drifted` names the properties; counted as drift, no
+    second Bound). The backends' apply is idempotent either way."""
+
     allocation_id: str
     limits: Limits
+    #: the properties that differ from what the limits make; () for a missing slice
+    drifted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,11 @@
 Holds come back from `<cdi_dir>/bcd-*.json` (a hold IS its CDI spec; real
 atom ids from each device's `bcd.dev/device-id`). A file there that is not
 one of our holds - foreign, unparsable, another kind - is logged and left
-alone, never deleted. Env files and slices are listed, and the leftovers of
-interrupted atomic writes found, so the planner can repair drift.
+alone, never deleted. Env files and slices are listed, the properties of each
+hold's slice read back (`Observed.slice_props`: the plan compares them with what
+the hold's limits make), and the leftovers of interrupted atomic writes found,
+so the planner can repair drift. One slice that does not read is that slice's
+problem (kept, not taken as empty, its properties None), never the pass's.
 
 Every file is read with `read_regular`: an entry named like a hold file or an
 env file that is not a regular file (a FIFO, a symlink - never followed -, a
@@ -34,7 +37,7 @@ from shared import logs
 from shared.holddisk import DiskView, read_disk, warn_once
 from shared.holdfiles import BINDING_CLAIM, VendorCache
 from shared.schemas import Inventory, NodeSpec
-from shared.slices import SliceError, Slices
+from shared.slices import SliceError, Slices, read_properties
 from shared.vendorcdi import VendorCdi, VendorSpecError
 
 from .domains import Domains, DomainsError
@@ -110,10 +113,13 @@ def observe(
         vendor = None
     try:
         present = frozenset(slices.list())
-        empty = frozenset(a for a in present if slices.is_empty(a))
     except (SliceError, OSError) as exc:
         log.warning("slices unreadable", error=str(exc))
-        present, empty = frozenset(), frozenset()
+        present = frozenset()
+    empty = frozenset(a for a in present if _is_empty(slices, a))
+    # the slices of holds on disk, read back for the plan's comparison (drift by content)
+    sliced = sorted(a for a in present if a in disk.holds and disk.holds[a].cgroup_parent)
+    slice_props = read_properties(slices, sliced) if sliced else {}
     return Observed(
         # a DRA claim's hold is the kubelet plugin's to remove, never the spec's
         holds={a: h for a, h in disk.holds.items() if h.binding != BINDING_CLAIM},
@@ -121,6 +127,8 @@ def observe(
         env_files=disk.env_files,
         slices=present,
         empty_slices=empty,
+        slice_props=slice_props,
+        slice_hugepages=slices.reads_hugepages if sliced else True,
         inventory=inventory,
         vendor=vendor,
         vfio_claims=vfio_claims(spec, domains, state),
@@ -135,6 +143,15 @@ def observe(
         spec_unknown_fields=tuple(spec_unknown_fields),
         consumer_copies=disk.consumer_copies,
     )
+
+
+def _is_empty(slices: Slices, allocation_id: str) -> bool:
+    """A slice that cannot be shown empty is kept (never stopped on a guess)."""
+    try:
+        return slices.is_empty(allocation_id)
+    except (SliceError, OSError) as exc:
+        log.warning("slice unreadable; kept", allocation_id=allocation_id, error=str(exc))
+        return False
 
 
 @dataclass

@@ -7,7 +7,8 @@ It follows the seed's pass to the letter ("One pass"), one function per step:
 3. `plan_leftover_slices`: leftover empty slices stopped, consumer copies
    without a hold spec removed;
 4. `plan_kept_holds`: holds still wanted kept (missing slice, env file or
-   consumer copy recreated; a DRA claim's missing consumer copy too);
+   consumer copy recreated, a slice changed from outside applied again; a DRA
+   claim's missing consumer copy too);
 5. `plan_new_holds`: new holds in spec order through the checks - binding,
    privilege, atoms, conflicts (`check_new_hold`), host admission
    (admission.py); the first failure decides - counting every atom bound
@@ -47,7 +48,7 @@ from shared.schemas import (
 )
 from shared.schemas.inventory import health_text
 from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
-from shared.slices import slice_name
+from shared.slices import slice_differences, slice_name
 
 from .atoms import AtomError, AtomIndex, ResolvedAtom, parse_atom
 from .admission import HostLedger, needs_admission, topology_problem
@@ -615,10 +616,8 @@ def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedg
         ):
             _rename_legacy_slice(p, index, mps, alloc, hold, assignment)
             continue
-        if hold.cgroup_parent and alloc not in observed.slices:
-            limits = hold.limits or assignment.limits
-            if limits is not None:
-                p.steps.append(EnsureSlice(alloc, limits))
+        if hold.cgroup_parent:
+            _plan_slice(p, alloc, hold, hold.limits or assignment.limits)
         files_in_place = True
         rec = state.written.get(alloc)
         if rec is None and not hold.legacy_slice:
@@ -669,6 +668,37 @@ def plan_kept_holds(p: _Pass, index: AtomIndex, claims: Claims, ledger: HostLedg
         if consumer_copy_stale(observed, hold):
             p.steps.append(WriteConsumer(alloc))
     return kept
+
+
+def _plan_slice(p: _Pass, alloc: str, hold: HoldOnDisk, limits: Limits | None) -> None:
+    """A kept sliced hold's slice: made when missing, applied again when it reads back other
+    than its limits make (changed from outside: drift by content, counted, never reported).
+
+    | row        | slice                                        | step                         |
+    |------------|----------------------------------------------|------------------------------|
+    | missing    | not listed                                   | EnsureSlice                  |
+    | same       | reads back what the limits make              | nothing                      |
+    | changed    | a property differs (MemoryMax edited)        | EnsureSlice, drifted=(names) |
+    | unreadable | listed, its properties do not read           | EnsureSlice, ("unreadable",) |
+    | not read   | listed, not read (legacy name, backend down) | nothing                      |
+    """
+    observed = p.observed
+    if limits is None:
+        return
+    if alloc not in observed.slices:
+        p.steps.append(EnsureSlice(alloc, limits))
+        return
+    if hold.legacy_slice or alloc not in observed.slice_props:
+        # (a legacy-named slice is rewritten under the new name by _rename_legacy_slice; applying
+        # the limits here would make a second slice beside the busy one)
+        return
+    try:
+        differs = slice_differences(alloc, limits, observed.slice_props[alloc], hugepages=observed.slice_hugepages)
+    except ValueError as exc:
+        p.notes.append(f"{alloc}: its slice cannot be compared with its limits: {exc}")
+        return
+    if differs:
+        p.steps.append(EnsureSlice(alloc, limits, drifted=differs))
 
 
 def _rename_legacy_slice(

@@ -212,7 +212,7 @@ class ConvergerApp(ServiceApp):
             count_switch=metrics.count_switch,
             count_drift=metrics.count_drift,
         )
-        dirs = HoldDirs(o.cdi_dir, o.run_dir, consumer_dir)
+        dirs = HoldDirs(o.cdi_dir, o.run_dir, consumer_dir, slices)
         intake = InventoryIntake(ctx.nc, ctx.subjects, trigger=self.loop.trigger, log=log, unreached=self.comeback.unreached)
         card_claims = CardClaims(facts, dirs=dirs, releases=releases, intake=intake, nc=ctx.nc, subjects=ctx.subjects, log=log)
         keeper = ClaimKeeper(

@@ -77,3 +77,31 @@ def test_files_removed_and_edited_from_outside_are_put_back_within_seconds_witho
     assert sorted(e.event_id for e in applied(node, "bound")) == bound_before
     assert applied(node, "released") == []
     assert node.status()["converger"]["drift"] == []
+
+
+def test_a_slice_record_edited_from_outside_is_put_back_within_seconds_counted_without_a_second_bound(node: Node) -> None:
+    """Issue 41.1, the hold's slice: before, a slice was only checked for existence, so MemoryMax
+    raised in a fake slice record stayed raised (and status said nothing)."""
+    gen = node.apply({"node_id": "node-1", "devices": [assignment("job-b", GPU[3], cpus="0-1", memory_bytes=1 << 30)]})
+    node.wait_generation(gen)
+    record = node.state / "run" / "slices" / "bcd-alloc-job.b.slice.json"  # (a "-" of the id is a "." in a slice name)
+    saved = record.read_bytes()
+    bound_before = sorted(e.event_id for e in applied(node, "bound"))
+    doc = json.loads(saved)
+    assert doc["properties"]["MemoryMax"] == 1 << 30
+    doc["properties"]["MemoryMax"] = 64 << 30
+    edited_at = time.monotonic()
+    record.write_text(json.dumps(doc))
+    wait_for(lambda: record.read_bytes() == saved, 20, "the slice record put back byte for byte")
+    took = time.monotonic() - edited_at
+    assert took < 15, f"put back after {took:.1f} s"
+    metrics = json.loads((node.state / "node.json").read_text())["metrics"]["converger"]
+    with urllib.request.urlopen(metrics, timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    assert any(line.startswith('bcd_hold_drift_total{file="slice"}') and float(line.rsplit(" ", 1)[1]) >= 1 for line in lines), [
+        line for line in lines if line.startswith("bcd_hold_drift_total")
+    ]
+    time.sleep(1)
+    assert sorted(e.event_id for e in applied(node, "bound")) == bound_before
+    assert applied(node, "released") == []
+    assert node.status()["converger"]["drift"] == []

@@ -150,6 +150,25 @@ def test_the_same_content_with_other_permissions_is_written_again(tmp_path: Path
     assert path.stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.parametrize("edit", ["memory-raised", "garbled"])
+def test_a_slice_changed_from_outside_is_put_back_through_the_helper(tmp_path: Path, edit: str) -> None:
+    """An unprivileged converger's re-apply of a drifted slice (issue 41.1) is the helper's slice.apply:
+    idempotent, and a record that no longer reads is written again rather than failing every pass."""
+    ops = make_ops(tmp_path)
+    body = HelperSliceApply(allocation_id="whole", limits=limits_to_wire(LIMITS))
+    assert ask(ops, "slice.apply", body).ok
+    record = tmp_path / "run" / "slices" / "bcd-alloc-whole.slice.json"
+    saved = record.read_bytes()
+    if edit == "garbled":
+        record.write_text("{")
+    else:
+        record.write_text(record.read_text().replace(str(8 * GIB), str(64 * GIB)))
+    assert record.read_bytes() != saved
+    r = ask(ops, "slice.apply", body)
+    assert r.ok, r
+    assert record.read_bytes() == saved
+
+
 def test_remove_files_slices_and_a_left_temp_file(tmp_path: Path) -> None:
     ops = make_ops(tmp_path)
     c = CONTENTS["sliced-whole-gpu"]
@@ -327,10 +346,10 @@ def test_an_unreadable_vendor_spec_fails_the_cdi_write(tmp_path: Path) -> None:
 
 def test_a_slice_backend_failure_is_a_failure_not_a_refusal(tmp_path: Path) -> None:
     ops = make_ops(tmp_path)
-    (tmp_path / "run" / "slices").mkdir()
-    (tmp_path / "run" / "slices" / "bcd-alloc-x.slice.json").write_text("garbage")
+    # (a garbled record is no failure: apply writes it whole again; a directory in its place is)
+    (tmp_path / "run" / "slices" / "bcd-alloc-x.slice.json" / "sub").mkdir(parents=True)
     r = ask(ops, "slice.apply", HelperSliceApply(allocation_id="x", limits=limits_to_wire(Limits(cpus="0"))))
-    assert (r.ok, r.outcome) == (False, "failed") and "unreadable" in r.reason
+    assert (r.ok, r.outcome) == (False, "failed") and "cannot write fake slice record" in r.reason
 
 
 @pytest.mark.parametrize("what", ["directory", "fifo"])

@@ -35,6 +35,7 @@ from shared.slices import (
     cpulist_to_bitmask,
     hugetlb_size_name,
     parse_cpulist,
+    slice_differences,
     slice_name,
     slice_properties,
 )
@@ -586,12 +587,14 @@ def backend(request, tmp_path):
         return
     fs = request.getfixturevalue("fake_systemd")
     slices = request.getfixturevalue("systemd")
-    yield Backend(
+    b = Backend(
         slices,
         lambda a: fs.set_tasks(slice_name(a), 3),
         lambda a: fs.set_tasks(slice_name(a), 0),
         fs,
     )
+    b.fake_systemd_address = request.getfixturevalue("dbus_address")
+    yield b
 
 
 def test_apply_creates_the_slice(backend):
@@ -681,6 +684,72 @@ def test_invalid_ids_are_refused(backend, bad):
     if backend.fake_systemd is not None:
         # refused before anything reached the bus
         assert backend.fake_systemd.calls_of("StartTransientUnit", "SetUnitProperties", "StopUnit", "GetUnit") == []
+
+
+# ================================================================ drift by content (issue 41.1)
+
+HP = Limits(memory_bytes=GiB, hugepages=[HugePages(page_size_kib=2048, count=8)])
+HP_READ = {"Description": "bcd hold a1", "MemoryMax": GiB, "hugepages": [{"page_size_kib": 2048, "count": 8}]}
+
+
+@pytest.mark.parametrize(
+    "limits, found, hugepages, differs",
+    [
+        pytest.param(LIMITS, dict(slice_properties("a1", LIMITS)), True, (), id="same"),
+        pytest.param(LIMITS, {**dict(slice_properties("a1", LIMITS)), "MemoryMax": 8 * GiB}, True, ("MemoryMax",), id="memory-raised"),
+        pytest.param(LIMITS, {k: v for k, v in slice_properties("a1", LIMITS) if k != "AllowedCPUs"}, True, ("AllowedCPUs",), id="cpus-dropped"),
+        pytest.param(LIMITS, {**dict(slice_properties("a1", LIMITS)), "TasksMax": 1}, True, ("TasksMax",), id="other-added"),
+        pytest.param(LIMITS, {**dict(slice_properties("a1", LIMITS)), "MemoryMax": "4G"}, True, ("MemoryMax",), id="wrong-type"),
+        pytest.param(LIMITS, None, True, ("unreadable",), id="unreadable"),
+        pytest.param(HP, HP_READ, True, (), id="hugepages-same"),
+        pytest.param(HP, {**HP_READ, "hugepages": [{"page_size_kib": 2048, "count": 64}]}, True, ("hugepages",), id="hugepages-raised"),
+        pytest.param(HP, {k: v for k, v in HP_READ.items() if k != "hugepages"}, True, ("hugepages",), id="hugepages-lifted"),
+        # a backend that neither enforces nor reads them (systemd without a cgroup root): no difference
+        pytest.param(HP, {k: v for k, v in HP_READ.items() if k != "hugepages"}, False, (), id="hugepages-not-read"),
+    ],
+)
+def test_slice_differences(limits, found, hugepages, differs):
+    assert slice_differences("a1", limits, found, hugepages=hugepages) == differs
+
+
+def test_a_slice_changed_from_outside_reads_back_so_and_apply_puts_it_back(backend):
+    """What the converger compares: the properties as applied now, not as bcd once asked."""
+    s = backend.slices
+    s.apply("a1", LIMITS)
+    assert slice_differences("a1", LIMITS, s.properties("a1"), hugepages=s.reads_hugepages) == ()
+    if backend.fake_systemd is None:
+        record = json.loads(s.path("a1").read_text())
+        record["properties"]["MemoryMax"] = 64 * GiB
+        record["properties"].pop("AllowedCPUs")
+        s.path("a1").write_text(json.dumps(record))
+    else:  # `systemctl set-property`: another client of the Manager
+        other = SystemdSlices(bus=backend.fake_systemd_address)
+        try:
+            other.apply("a1", Limits(cpu_millis=1500, memory_bytes=64 * GiB, mems="0"))
+        finally:
+            other.close()
+    assert slice_differences("a1", LIMITS, s.properties("a1"), hugepages=s.reads_hugepages) == ("AllowedCPUs", "MemoryMax")
+    s.apply("a1", LIMITS)  # the same idempotent apply the converger (or its root helper) runs
+    assert slice_differences("a1", LIMITS, s.properties("a1"), hugepages=s.reads_hugepages) == ()
+    assert s.list() == ["a1"]
+
+
+def test_a_garbled_fake_record_is_a_slice_error_to_read_and_written_again_by_apply(tmp_path):
+    s = FakeSlices(tmp_path)
+    s.apply("a1", LIMITS)
+    saved = s.path("a1").read_bytes()
+    for garbled in ('{"properties": ', json.dumps({"name": "x", "properties": {"AllowedCPUs": [300]}, "pids": []})):
+        s.path("a1").write_text(garbled)
+        with pytest.raises(SliceError, match="a1"):
+            s.properties("a1")
+        s.apply("a1", LIMITS)
+        assert s.path("a1").read_bytes() == saved
+
+
+def test_which_backends_read_hugepages(tmp_path):
+    assert FakeSlices(tmp_path).reads_hugepages is True
+    assert SystemdSlices(cgroup_root=tmp_path).reads_hugepages is True
+    assert SystemdSlices().reads_hugepages is False
 
 
 # ================================================================ systemd: what goes over the wire

@@ -11,13 +11,16 @@ unreported, counted per file; a restart does not adopt the edit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.converger.drift import journal_disagreements
+from services.converger.holddirs import HoldDirs
 from shared.holddisk import read_disk
+from shared.schemas import Limits
 
 from tests.converger_kit import GPU, Node, fast_dir, hold, spec
 
@@ -109,3 +112,78 @@ async def test_a_released_hold_leaves_no_record(root: Path) -> None:
     assert set(node.state.written) == {"a1", "a2"}
     await node.converge(spec(2, hold("a2", G[1], cpus="0-1", memory_bytes=1 << 30)))
     assert set(node.state.written) == {"a2"}
+
+
+# ---------------------------------------------------------------- the hold's slice (issue 41.1, the part left)
+
+
+def _slice_drift(node: Node) -> list[str]:
+    """What `bcd status` says of the journal against the disk and the slices, as the endpoint reads them."""
+    disk = read_disk(node.cdi_dir, node.run_dir, warned=set(), consumer_dir=node.consumer_dir)
+    dirs = HoldDirs(node.cdi_dir, node.run_dir, node.consumer_dir, node.slices)
+    return journal_disagreements(node.state, disk, {}, dirs.slices_now(sorted(node.state.written)))
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same-process", "after-a-restart"])
+async def test_a_slice_changed_from_outside_is_drift_and_put_back(root: Path, restart: bool) -> None:
+    """Before, a slice was only checked for existence: MemoryMax raised in its record stayed raised."""
+    node = Node(root)
+    await node.converge(S)
+    record = node.slices.path("a2")
+    saved = record.read_bytes()
+    bound = node.outbox.ids("bound")
+    doc = json.loads(saved)
+    doc["properties"]["MemoryMax"] = 64 << 30
+    doc["properties"].pop("AllowedCPUs")
+    record.write_text(json.dumps(doc))
+    if restart:
+        node = node.restart()
+    assert _slice_drift(node) == [
+        "a2: its slice bcd-alloc-a2.slice is not what bcd made (AllowedCPUs, MemoryMax): put back by the next pass"
+    ]
+    counted: list[str] = []
+    node.applier.count_drift = counted.append
+    p, r = await node.converge(S)
+    assert not r.errors, r.errors
+    assert [(type(s).__name__, getattr(s, "drifted", None)) for s in p.steps] == [("EnsureSlice", ("AllowedCPUs", "MemoryMax"))]
+    assert counted == ["slice"]
+    assert record.read_bytes() == saved  # byte for byte: the same limits render the same record
+    assert _slice_drift(node) == []
+    assert node.outbox.ids("bound") == bound and node.outbox.ids("released") == []
+    assert node.plan(S).steps == ()
+
+
+async def test_a_garbled_slice_record_is_written_again_not_retried_forever(root: Path) -> None:
+    """Before, a record that did not read made every pass see no slice at all and fail its EnsureSlice."""
+    node = Node(root)
+    await node.converge(S)
+    record = node.slices.path("a2")
+    saved = record.read_bytes()
+    record.write_text('{"properties": ')
+    assert _slice_drift(node) == ["a2: its slice bcd-alloc-a2.slice is not what bcd made (unreadable): put back by the next pass"]
+    p, r = await node.converge(S)
+    assert not r.errors, r.errors
+    assert p.kinds() == ["EnsureSlice"]
+    assert record.read_bytes() == saved
+    assert node.plan(S).steps == ()
+
+
+async def test_a_missing_slice_is_shown_until_made_again(root: Path) -> None:
+    node = Node(root)
+    await node.converge(S)
+    node.slices.path("a2").unlink()
+    assert _slice_drift(node) == ["a2: bound, but its slice bcd-alloc-a2.slice is not in place: put back by the next pass"]
+    p, r = await node.converge(S)
+    assert not r.errors and p.kinds() == ["EnsureSlice"]
+    assert _slice_drift(node) == []
+
+
+def test_the_hold_dir_watch_sees_a_fake_slice_record_edited(root: Path) -> None:
+    """An edit of `<run_dir>/slices/bcd-alloc-<id>.slice.json` wakes a pass within seconds, not at the 10-minute pass."""
+    node = Node(root)
+    node.slices.apply("a2", Limits(memory_bytes=1 << 30))
+    dirs = HoldDirs(node.cdi_dir, node.run_dir, node.consumer_dir)
+    before = dirs.signature()
+    record = node.slices.path("a2")
+    record.write_text(record.read_text().replace(str(1 << 30), str(2 << 30)))
+    assert dirs.signature() != before

@@ -10,6 +10,7 @@ the notes and the section the pass aims for.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,22 @@ def remove_env(alloc: str) -> Callable[[Node], None]:
 
 def remove_slice(alloc: str) -> Callable[[Node], None]:
     return lambda node: node.slices.path(alloc).unlink()
+
+
+def edit_slice(alloc: str, change: Callable[[dict], None]) -> Callable[[Node], None]:
+    """A fake slice record changed from outside (issue 41.1): `change` gets its JSON."""
+
+    def run(node: Node) -> None:
+        path = node.slices.path(alloc)
+        record = json.loads(path.read_text())
+        change(record)
+        path.write_text(json.dumps(record))
+
+    return run
+
+
+def memory_max(value: object) -> Callable[[dict], None]:
+    return lambda record: record["properties"].__setitem__("MemoryMax", value)
 
 
 def both(*drifts: Callable[[Node], None]) -> Callable[[Node], None]:
@@ -395,6 +412,16 @@ ROWS = [
     Row("kept-missing-env", S1, ["WriteEnv"], before=S1, drift=remove_env("a2")),
     Row("kept-missing-slice", S1, ["EnsureSlice"], before=S1, drift=remove_slice("a1")),
     Row("kept-missing-slice-and-env", S1, ["EnsureSlice", "WriteEnv"], before=S1, drift=both(remove_slice("a1"), remove_env("a1"))),
+    # issue 41.1: a slice is compared by content, not only by existence
+    Row("kept-slice-memory-edited", S1, ["EnsureSlice"], before=S1, drift=edit_slice("a1", memory_max(8 * GIB))),
+    Row("kept-slice-limit-dropped", S1, ["EnsureSlice"], before=S1, drift=edit_slice("a1", lambda r: r["properties"].pop("AllowedCPUs"))),
+    Row("kept-slice-property-added", S1, ["EnsureSlice"], before=S1, drift=edit_slice("a1", lambda r: r["properties"].update(TasksMax=1))),
+    Row("kept-slice-garbled", S1, ["EnsureSlice"], before=S1, drift=lambda n: n.slices.path("a1").write_text("{")),
+    Row("kept-slice-byte-array-garbled", S1, ["EnsureSlice"], before=S1, drift=edit_slice("a1", lambda r: r["properties"].update(AllowedCPUs=[300]))),
+    # the same properties (pids and layout are not bcd's limits) are nothing to do
+    Row("kept-slice-same-content", S1, [], before=S1, drift=edit_slice("a1", lambda r: r.update(pids=[4242]))),
+    # a slice not read back (its backend did not answer) is not compared
+    Row("kept-slice-not-read", S1, [], before=S1, drift=edit_slice("a1", memory_max(8 * GIB)), observed={"slice_props": {}}),
     # -------------------------------------------------------------- a held allocation's assignment changed (issue 28.1):
     # its hold is released and the assignment bound again, releases first (docs/upstream.md)
     Row("changed-devices-released-and-bound-again", spec(2, hold("a1", G[1])), ["ReleaseHold", "BindHold"], bound=["a1"],
