@@ -196,9 +196,11 @@ def _listed_card(args: argparse.Namespace, inv: Inventory) -> str:
 def cmd_gpu(args: argparse.Namespace) -> int:
     """`bcd gpu list`, or exclude / include / reclaim / recheck one card by its PCI address (through the inventory).
 
-    recheck: the inventory checks the card's health now and lets a clean check clear its sticky
-    faults (a fatal XID, an uncorrectable ECC error, the card lost); accepted (exit 0) when the
-    card reads healthy after it, refused (exit 1, the reply says what stands) otherwise."""
+    recheck: the inventory checks the card's health now; on a card nothing holds a clean check
+    clears its sticky faults (a fatal XID, an uncorrectable ECC error, the card lost), as after a
+    reset done another way; on a held card it keeps them (no reset can have happened while it is
+    held). Accepted (exit 0) when the card reads healthy after it, refused (exit 1, the reply says
+    what stands) otherwise."""
     from .status import render_gpus
 
     info = node_info(args.state_dir)
@@ -850,7 +852,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="list, exclude, include, reclaim, reset, diag, mig-layout or recheck: list the cards (one with ADDRESS), or act on the card at ADDRESS; "
         "reset: a PCI function reset; diag: DCGM's diagnostic (--level); "
         "mig-layout: the card's desired MIG layout (LAYOUT), applied once nothing holds the card; "
-        "recheck: check the card's health now, clearing a fatal XID, ECC or lost-card fault when the check is clean (exit 1 while it stays unhealthy)",
+        "recheck: check the card's health now; on a card nothing holds a clean check clears a fatal XID, ECC or lost-card fault, "
+        "a held card keeps them until it is released and reset (exit 1 while it stays unhealthy)",
     )
     gpu.add_argument("pci", nargs="?", metavar="ADDRESS", help="the card's PCI address, like 0000:3b:00.0 (needed by every action but list)")
     gpu.add_argument("layout", nargs="?", metavar="LAYOUT", help="mig-layout: all-disabled, or GPU instance profiles comma-separated (like 1g.18gb,1g.18gb,3g.71gb)")
