@@ -8,7 +8,6 @@ unpreparing it leaves the other claim's instance alone.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from .dra_kubelet_standin import DraKubelet
