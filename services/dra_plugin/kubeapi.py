@@ -78,6 +78,12 @@ class AllocationResult:
     #: the entry as the API server sent it (shareID, consumedCapacity: configs.consumed reads them)
     raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
+    @property
+    def admin_access(self) -> bool:
+        """`adminAccess: true` (KEP-5018; v1 DeviceRequestAllocationResult.adminAccess, *bool):
+        the scheduler allocated the device for administrative access, ignoring other claims."""
+        return self.raw.get("adminAccess") is True
+
 
 @dataclass(frozen=True)
 class ClaimConsumer:

@@ -13,6 +13,8 @@
   PrepareStarted to the checkpoint, asks the converger to make the claim's
   hold (it checks conflicts, journals, makes MIG instances, writes the CDI
   spec), then writes PrepareCompleted and answers pool, device and CDI ids.
+  A result with `adminAccess: true` (KEP-5018) goes to the converger as such: prepared
+  read-only, holding nothing (claims.py).
   Unprepare asks the converger to remove the hold, then drops the entry.
   Both are idempotent: the kubelet retries.
 
@@ -591,7 +593,8 @@ class DraPlugin:
         except cfg.ConfigError as exc:
             return [], f"ResourceClaim {c.namespace}/{c.name}: {exc}"
         for r, d, how, (share_id, percent, memory) in zip(ours, resolved, sharing, shares):
-            d = msgspec.structs.replace(d, sharing=how, share_id=share_id, share_percent=percent, memory_bytes=memory)
+            # adminAccess (KEP-5018) sits on the allocation result: true only, never a truthy string
+            d = msgspec.structs.replace(d, sharing=how, share_id=share_id, share_percent=percent, memory_bytes=memory, admin_access=r.admin_access)
             have = wanted.setdefault(r.device, d)
             if have != d:
                 return [], f"device {r.device} is allocated to two requests of the claim with other configs or shares: {', '.join(requests[r.device] + [r.request])}"
