@@ -18,33 +18,43 @@ with a stale resourceVersion answers 409 Conflict, a POST of a taken name 409
 AlreadyExists, an unknown path 404, each with a proper `Status` object. A
 bearer token is required (`write_kubeconfig` writes it).
 
-ResourceSlices go through what the API server does for resource.k8s.io/v1 in
-Kubernetes 1.35, in its order: decoding (a wrong JSON type or a malformed
+ResourceSlices go through what the API server does for resource.k8s.io/v1 as of
+Kubernetes 1.37, in its order: decoding (a wrong JSON type or a malformed
 quantity is 400 BadRequest, an unknown field is dropped with a `Warning`
 header), the strategy's PrepareForCreate/PrepareForUpdate (generation; fields
 of disabled feature gates dropped silently), then validation (422 Invalid,
 with a cause per field path). The rules are ported from the upstream sources,
 read for this file (paths in kubernetes/kubernetes):
 
-- pkg/apis/resource/validation/validation.go, the 1.35 revision (the one with
-  `ResourceSliceMaxDevicesWithTaintsOrConsumesCounters`, before the 1.36
-  DRAListTypeAttributes/partitionTypeAttribute additions): ValidateResourceSlice,
-  validateResourceSliceSpec, validateResourcePool, validateDevice,
-  validateDeviceAttribute, validateQualifiedName, validateCIdentifier,
-  validateCounterSet, validateDeviceCounterConsumption, validateDeviceTaint,
-  validateDeviceBindingParameters, validateSet/validateSlice/validateMap.
-- staging/src/k8s.io/api/resource/v1/types.go: the limits (128/64 devices,
-  32 attributes+capacities, 8 counter sets, 32 counters per set, 2 consumptions
-  per device of 32 counters each, 4+4 binding conditions, 64-byte strings,
-  63/32 domain/identifier lengths, 16 taints, 253-byte pool names).
-- pkg/registry/resource/resourceslice/strategy.go: dropDisabledFields and the
-  selectable fields (spec.nodeName, spec.driver, metadata.name).
-- pkg/features/kube_features.go (1.35): DRAPartitionableDevices, DRADeviceTaints,
-  DRADeviceBindingConditions and DRAConsumableCapacity are alpha and off by
-  default. `GATES_1_35_DEFAULT` is that cluster: counter sets, consumesCounters,
-  taints and binding conditions are dropped without an error, as a stock 1.35
-  API server drops them. The default here is `GATES_ENABLED`: a cluster with
-  those gates on, which bcd's MIG counter sets need.
+- pkg/apis/resource/validation/validation.go, the 1.37 code: ValidateResourceSlice,
+  validateResourceSliceSpec, validateResourcePool, validateDevice (with 1.36's
+  numEntriesDeviceAttribute: at most 48 attribute values), validateDeviceAttribute
+  (1.36's list values bools/ints/strings/versions), validateQualifiedName (1.37
+  refuses more than one slash), validateCIdentifier, validateCounterSet,
+  validateDeviceCounterConsumption, validateDeviceTaint, validateDeviceBindingParameters,
+  validatePartitionTypeAttribute and validateSkipNodeOperations (1.37),
+  haveDeviceTaints/haveConsumesCounters/haveListAttributes (64 devices),
+  validateSet/validateSlice/validateMap. Not ported: validateNodeAllocatableResources
+  (1.37, alpha; the field is decoded and dropped with its gate off).
+- staging/src/k8s.io/api/resource/v1/types.go (kubernetes/api): the limits (128/64
+  devices, 32 attributes+capacities, 48 attribute values, 8 counter sets, 32 counters
+  per set, 2 consumptions per device of 32 counters each, 4+4 binding conditions,
+  64-byte strings, 63/32 domain/identifier lengths, 16 taints, 253-byte pool names)
+  and the SkipNodeOperation values.
+- pkg/registry/resource/resourceslice/strategy.go: dropDisabledFields (taints,
+  partitionable devices, binding conditions, consumable capacity, node allocatable
+  resources, list-type attributes, partitionTypeAttribute) and the selectable fields
+  (spec.nodeName, spec.driver, metadata.name).
+- pkg/features (the versioned specs of kube_features.go): `release_gates(release)` /
+  `GATES_BY_RELEASE` give a stock 1.34, 1.35, 1.36 or 1.37 API server's defaults.
+  DRAPartitionableDevices, DRADeviceTaints, DRADeviceBindingConditions and
+  DRAConsumableCapacity are alpha and off in 1.34 and 1.35 (counter sets,
+  consumesCounters, taints and binding conditions dropped without an error), beta
+  and on from 1.36 (taints GA in 1.37). `GATES_1_35_DEFAULT` is the 1.35 cluster.
+  The stand-in's default is `GATES_ENABLED`: every gate on.
+
+DeviceClass, ResourceClaim and ResourceClaimTemplate rules live beside this file in
+kubeapi_claims_validation.py (`validate_manifest`).
 
 Written from memory of upstream rather than re-read (marked "from memory"
 below): the generic object-meta checks (name format, labels, owner
@@ -142,7 +152,7 @@ GATES_ENABLED = {k: True for k in _GATE_SPECS}
 #: alpha, off; DRAResourceClaimDeviceStatus beta, on).
 GATES_1_35_DEFAULT = GATES_BY_RELEASE["1.35"]
 
-# --- limits: staging/src/k8s.io/api/resource/v1/types.go (1.35) ------------------------------------
+# --- limits: staging/src/k8s.io/api/resource/v1/types.go (1.37) ------------------------------------
 RESOURCE_SLICE_MAX_DEVICES = 128
 RESOURCE_SLICE_MAX_DEVICES_WITH_TAINTS_OR_CONSUMES_COUNTERS = 64
 POOL_NAME_MAX_LENGTH = 253  # validation.DNS1123SubdomainMaxLength
@@ -578,7 +588,7 @@ def drop_disabled_fields(spec: dict, old_spec: dict | None, gates: dict[str, boo
                 c.pop("requestPolicy", None)
 
 
-# --- validation: pkg/apis/resource/validation/validation.go (1.35) -----------------------------------
+# --- validation: pkg/apis/resource/validation/validation.go (1.37) -----------------------------------
 def _validate_driver_name(name: str, path: str, errs: Errors) -> None:
     # corevalidation.ValidateCSIDriverName: required, <= 63, a DNS subdomain once lowercased
     # (upper case is accepted with a warning: strategy.go WarningsOnCreate)
@@ -1766,6 +1776,9 @@ __all__ = [
     "TOKEN",
     "GATES_ENABLED",
     "GATES_1_35_DEFAULT",
+    "GATES_BY_RELEASE",
+    "RELEASES",
+    "release_gates",
     "ApiRequest",
     "FieldError",
     "KubeApiStandIn",
