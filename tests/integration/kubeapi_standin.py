@@ -1482,6 +1482,13 @@ class KubeApiStandIn:
                 claim["status"]["allocation"] = allocation
                 if reserved_for:
                     claim["status"]["reservedFor"] = [{"resource": "pods", "name": n, "uid": u} for n, u in reserved_for]
+            # what a create would meet: the claim's own validation, with this server's gates
+            # (kubeapi_claims_validation.py, ported from pkg/apis/resource/validation)
+            from .kubeapi_claims_validation import validate_manifest  # it imports this module's rules
+
+            errors = validate_manifest(claim, self.gates)
+            if errors:
+                raise ValueError(f"the API server refuses ResourceClaim {namespace}/{name}: " + "; ".join(map(str, errors)))
             self._claims[(namespace, name)] = claim
             return meta["uid"]
 
