@@ -6,6 +6,8 @@
   the kubelet's plugin watcher finds the socket, asks GetInfo (type DRAPlugin,
   our endpoint, supported version `v1.DRAPlugin`) and tells the outcome
   through NotifyRegistrationStatus. A socket that vanished is served again.
+  The health services (health.py: DRAResourceHealth v1alpha1 and v1) are
+  listed there too, and served on the plugin socket.
 * `v1.DRAPlugin` at `<kubelet dir>/plugins/<driver>/dra.sock`. Prepare reads
   the ResourceClaim from the API server (refusing one whose uid differs or
   that is not allocated), takes the results of our driver, resolves each
@@ -77,6 +79,7 @@ from . import configs as cfg
 from . import devices as dev
 from .binding import plan_binding
 from .checkpoint import Checkpoint, CheckpointStore, ClaimEntry
+from .health import HEALTH_SERVICES, HealthFeed, add_health_servicers, plan_health
 from .kubeapi import Conflict, KubeApi, KubeApiError
 from .proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
 from .proto import dra_v1_pb2 as dra_pb
@@ -345,9 +348,16 @@ class DraPlugin:
         self.no_kubelet = False
         self._wake = asyncio.Event()
         self._reg = _Socket(self.reg_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s))
-        self._dra = _Socket(self.dra_path, lambda s: dra_grpc.add_DRAPluginServicer_to_server(_Dra(self), s))
+        #: what the health streams send (health.py): set at every refresh of the pool
+        self.health = HealthFeed()
+        self._dra = _Socket(self.dra_path, self._add_plugin_services)
 
     # -------------------------------------------------------------- serving
+
+    def _add_plugin_services(self, server: grpc.aio.Server) -> None:
+        # the kubelet dials the one endpoint it registered for DRAPlugin and for the health service
+        dra_grpc.add_DRAPluginServicer_to_server(_Dra(self), server)
+        add_health_servicers(server, self.health)
 
     async def start(self) -> None:
         """Serve both sockets; one that cannot be served (a path too long for a unix socket, a
@@ -451,6 +461,10 @@ class DraPlugin:
         )
         self.pool = pool
         self._gauge_pool(pool)
+        if pool.known:
+            # before publishing: the kubelet hears of a sick card whether or not the API server answers
+            prepared = [d for e in self.checkpoint.claims.values() for d in e.devices]
+            self.health.update(plan_health(inv, pool, prepared, pool_name=self.node_name))
         if self.publisher is None or not pool.known:
             return
         try:
@@ -738,7 +752,7 @@ class _Registration(reg_grpc.RegistrationServicer):
 
     async def GetInfo(self, request: reg_pb.InfoRequest, context: Any) -> reg_pb.PluginInfo:  # noqa: N802 - the proto's name
         p = self.plugin
-        return reg_pb.PluginInfo(type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=[DRA_PLUGIN_SERVICE])
+        return reg_pb.PluginInfo(type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=[DRA_PLUGIN_SERVICE, *HEALTH_SERVICES])
 
     async def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus, context: Any) -> reg_pb.RegistrationStatusResponse:  # noqa: N802
         p = self.plugin
