@@ -98,6 +98,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 TOKEN = "dra-test-token"
 GROUP = "resource.k8s.io"
 RESOURCE_V1 = f"{GROUP}/v1"
+#: the namespace label admin access needs (KEP-5018; pkg/registry/resource/utils.go)
+ADMIN_ACCESS_LABEL = "resource.kubernetes.io/admin-access"
 
 #: Each release's defaults of the DRA feature gates the resource.k8s.io strategies and validation
 #: read: pkg/features (defaultVersionedKubernetesFeatureGates, the versioned specs of
@@ -1330,6 +1332,8 @@ class KubeApiStandIn:
         self._rv = 0
         self._nodes: dict[str, dict] = {}
         self._claims: dict[tuple[str, str], dict] = {}
+        #: namespace -> its labels (`admit_admin_access`); admin access needs ADMIN_ACCESS_LABEL there
+        self._namespace_labels: dict[str, dict[str, str]] = {}
         self._slices: dict[str, dict] = {}
         self._faults: list[tuple[str, float]] = []
         self._release = threading.Event()
@@ -1435,8 +1439,15 @@ class KubeApiStandIn:
         node: str | None = None,
         config: Sequence[dict] = (),
         shares: Sequence[dict | None] = (),
+        admin_access: bool = False,
     ) -> str:
         """A ResourceClaim; `results` are (request, driver, pool, device); `reserved_for` (pod name, pod uid).
+
+        `admin_access`: every request asks for admin access (v1 ExactDeviceRequest.adminAccess) and
+        every result has it, as the scheduler allocates such a claim. With the DRAAdminAccess gate
+        the API server refuses it unless the namespace carries ADMIN_ACCESS_LABEL "true"
+        (pkg/registry/resource/utils.go AuthorizedForAdmin, run by the claim strategy's Validate);
+        without the gate it drops the field (dropDisabledDRAAdminAccessFields).
 
         `config`: the allocation's device configs as the scheduler copies them in (entries with
         `source` FromClass/FromClaim, `requests` and `opaque`); `shares`: per result, a share of a
@@ -1462,7 +1473,8 @@ class KubeApiStandIn:
                     "devices": {
                         "requests": [
                             {"name": r, "exactly": {"deviceClassName": "gpu.bcd.dev", "allocationMode": "ExactCount",
-                                                    "count": max(1, sum(1 for x in results if x[0] == r))}}
+                                                    "count": max(1, sum(1 for x in results if x[0] == r)),
+                                                    **({"adminAccess": True} if admin_access else {})}}
                             for r in requests
                         ]
                     }
@@ -1470,7 +1482,7 @@ class KubeApiStandIn:
                 "status": {},
             }
             if allocated:
-                entries = [{"request": r, "driver": d, "pool": p, "device": dev} for r, d, p, dev in results]
+                entries = [{"request": r, "driver": d, "pool": p, "device": dev, **({"adminAccess": True} if admin_access else {})} for r, d, p, dev in results]
                 for entry, share in zip(entries, shares):
                     if share and self.gates.get("DRAConsumableCapacity"):
                         entry.update(copy.deepcopy(share))
@@ -1489,8 +1501,24 @@ class KubeApiStandIn:
             errors = validate_manifest(claim, self.gates)
             if errors:
                 raise ValueError(f"the API server refuses ResourceClaim {namespace}/{name}: " + "; ".join(map(str, errors)))
+            if admin_access and self.gates.get("DRAAdminAccess"):
+                if self._namespace_labels.get(namespace, {}).get(ADMIN_ACCESS_LABEL) != "true":
+                    raise ValueError(
+                        f"the API server refuses ResourceClaim {namespace}/{name}: admin access to devices requires the "
+                        f"`{ADMIN_ACCESS_LABEL}: true` label on the containing namespace"
+                    )
+            elif admin_access:
+                for req in claim["spec"]["devices"]["requests"]:
+                    req["exactly"].pop("adminAccess", None)
+                for entry in claim["status"].get("allocation", {}).get("devices", {}).get("results", []):
+                    entry.pop("adminAccess", None)
             self._claims[(namespace, name)] = claim
             return meta["uid"]
+
+    def admit_admin_access(self, namespace: str) -> None:
+        """Label `namespace` so that claims there may ask for admin access (ADMIN_ACCESS_LABEL: "true")."""
+        with self._lock:
+            self._namespace_labels.setdefault(namespace, {})[ADMIN_ACCESS_LABEL] = "true"
 
     def remove_claim(self, namespace: str, name: str) -> bool:
         with self._lock:

@@ -10,21 +10,34 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .dra_kubelet_standin import DraKubelet
-from .test_dra_plugin import DRIVER, MIG_CARD, api, apply, card, claim, host, start, stop, wait_devices  # noqa: F401 - api is a fixture
+from .test_dra_plugin import DRIVER, MIG_CARD, NODE, api, apply, card, claim, host, start, stop, wait_devices  # noqa: F401 - api is a fixture
 from .wholenode import GPU, assignment
 
 __all__ = ["api"]
 
 
 def admin_claim(api, name: str, *devices: str) -> tuple[str, str, str]:
-    """A claim whose results the scheduler allocated with adminAccess (v1 DeviceRequestAllocationResult.adminAccess)."""
-    ns, name, uid = claim(api, name, *devices)
-    # the stand-in's add_claim writes no adminAccess: set it on the stored allocation, as the scheduler would
-    with api._lock:
-        for r in api._claims[(ns, name)]["status"]["allocation"]["devices"]["results"]:
-            r["adminAccess"] = True
-    return ns, name, uid
+    """A claim that asks for admin access, allocated with it (v1 adminAccess on its requests and
+    results), in a namespace labelled for it: the API server refuses it elsewhere."""
+    api.admit_admin_access("monitoring")
+    uid = api.add_claim("monitoring", name, results=[("gpu", DRIVER, NODE, d) for d in devices], admin_access=True)
+    return ("monitoring", name, uid)
+
+
+def test_the_api_server_refuses_admin_access_outside_a_labelled_namespace(api):
+    """KEP-5018: only a namespace labelled resource.kubernetes.io/admin-access=true may hold such a
+    claim (pkg/registry/resource/utils.go AuthorizedForAdmin); bcd never sees one from elsewhere."""
+    with pytest.raises(ValueError, match="requires the `resource.kubernetes.io/admin-access: true` label"):
+        api.add_claim("ml", "peek", results=[("gpu", DRIVER, NODE, "gpu-0")], admin_access=True)
+    assert api.claim("ml", "peek") is None
+    api.admit_admin_access("ml")
+    api.add_claim("ml", "peek", results=[("gpu", DRIVER, NODE, "gpu-0")], admin_access=True)
+    stored = api.claim("ml", "peek")
+    assert stored["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] is True
+    assert [r["adminAccess"] for r in stored["status"]["allocation"]["devices"]["results"]] == [True]
 
 
 async def test_an_admin_access_claim_is_prepared_read_only_and_holds_nothing(tmp_path, short_dir, api):
