@@ -163,8 +163,11 @@ def test_exclude_include_and_a_reclaim_of_an_orphaned_card_through_bcd_gpu(tmp_p
         free, orphan = PCI[1], PCI[2]
 
         # refusals name what is wrong
-        bad = gpu_cmd(node, "reclaim", "3a:00.0")
-        assert bad.returncode == 1 and "REFUSED" in bad.stdout and "canonical" in bad.stdout, bad.stdout
+        # (a short address means the listed card: `3a:00.0` is 0000:3a:00.0; one not listed is exit 2)
+        short = gpu_cmd(node, "reclaim", "3a:00.0")
+        assert short.returncode == 1 and short.stdout.startswith("reclaim 0000:3a:00.0: REFUSED"), short.stdout
+        bad = gpu_cmd(node, "reclaim", "3a:01.0")
+        assert bad.returncode == 2 and "no card 3a:01.0 on node node-1" in bad.stderr, bad.stderr
         unclaimed = gpu_cmd(node, "reclaim", free)
         assert unclaimed.returncode == 1 and "managementState is Unclaimed" in unclaimed.stdout, unclaimed.stdout
 
@@ -220,7 +223,8 @@ def test_status_and_doctor_name_the_command_for_an_orphaned_card_and_no_stale_re
         assert gpu_cmd(node, "exclude", free).returncode == 0
         refused = gpu_cmd(node, "reclaim", free)
         assert refused.returncode == 1 and "managementState is Excluded" in refused.stdout, refused.stdout
-        assert condition(gpu_list(node)[free], "Reclaim")["reason"] == "Refused"
+        # on its compute driver there is nothing to reclaim: the refusal goes to the reply only (issue 41.10)
+        assert condition(gpu_list(node)[free], "Reclaim") is None
         assert gpu_cmd(node, "include", free).returncode == 0
         card = gpu_list(node)[free]
         assert card["driver_binding"]["management_state"] == "Unclaimed", card
