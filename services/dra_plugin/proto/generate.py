@@ -1,4 +1,4 @@
-"""Generate the Python code of `dra_v1.proto` and `pluginregistration_v1.proto` (needs grpcio-tools, the `test` extra).
+"""Generate the Python code of `dra_v1.proto`, `dra_v1beta1.proto` and `pluginregistration_v1.proto` (needs grpcio-tools, the `test` extra).
 
     python -m services.dra_plugin.proto.generate            # rewrite the checked-in files
     python -m services.dra_plugin.proto.generate --out DIR  # write them elsewhere (the currency test)
@@ -13,7 +13,7 @@ from pathlib import Path
 from shared.protogen import ProtoPackage
 
 HERE = Path(__file__).resolve().parent
-PACKAGES = (ProtoPackage(HERE, "dra_v1.proto"), ProtoPackage(HERE, "pluginregistration_v1.proto"))
+PACKAGES = (ProtoPackage(HERE, "dra_v1.proto"), ProtoPackage(HERE, "dra_v1beta1.proto"), ProtoPackage(HERE, "pluginregistration_v1.proto"))
 
 
 def generate(out: Path) -> list[Path]:
