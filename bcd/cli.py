@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import base64
 import json
+import logging
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from shared import logs
 from shared.runtime import METRICS_PORTS, VERSION
 from shared.schemas import (
     CONVERGER_STATUS_CODEC,
@@ -887,8 +889,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_library_logs(debug: bool) -> None:
+    """A command says what is wrong in its own words (one line, exits.py). The shared code it runs
+    logs as a service would ("not a bcd hold; leaving it alone"), and Python's last-resort handler
+    printed those lines bare, without the file they were about: they are for --debug only
+    (`bcd up` configures the services' logging itself)."""
+    if debug:
+        logs.configure("bcd", "DEBUG", "text")
+    else:
+        logging.getLogger().addHandler(logging.NullHandler())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    quiet_library_logs(bool(getattr(args, "debug", False)))
     if getattr(args, "real_host", False):
         args.fake_host = None
     if getattr(args, "timeout", None) is not None:

@@ -534,6 +534,14 @@ def _unhealthy_action(g: Gpu) -> tuple[str, bool]:
             False,
         )
     # GpuLost, XidCritical, EccUncorrectable: sticky until a person acted
+    managed = _condition(g, "Managed")
+    if managed is not None and managed.reason == "BackingAllocation":
+        # a held card is neither reset (bcd refuses) nor cleared by a recheck: the holds go first
+        return (
+            f"move its work: a held card is not reset and a recheck keeps its faults ({managed.message}); once the hold "
+            f"is released, reset it (`bcd gpu reset {pci}`) or reboot the node (a clean check after either clears it)",
+            False,
+        )
     return (
         f"reset the card (`bcd gpu reset {pci}`) or reboot the node, then `bcd gpu recheck {pci}` if it still reads unhealthy "
         "(a clean check after the reset or the reboot clears it)",

@@ -16,6 +16,13 @@ answer was lost is found by its placement), an `unpreparing` one is finished,
 and a prepared one from an earlier boot whose MIG instance is gone is dropped
 (the kubelet prepares it again). MIG instances of prepared claims are kept.
 
+Admin access (KEP-5018, `adminAccess: true` on an allocation result): a monitoring claim's look
+at a device that others may hold. Such a device is checked only for what it can see (the card is
+there, on this node's driver: never one passed through to a VM or a VFIO claim), is held by
+nobody (other claims, holds and VMs pass it over, `claim_holders` leaves it out), and makes
+nothing: no MIG instance (a MIG device names the instance another claim made at its placement,
+or nothing), no MPS daemon, time slice or switch. Its CDI spec is the same read of the device.
+
 Claims are Kubernetes' business: nothing here goes upstream. They are in the
 node's card claims (kind "claim"), so VMs, resets, diagnostics, MIG layouts and
 new holds see them, and a pass never releases them.
@@ -132,6 +139,11 @@ def check_claim(
         what = f"{d.device} ({d.pci})"
         if gpu is None or not gpu.atom_id:
             return Refusal("device-missing", f"{what}: no GPU at {d.pci} on this node")
+        if d.admin_access:
+            refusal = _admin_refusal(what, d, gpu, card_claims, others, vfio)
+            if refusal is not None:
+                return refusal
+            continue
         if (sick := gpu.status.unhealthy()) is not None:
             # before who holds it: a sick card is given to nobody new, and this says why
             return Refusal("device-unhealthy", f"{what}: the card is unhealthy: {health_text(sick)}")
@@ -170,8 +182,8 @@ def check_claim(
         mine.append((d.pci, span, d.device))
         for rec in others.values():
             for od in rec.devices:
-                if od.pci != d.pci:
-                    continue
+                if od.pci != d.pci or od.admin_access:
+                    continue  # an admin-access device holds nothing
                 if d.share_id and od.shared:
                     continue  # shares of one card: added up below
                 ospan = None if od.kind != "mig" or od.mig is None else _span(od.mig.start, _placement_size(gpu, od.mig.profile, od.mig.start) or 1)
@@ -208,6 +220,13 @@ def _config_refusal(req: ClaimPrepareRequest) -> Refusal | None:
         )
     for d in req.devices:
         what = f"{d.device} ({d.pci})"
+        changes = _admin_changes(d.sharing)
+        if d.admin_access and changes:
+            return Refusal(
+                "invalid-config",
+                f"{what}: allocated with adminAccess, which is read-only here, but its config asks {changes}: "
+                "an admin-access claim changes nothing on a card others may hold (use a class without that config)",
+            )
         if d.share_id and d.kind != "gpu":
             return Refusal("invalid-config", f"{what}: allocated as a share (shareID {d.share_id}), but only whole cards are shared")
         if d.sharing.strategy == "Vfio" and d.kind != "gpu":
@@ -216,6 +235,60 @@ def _config_refusal(req: ClaimPrepareRequest) -> Refusal | None:
             return Refusal("invalid-config", f"{what}: passed through (VfioDeviceConfig) but allocated as a share of the card (shareID {d.share_id}): VFIO needs the card to itself")
         if d.sharing.strategy == "TimeSlicing" and d.kind == "mig" and d.sharing.interval != "Default":
             return Refusal("invalid-config", f"{what}: a MIG device has no time slice of its own (interval {d.sharing.interval})")
+    return None
+
+
+def _admin_changes(sharing: ClaimSharing) -> str:
+    """What a device config would change on the card ("" for nothing): what admin access may not ask."""
+    if sharing.strategy == "Vfio":
+        return "passthrough (VfioDeviceConfig: the card to vfio-pci)"
+    if sharing.strategy == "MPS":
+        return "an MPS daemon"
+    if sharing.strategy == "TimeSlicing" and sharing.interval != "Default":
+        return f"the time slice {sharing.interval}"
+    return ""
+
+
+def _admin_refusal(
+    what: str, d: ClaimDevice, gpu: Gpu, card_claims: Sequence[GpuClaim], others: Mapping[str, ClaimRecord], vfio: Mapping[str, str]
+) -> Refusal | None:
+    """An admin-access device: only what it can see is checked. Holders do not matter (admin
+    access is for cards in use, a sick card included: looking at it is what monitoring is for),
+    but a card passed through is not the host's to look at: the seed gives a VM (or a VFIO claim)
+    the card alone, so admin access to it is refused, as is one the card's bcd management excludes."""
+    for c in card_claims:
+        if c.pci_address == d.pci and c.kind in ("instance", "domain"):
+            return Refusal("overlap", f"{what}: the card is passed through to {c.kind} {c.holder} (VFIO): admin access cannot reach it")
+    if d.pci in vfio:
+        return Refusal("overlap", f"{what}: the card is passed through to {vfio[d.pci]} (VFIO): admin access cannot reach it")
+    for rec in others.values():
+        if any(od.pci == d.pci and (od.vfio is not None or od.sharing.strategy == "Vfio") for od in rec.devices):
+            return Refusal("overlap", f"{what}: the card is passed through to {rec.holder} (VFIO): admin access cannot reach it")
+    if gpu.driver == "vfio-pci":
+        return Refusal("overlap", f"{what}: the card is bound to vfio-pci (passthrough): admin access cannot reach it")
+    if gpu.status.driver_binding.management_state == "Excluded":
+        return Refusal("overlap", f"{what}: the card is excluded from bcd's management")
+    if d.kind == "mig":
+        if not gpu.mig_mode:
+            return Refusal("unsupported-device", f"{what}: the card is not in MIG mode")
+        if d.start is None or _placement_size(gpu, d.profile, d.start) is None:
+            return Refusal("device-missing", f"{what}: the card has no MIG profile {d.profile} at placement {d.start}")
+        if admin_instance(gpu, d.profile, d.start) is None:
+            # making one would be MIG state a read-only claim has no business making
+            return Refusal("device-missing", f"{what}: no MIG instance is at that placement, and admin access makes none")
+    return None
+
+
+def admin_instance(gpu: Gpu, profile: str, start: int | None) -> tuple[int, int, str] | None:
+    """(gi, ci, MIG uuid) of the MIG instance at a placement, made by whoever made it; None when
+    there is none: admin access names what is there and makes nothing."""
+    size = _placement_size(gpu, profile, start) if start is not None else None
+    for gi in gpu.gpu_instances:
+        if gi.placement is None or start is None or (gi.placement.start, gi.placement.size) != (start, size) or gi.profile != profile:
+            continue
+        for m in gpu.mig_instances:
+            if m.gi == gi.gi and m.uuid:
+                return m.gi, m.ci, m.uuid
     return None
 
 
@@ -235,7 +308,7 @@ def _vfio_refusal(what: str, gpu: Gpu, inventory: Inventory) -> Refusal | None:
 
 def _share_refusal(what: str, d: ClaimDevice, gpu: Gpu, others: Mapping[str, ClaimRecord]) -> Refusal | None:
     """A share of a card beside the other claims' shares: the sum stays within the card, one time slice."""
-    held = [(rec, od) for rec in others.values() for od in rec.devices if od.pci == d.pci and od.shared]
+    held = [(rec, od) for rec in others.values() for od in rec.devices if od.pci == d.pci and od.shared and not od.admin_access]
     percent = sum(od.percent for _, od in held) + (d.share_percent or 100)
     if percent > 100:
         by = "; ".join(f"{od.percent}% by {rec.holder}" for rec, od in held)
@@ -263,11 +336,15 @@ def same_request(rec: ClaimRecord, req: ClaimPrepareRequest) -> bool:
     def key(pci: str, kind: str, profile: str, start: int | None, device: str, pool: str, sharing: ClaimSharing, share: tuple) -> tuple:
         return (pci, kind, profile if kind == "mig" else "", start if kind == "mig" else None, device, pool, msgspec.json.encode(sharing), share)
 
+    # an admin-access MIG device keeps no placement of its own (no `mig`): its device name says it
     have = sorted(
-        key(d.pci, d.kind, d.mig.profile if d.mig else "", d.mig.start if d.mig else None, d.device, d.pool, d.sharing, (d.share_id, d.share_percent, d.memory_bytes))
+        key(d.pci, d.kind, d.mig.profile if d.mig else "", d.mig.start if d.mig else None, d.device, d.pool, d.sharing, (d.share_id, d.share_percent, d.memory_bytes, d.admin_access))
         for d in rec.devices
     )
-    want = sorted(key(d.pci, d.kind, d.profile, d.start, d.device, d.pool, d.sharing, (d.share_id, d.share_percent, d.memory_bytes)) for d in req.devices)
+    want = sorted(
+        key(d.pci, d.kind, "" if d.admin_access else d.profile, None if d.admin_access else d.start, d.device, d.pool, d.sharing, (d.share_id, d.share_percent, d.memory_bytes, d.admin_access))
+        for d in req.devices
+    )
     return have == want
 
 
@@ -291,6 +368,13 @@ def hold_content(rec: ClaimRecord, inventory: Inventory) -> HoldContent:
         if d.kind == "gpu":
             whole = HoldDevice.for_gpu(gpu.uuid, gpu.index)
             devices.append(dataclasses.replace(whole, share_id=d.share_id) if d.share_id else whole)
+            continue
+        if d.admin_access:
+            # the instance found at its placement when prepared (someone else's: never `mig`)
+            found = next((m for m in gpu.mig_instances if m.atom_id == d.atom and m.uuid), None) if d.atom else None
+            if found is None:
+                raise ValueError(f"{d.device}: the MIG instance {d.atom or 'at its placement'} is gone")
+            devices.append(HoldDevice.for_mig(gpu.uuid, gpu.index, found.gi, found.ci, found.uuid))
             continue
         m = d.mig
         if m is None or m.gi is None or m.ci is None or not m.uuid:
@@ -326,6 +410,9 @@ def sharing_text(rec: ClaimRecord) -> str:
     """How a claim shares or passes its cards, in words ("" for exclusive cards)."""
     parts: list[str] = []
     for d in rec.devices:
+        if d.admin_access:
+            parts.append(f"admin access (read-only) to {d.device}")
+            continue
         if d.share_id:
             parts.append(f"a {d.percent}% share of {d.device}" + (f" with {_gib(d.memory_bytes)}" if d.memory_bytes else ""))
         if d.vfio is not None:
@@ -431,6 +518,18 @@ def claim_timeslices(rec: ClaimRecord, inventory: Inventory) -> list[ClaimTimesl
     return out
 
 
+def _first_atom(inv: Inventory, d: ClaimDevice) -> str:
+    """The atom a device holds from the start: its card's (whole card), the instance found at its
+    placement (admin access to a MIG device), else "" (a MIG instance not made yet)."""
+    gpu = next(g for g in inv.gpus if g.pci_address == d.pci)
+    if d.kind == "gpu":
+        return gpu.atom_id
+    if d.admin_access:
+        found = admin_instance(gpu, d.profile, d.start)
+        return f"{gpu.atom_id}/gi{found[0]}/ci{found[1]}" if found is not None else ""
+    return ""
+
+
 class ClaimKeeper:
     """Prepare, unprepare and reconcile claims; every call runs under the converger's pass lock."""
 
@@ -509,11 +608,12 @@ class ClaimKeeper:
                     device=d.device,
                     pci=d.pci,
                     kind=d.kind,
-                    atom=next(g.atom_id for g in inv.gpus if g.pci_address == d.pci) if d.kind == "gpu" else "",
+                    atom=_first_atom(inv, d),
                     sharing=d.sharing,
                     share_id=d.share_id,
                     share_percent=d.share_percent,
                     memory_bytes=d.memory_bytes,
+                    admin_access=d.admin_access,
                 )
                 for d in req.devices
             ],
@@ -522,7 +622,7 @@ class ClaimKeeper:
         await self._save()  # the intent, before any side effect
         try:
             for d, want in zip(rec.devices, req.devices):
-                if d.kind == "mig":
+                if d.kind == "mig" and not d.admin_access:  # admin access makes no MIG instance
                     await self._make_mig(rec, d, want.profile, want.start or 0, inv)
             inv = await self._inventory() or inv
             for d in rec.devices:
@@ -633,6 +733,9 @@ class ClaimKeeper:
 
     @staticmethod
     def _instance_there(inv: Inventory, d: ClaimDeviceRecord) -> bool:
+        if d.admin_access and d.kind == "mig":
+            gpu = next((g for g in inv.gpus if g.pci_address == d.pci), None)
+            return gpu is not None and any(x.atom_id == d.atom for x in gpu.mig_instances)
         if d.vfio is not None:
             gpu = next((g for g in inv.gpus if g.pci_address == d.pci), None)
             return gpu is not None and gpu.driver == "vfio-pci"

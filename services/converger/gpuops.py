@@ -171,20 +171,20 @@ def claims_card(op: str, level: int) -> bool:
 def check_request(req: GpuOpRequest) -> str | None:
     """What is wrong with the request itself, before any card is looked at (None: nothing)."""
     if req.op not in OPS:
-        return f"refused: {req.op!r} is not one of {', '.join(OPS)}"
+        return f"{req.op!r} is not one of {', '.join(OPS)}"
     if not PCI_RE.match(req.pci):
-        return f"refused: {req.pci!r} is not a canonical PCI address (like 0000:3b:00.0)"
+        return f"{req.pci!r} is not a canonical PCI address (like 0000:3b:00.0)"
     if req.op == "diag" and not 1 <= req.level <= DIAG_LEVEL_MAX:
-        return f"refused {req.pci}: a diagnostic level is 1 to {DIAG_LEVEL_MAX}, not {req.level}"
+        return f"a diagnostic level is 1 to {DIAG_LEVEL_MAX}, not {req.level}"
     if req.op != "diag" and req.level:
-        return f"refused {req.pci}: a {req.op} has no level"
+        return f"a {req.op} has no level"
     if req.op == "mig-layout":
         try:
             parse_layout(req.layout)
         except ValueError as exc:
-            return f"refused {req.pci}: {exc}"
+            return f"{exc}"
     elif req.layout:
-        return f"refused {req.pci}: a {req.op} has no layout"
+        return f"a {req.op} has no layout"
     return None
 
 
@@ -194,15 +194,15 @@ def refusal(req: GpuOpRequest, listed: Iterable[str], claims: Iterable[GpuClaim]
     if problem:
         return problem
     if req.pci not in set(listed):
-        return f"refused {req.pci}: the inventory lists no GPU at that address"
+        return f"the inventory lists no GPU at that address"
     other = running.get(req.pci)
     if other is not None:
-        return f"refused {req.pci}: it is held by {op_holder(other)}"
+        return f"it is held by {op_holder(other)}"
     if not claims_card(req.op, req.level):
         return None
     holders = [holder_text(c) for c in claims if c.pci_address == req.pci]
     if holders:
-        return f"refused {req.pci}: it is held by {holders[0]}" + (f" (and {len(holders) - 1} more)" if len(holders) > 1 else "")
+        return f"it is held by {holders[0]}" + (f" (and {len(holders) - 1} more)" if len(holders) > 1 else "")
     return None
 
 

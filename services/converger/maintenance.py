@@ -90,7 +90,7 @@ class Maintenance:
                 await self.intake.fetch(wake=False)
                 inv = self.intake.inventory
             if inv is None:
-                return GpuOpReply(accepted=False, message=f"refused {req.pci}: no inventory yet, so whether anything holds it is not known")
+                return GpuOpReply(accepted=False, message=f"no inventory yet, so whether anything holds it is not known")
             if req.op == "mig-layout":
                 return await self._set_mig_layout(req, inv)
             claims = await asyncio.to_thread(self.claims.read, inv)
@@ -110,11 +110,11 @@ class Maintenance:
         """`bcd gpu mig-layout`: the card's desired layout, journaled; a pass applies it once nothing holds the card."""
         gpu = next((g for g in inv.gpus if g.pci_address == req.pci), None)
         if gpu is None:
-            return GpuOpReply(accepted=False, message=f"refused {req.pci}: the inventory lists no GPU at that address")
+            return GpuOpReply(accepted=False, message=f"the inventory lists no GPU at that address")
         profiles, disable = gpuops.parse_layout(req.layout)
         problem = gpuops.layout_problem(gpu, profiles, disable)
         if problem:
-            return GpuOpReply(accepted=False, message=f"refused {req.pci}: {problem}")
+            return GpuOpReply(accepted=False, message=f"{problem}")
         layout = gpuops.layout_text(profiles, disable)
         state = self.facts.state
         state.mig_layouts[req.pci] = MigLayoutRecord(layout=layout, source="operator", since=datetime.now(timezone.utc))

@@ -143,6 +143,9 @@ class ClaimDeviceRecord(msgspec.Struct, kw_only=True):
     share_percent: int | None = None
     memory_bytes: int | None = None
     vfio: ClaimVfio | None = None
+    #: admin access (KEP-5018): read-only, no holder of its card, makes no MIG, MPS, time slice or
+    #: switch; a MIG device names the instance found at its placement (`atom`, "" for none), never `mig`
+    admin_access: bool = False
 
     @property
     def shared(self) -> bool:

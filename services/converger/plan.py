@@ -551,14 +551,23 @@ def consumer_copy_stale(observed: Observed, hold: HoldOnDisk) -> bool:
 def claim_holders(claim_holds: Mapping[str, HoldOnDisk], journal: Mapping[str, ClaimRecord]) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Hold id -> (holder text, atoms) of every DRA claim: its hold on disk (``claim_holds``), and
     claims the journal (``ConvergerState.claims``, by uid) shows being prepared or unprepared
-    (their atoms are claimed before and after the file)."""
+    (their atoms are claimed before and after the file). A claim's admin-access devices are left
+    out (they hold nothing): a claim of admin access only is no holder at all."""
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
     by_id = {f"claim-{uid}": rec for uid, rec in journal.items()}
     for alloc, hold in claim_holds.items():
         rec = by_id.get(alloc)
-        out[alloc] = (rec.holder if rec is not None else f"DRA claim {alloc.removeprefix('claim-')}", hold.devices)
+        if rec is None:
+            # a claim hold the journal does not know: what it names is held (admin access or not)
+            out[alloc] = (f"DRA claim {alloc.removeprefix('claim-')}", hold.devices)
+            continue
+        # an admin-access device (KEP-5018) holds nothing: its atom is another's, or nobody's
+        looked_at = {d.atom for d in rec.devices if d.admin_access} - {d.atom for d in rec.devices if not d.admin_access}
+        atoms = tuple(a for a in hold.devices if a not in looked_at)
+        if atoms:
+            out[alloc] = (rec.holder, atoms)
     for alloc, rec in by_id.items():
-        atoms = tuple(d.atom for d in rec.devices if d.atom)
+        atoms = tuple(d.atom for d in rec.devices if d.atom and not d.admin_access)
         if atoms:
             held = out.get(alloc, (rec.holder, ()))
             out[alloc] = (rec.holder, tuple(dict.fromkeys((*held[1], *atoms))))
@@ -774,7 +783,8 @@ def plan_new_holds(
                 claims.discard(atom)
         try:
             if alloc in observed.claim_holds:
-                holder = claim_holders(observed.claim_holds, observed.state.claims)[alloc][0]
+                rec = observed.state.claims.get(alloc.removeprefix("claim-"))
+                holder = rec.holder if rec is not None else f"DRA claim {alloc.removeprefix('claim-')}"
                 raise _Refused("overlap", f"{alloc}: its hold file bcd-{alloc}.json is {holder}'s")
             refused = state.refusals.get(alloc)
             if refused is not None and refused.generation == gen and state.reported_failures.get(alloc) == gen:

@@ -362,7 +362,7 @@ def parse_layout_config(text: str) -> dict[str, str]:
         pci = pci.strip().lower()
         problem = gpuops.check_request(GpuOpRequest(op="mig-layout", pci=pci, layout=layout)) if sep else f"{part!r} is not PCI=LAYOUT"
         if problem:
-            raise ValueError(problem.removeprefix("refused: ").removeprefix(f"refused {pci}: "))
+            raise ValueError(problem)
         profiles, disable = gpuops.parse_layout(layout)
         out[pci] = gpuops.layout_text(profiles, disable)
     return out

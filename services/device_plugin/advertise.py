@@ -44,6 +44,16 @@ class BadResourceName(ValueError):
     pass
 
 
+#: the domain of the extended resource names bcd's DRA DeviceClasses map (`extendedResourceName`,
+#: KEP-5004; deploy/kubernetes/dra-deviceclasses.yaml): the DRA driver's name. Kubernetes lets one
+#: node offer a name through a device plugin or through DRA, never both (KEP-5004: "One node in a
+#: cluster cannot have both"): the scheduler checks a name the Node's allocatable has against the
+#: device plugin's count only, so a DRA card would never be given for it there. Both run on a bcd
+#: node, and what each offers differs (the device plugin: the control plane's Kubernetes holds; DRA:
+#: the free cards), so the two keep apart by domain, and the device plugin refuses this one.
+DRA_RESOURCE_DOMAIN = "gpu.bcd.dev"
+
+
 def check_resource_name(name: str) -> str:
     """`name` when it is a valid extended resource name the kubelet accepts from a plugin."""
     domain, sep, part = name.partition("/")
@@ -79,7 +89,13 @@ class ResourceNames:
     mig: str = "mig-{profile}"
     slot: str = "gpu-slot"
 
-    def check(self) -> "ResourceNames":
+    def check(self, dra_domain: str = DRA_RESOURCE_DOMAIN) -> "ResourceNames":
+        """Self when every name is one the kubelet takes and none is DRA's (`dra_domain`, above)."""
+        if dra_domain and (self.domain == dra_domain or self.domain.endswith("." + dra_domain)):
+            raise BadResourceName(
+                f"{self.domain!r} is the domain of the DRA driver's extended resources ({dra_domain}/...); "
+                "a node offers a name through the device plugin or through DRA, never both: pick another --resource-domain"
+            )
         if "{profile}" not in self.mig:
             raise BadResourceName(f"MIG resource {self.mig!r} must contain {{profile}}")
         names = [self.gpu_name, self.slot_name, self.mig_name("1g.10gb")]
@@ -352,6 +368,7 @@ __all__ = [
     "AdvertisedDevice",
     "AllocateRefused",
     "BadResourceName",
+    "DRA_RESOURCE_DOMAIN",
     "HoldView",
     "ResourceNames",
     "allocation_env",

@@ -36,7 +36,7 @@ from shared.schemas import (
     WithdrawReply,
 )
 
-from .advertise import BadResourceName, ResourceNames
+from .advertise import DRA_RESOURCE_DOMAIN, BadResourceName, ResourceNames
 from .plugin import DevicePlugin, Metrics
 from .proto import DEVICE_PLUGIN_DIR
 
@@ -60,6 +60,11 @@ class DevicePluginApp(ServiceApp):
             Option("--gpu-resource", "resource name of whole GPUs", default="gpu"),
             Option("--mig-resource", "resource name of MIG instances; {profile} is the MIG profile", default="mig-{profile}"),
             Option("--slot-resource", "resource name of GPU slots", default="gpu-slot"),
+            Option(
+                "--dra-domain",
+                "domain of the DRA driver's extended resources (its DeviceClasses' extendedResourceName); refused as --resource-domain",
+                default=DRA_RESOURCE_DOMAIN,
+            ),
             Option("--rescan-interval", "seconds between reads of the holds on disk", default=2.0, type=float),
             Option("--watch-interval", "seconds between looks at the kubelet's socket", default=1.0, type=float),
         ]
@@ -69,7 +74,7 @@ class DevicePluginApp(ServiceApp):
         if o.rescan_interval <= 0 or o.watch_interval <= 0:
             raise StartupError("--rescan-interval and --watch-interval must be positive")
         try:
-            names = ResourceNames(o.resource_domain, o.gpu_resource, o.mig_resource, o.slot_resource).check()
+            names = ResourceNames(o.resource_domain, o.gpu_resource, o.mig_resource, o.slot_resource).check(o.dra_domain)
         except BadResourceName as exc:
             raise StartupError(f"resource names: {exc}") from None
         reg = ctx.registry

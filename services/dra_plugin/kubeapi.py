@@ -78,6 +78,12 @@ class AllocationResult:
     #: the entry as the API server sent it (shareID, consumedCapacity: configs.consumed reads them)
     raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
+    @property
+    def admin_access(self) -> bool:
+        """`adminAccess: true` (KEP-5018; v1 DeviceRequestAllocationResult.adminAccess, *bool):
+        the scheduler allocated the device for administrative access, ignoring other claims."""
+        return self.raw.get("adminAccess") is True
+
 
 @dataclass(frozen=True)
 class ClaimConsumer:
@@ -159,6 +165,26 @@ class KubeApi(Protocol):
 
 
 RESOURCE_API_VERSION = "resource.k8s.io/v1"
+
+#: every request `ClusterApi` makes, as RBAC sees it: generated method -> (apiGroup, resource,
+#: verb, when). deploy/kubernetes/rbac.yaml grants exactly these ("always" to the ClusterRole
+#: bcd-dra-plugin, "binding-conditions" to bcd-dra-plugin-binding-conditions), and
+#: tests/unit/test_kubernetes_manifests.py holds the two (and this table and `_call`'s uses) equal.
+API_REQUESTS: dict[str, tuple[str, str, str, str]] = {
+    "read_namespaced_resource_claim": ("resource.k8s.io", "resourceclaims", "get", "always"),
+    "read_node": ("", "nodes", "get", "always"),
+    "list_resource_slice": ("resource.k8s.io", "resourceslices", "list", "always"),
+    "create_resource_slice": ("resource.k8s.io", "resourceslices", "create", "always"),
+    "replace_resource_slice": ("resource.k8s.io", "resourceslices", "update", "always"),
+    "delete_resource_slice": ("resource.k8s.io", "resourceslices", "delete", "always"),
+    "list_resource_claim_for_all_namespaces": ("resource.k8s.io", "resourceclaims", "list", "binding-conditions"),
+    "replace_namespaced_resource_claim_status": ("resource.k8s.io", "resourceclaims/status", "update", "binding-conditions"),
+}
+
+#: what writing a claim's status.devices (binding conditions) needs besides, from 1.36
+#: (DRAResourceClaimGranularStatusAuthorization): the synthetic resourceclaims/driver permission,
+#: for the driver's name, on claims allocated on the caller's own node (its token bound to the Node).
+DEVICE_STATUS_PERMISSION = ("resource.k8s.io", "resourceclaims/driver", "associated-node:update")
 
 
 class ClusterApi:
@@ -329,6 +355,8 @@ class ClusterApi:
 __all__ = [
     "REQUEST_TIMEOUT_S",
     "RESOURCE_API_VERSION",
+    "API_REQUESTS",
+    "DEVICE_STATUS_PERMISSION",
     "KubeApiError",
     "Conflict",
     "AlreadyExists",

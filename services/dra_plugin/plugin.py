@@ -5,8 +5,9 @@
 * `pluginregistration.Registration` at `<kubelet dir>/plugins_registry/<driver>-reg.sock`:
   the kubelet's plugin watcher finds the socket, asks GetInfo (type DRAPlugin,
   our endpoint, supported versions `v1.DRAPlugin` then `v1beta1.DRAPlugin`:
-  kubelet_api.py says why that order) and tells the outcome through
-  NotifyRegistrationStatus. A socket that vanished is served again.
+  kubelet_api.py says why that order; then the health services, health.py:
+  DRAResourceHealth v1alpha1 and v1, served on the plugin socket too) and tells
+  the outcome through NotifyRegistrationStatus. A socket that vanished is served again.
 * `v1.DRAPlugin` and `v1beta1.DRAPlugin` at `<kubelet dir>/plugins/<driver>/dra.sock`,
   thin adapters (kubelet_api.py) over one prepare and unprepare here. Prepare reads
   the ResourceClaim from the API server (refusing one whose uid differs or
@@ -15,6 +16,8 @@
   PrepareStarted to the checkpoint, asks the converger to make the claim's
   hold (it checks conflicts, journals, makes MIG instances, writes the CDI
   spec), then writes PrepareCompleted and answers pool, device and CDI ids.
+  A result with `adminAccess: true` (KEP-5018) goes to the converger as such: prepared
+  read-only, holding nothing (claims.py).
   Unprepare asks the converger to remove the hold, then drops the entry.
   Both are idempotent: the kubelet retries.
 
@@ -77,6 +80,7 @@ from . import configs as cfg
 from . import devices as dev
 from .binding import plan_binding
 from .checkpoint import Checkpoint, CheckpointStore, ClaimEntry
+from .health import HEALTH_SERVICES, HealthFeed, add_health_servicers, plan_health
 from .kubeapi import Conflict, KubeApi, KubeApiError
 from .kubelet_api import ClaimRef, PrepareResult, add_services, supported_versions
 from .proto import DRA_PLUGIN_TYPE
@@ -344,9 +348,16 @@ class DraPlugin:
         self.no_kubelet = False
         self._wake = asyncio.Event()
         self._reg = _Socket(self.reg_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s))
-        self._dra = _Socket(self.dra_path, lambda s: add_services(s, self))
+        #: what the health streams send (health.py): set at every refresh of the pool
+        self.health = HealthFeed()
+        self._dra = _Socket(self.dra_path, self._add_plugin_services)
 
     # -------------------------------------------------------------- serving
+
+    def _add_plugin_services(self, server: grpc.aio.Server) -> None:
+        # the kubelet dials the one endpoint it registered for DRAPlugin (each version) and for the health service
+        add_services(server, self)
+        add_health_servicers(server, self.health)
 
     async def start(self) -> None:
         """Serve both sockets; one that cannot be served (a path too long for a unix socket, a
@@ -450,6 +461,10 @@ class DraPlugin:
         )
         self.pool = pool
         self._gauge_pool(pool)
+        if pool.known:
+            # before publishing: the kubelet hears of a sick card whether or not the API server answers
+            prepared = [d for e in self.checkpoint.claims.values() for d in e.devices]
+            self.health.update(plan_health(inv, pool, prepared, pool_name=self.node_name))
         if self.publisher is None or not pool.known:
             return
         try:
@@ -591,7 +606,8 @@ class DraPlugin:
         except cfg.ConfigError as exc:
             return [], f"ResourceClaim {c.namespace}/{c.name}: {exc}"
         for r, d, how, (share_id, percent, memory) in zip(ours, resolved, sharing, shares):
-            d = msgspec.structs.replace(d, sharing=how, share_id=share_id, share_percent=percent, memory_bytes=memory)
+            # adminAccess (KEP-5018) sits on the allocation result: true only, never a truthy string
+            d = msgspec.structs.replace(d, sharing=how, share_id=share_id, share_percent=percent, memory_bytes=memory, admin_access=r.admin_access)
             have = wanted.setdefault(r.device, d)
             if have != d:
                 return [], f"device {r.device} is allocated to two requests of the claim with other configs or shares: {', '.join(requests[r.device] + [r.request])}"
@@ -738,7 +754,11 @@ class _Registration(reg_grpc.RegistrationServicer):
 
     async def GetInfo(self, request: reg_pb.InfoRequest, context: Any) -> reg_pb.PluginInfo:  # noqa: N802 - the proto's name
         p = self.plugin
-        return reg_pb.PluginInfo(type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=supported_versions())
+        # the DRAPlugin versions first, in the order kubelet_api.py says; the health services after
+        # (a 1.34+ kubelet skips names it does not know as DRAPlugin services, 1.32/1.33 ignore them)
+        return reg_pb.PluginInfo(
+            type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=[*supported_versions(), *HEALTH_SERVICES]
+        )
 
     async def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus, context: Any) -> reg_pb.RegistrationStatusResponse:  # noqa: N802
         p = self.plugin

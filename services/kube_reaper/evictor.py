@@ -30,6 +30,13 @@ RETRY_AFTER_MAX_S = 60.0
 #: one API request's deadline.
 REQUEST_TIMEOUT_S = 10.0
 
+#: every request `KubernetesEvictor` makes, as RBAC sees it: generated method -> (apiGroup,
+#: resource, verb). deploy/kubernetes/rbac.yaml (ClusterRole bcd-kube-reaper) grants exactly these;
+#: tests/unit/test_kubernetes_manifests.py holds them equal to each other and to the code.
+API_REQUESTS: dict[str, tuple[str, str, str]] = {
+    "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
+}
+
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
     """Retry-After as seconds: delta-seconds or an HTTP date; None when absent or odd."""
@@ -142,6 +149,7 @@ class KubernetesEvictor:
 
 
 __all__ = [
+    "API_REQUESTS",
     "BACKOFF_BASE_S",
     "BACKOFF_MAX_S",
     "RETRY_AFTER_MAX_S",

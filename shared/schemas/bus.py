@@ -611,6 +611,9 @@ class ClaimDevice(msgspec.Struct, frozen=True, kw_only=True):
     share_id: OptionalShareId = ""
     share_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
     memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=CLAIM_MEMORY_MAX)] | None = None
+    #: the allocation result's `adminAccess` (KEP-5018): a monitoring claim's look at a device
+    #: others may hold; prepared read-only, holding nothing and changing nothing on the card
+    admin_access: bool = False
 
 
 class ClaimPrepareRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,11 +23,22 @@ know, and refuse the registration when there is none. v1alpha4 was removed in
 1.34 (kubernetes PR 132574), v1 added (PR 132700). The v1alpha4 messages are
 the v1beta1 ones field for field (kubelet v0.32.0 pkg/apis/dra/v1alpha4/api.proto),
 so its calls are made with the v1beta1 messages on the v1alpha4 method paths.
+
+Device health (KEP 4680, `HealthWatch`): the kubelet opens
+`DRAResourceHealth/NodeWatchResources` on the same endpoint and keeps it open,
+reconnecting when it ends (wait.UntilWithContext, every 5 s). Which version:
+a kubelet of 1.37 picks the newest the plugin advertised at registration and
+opens none when none is (pickHealthService in pkg/kubelet/cm/dra/plugin,
+TestPickHealthService: v1 before v1alpha1); an older one asks for v1alpha1
+whatever is advertised (dra_plugin_manager.go add(), ResourceHealthStatus on).
+Each message is the full list; the kubelet stamps each device when it hears
+of it and reads it Unknown 30 s later (healthinfo.go healthTimeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,10 @@ from typing import Any
 import grpc
 
 from services.dra_plugin.proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_SERVICE_V1BETA1, DRA_PLUGIN_TYPE
+from services.dra_plugin.proto import dra_health_v1_pb2 as health_v1_pb
+from services.dra_plugin.proto import dra_health_v1_pb2_grpc as health_v1_grpc
+from services.dra_plugin.proto import dra_health_v1alpha1_pb2 as health_v1alpha1_pb
+from services.dra_plugin.proto import dra_health_v1alpha1_pb2_grpc as health_v1alpha1_grpc
 from services.dra_plugin.proto import dra_v1_pb2 as dra_pb
 from services.dra_plugin.proto import dra_v1beta1_pb2 as dra_v1beta1_pb
 from services.dra_plugin.proto import pluginregistration_v1_pb2 as reg_pb
@@ -69,6 +84,68 @@ def choose_service(version: str, offered: list[str]) -> tuple[str, str]:
         return next((s for s in mine if s in offered), V1ALPHA4_SERVICE), ""
     chosen = next((s for s in offered if s in mine), "")
     return (chosen, "") if chosen else ("", f"none of services supported by the plugin ({offered}) are supported by the kubelet ({list(mine)})")
+
+
+#: the kubelet's names of the health services (k8s.io/kubelet pkg/apis/dra-health/*/types.go), newest first
+HEALTH_V1, HEALTH_V1ALPHA1 = "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"
+_HEALTH = {HEALTH_V1: (health_v1_pb, health_v1_grpc), HEALTH_V1ALPHA1: (health_v1alpha1_pb, health_v1alpha1_grpc)}
+
+
+class HealthWatch:
+    """One NodeWatchResources stream, read in the background: `updates` holds every message as
+    {(pool, device): (HEALTHY|UNHEALTHY|UNKNOWN, message, last_updated_time)}."""
+
+    def __init__(self, endpoint: str, service: str) -> None:
+        self.service = service
+        self.updates: list[dict[tuple[str, str], tuple[str, str, int]]] = []
+        self.received_at: list[float] = []
+        self.ended: str = ""
+        self._new = asyncio.Event()
+        pb, stubs = _HEALTH[service]
+        self._pb = pb
+        self._channel = grpc.aio.insecure_channel(f"unix://{endpoint}")
+        self._call = stubs.DRAResourceHealthStub(self._channel).NodeWatchResources(pb.NodeWatchResourcesRequest())
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._call:
+                self.updates.append(
+                    {
+                        (d.device.pool_name, d.device.device_name): (self._pb.HealthStatus.Name(d.health), d.message, d.last_updated_time)
+                        for d in msg.devices
+                    }
+                )
+                self.received_at.append(time.monotonic())
+                self._new.set()
+            self.ended = "the plugin ended the stream"
+        except grpc.aio.AioRpcError as exc:
+            self.ended = f"{exc.code()}: {exc.details()}"
+        self._new.set()
+
+    async def wait(self, predicate, what: str, timeout: float = 30.0) -> dict[tuple[str, str], tuple[str, str, int]]:
+        """The first message (already received or to come) the predicate holds for."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for update in self.updates[seen:]:
+                if predicate(update):
+                    return update
+            seen = len(self.updates)
+            if self.ended:
+                raise AssertionError(f"{self.service} stream ended ({self.ended}) before {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.service}: no message with {what} in {timeout:.0f} s; last: {self.updates[-1:]}")
+            self._new.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._new.wait(), left)
+
+    async def close(self) -> None:
+        self._call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._channel.close()
 
 
 class DraKubelet:
@@ -127,6 +204,23 @@ class DraKubelet:
             return f"endpoint {info.endpoint!r} is not an absolute path"
         return ""
 
+    def health_service(self, release: str = "") -> str:
+        """The health service the kubelet of `release` (this one's by default) opens on the registered plugin ("" for none)."""
+        release = release or self.version
+        if self.info is None:
+            raise AssertionError("no DRA plugin registered")
+        if tuple(int(x) for x in release.split(".")) < (1, 37):
+            return HEALTH_V1ALPHA1
+        return next((s for s in (HEALTH_V1, HEALTH_V1ALPHA1) if s in self.info.supported_versions), "")
+
+    def watch_health(self, release: str = "", service: str = "") -> HealthWatch:
+        """Open NodeWatchResources as that kubelet would (or the `service` named)."""
+        release = release or self.version
+        chosen = service or self.health_service(release)
+        if not chosen:
+            raise AssertionError(f"a {release} kubelet opens no health stream: {list(self.info.supported_versions) if self.info else []} advertise none")
+        return HealthWatch(self.endpoint, chosen)
+
     async def _call(self, method: str, claims: tuple[tuple[str, str, str], ...], timeout: float) -> dict[str, Any]:
         """One DRAPlugin call in the version picked at registration (its method path and messages)."""
         if not self.endpoint:
@@ -156,4 +250,4 @@ class DraKubelet:
         await self._close_channel()
 
 
-__all__ = ["DraKubelet", "KUBELET_SERVICES", "RegistrationRefused", "V1ALPHA4_SERVICE", "choose_service"]
+__all__ = ["HEALTH_V1", "HEALTH_V1ALPHA1", "DraKubelet", "HealthWatch", "KUBELET_SERVICES", "RegistrationRefused", "V1ALPHA4_SERVICE", "choose_service"]

@@ -18,33 +18,43 @@ with a stale resourceVersion answers 409 Conflict, a POST of a taken name 409
 AlreadyExists, an unknown path 404, each with a proper `Status` object. A
 bearer token is required (`write_kubeconfig` writes it).
 
-ResourceSlices go through what the API server does for resource.k8s.io/v1 in
-Kubernetes 1.35, in its order: decoding (a wrong JSON type or a malformed
+ResourceSlices go through what the API server does for resource.k8s.io/v1 as of
+Kubernetes 1.37, in its order: decoding (a wrong JSON type or a malformed
 quantity is 400 BadRequest, an unknown field is dropped with a `Warning`
 header), the strategy's PrepareForCreate/PrepareForUpdate (generation; fields
 of disabled feature gates dropped silently), then validation (422 Invalid,
 with a cause per field path). The rules are ported from the upstream sources,
 read for this file (paths in kubernetes/kubernetes):
 
-- pkg/apis/resource/validation/validation.go, the 1.35 revision (the one with
-  `ResourceSliceMaxDevicesWithTaintsOrConsumesCounters`, before the 1.36
-  DRAListTypeAttributes/partitionTypeAttribute additions): ValidateResourceSlice,
-  validateResourceSliceSpec, validateResourcePool, validateDevice,
-  validateDeviceAttribute, validateQualifiedName, validateCIdentifier,
-  validateCounterSet, validateDeviceCounterConsumption, validateDeviceTaint,
-  validateDeviceBindingParameters, validateSet/validateSlice/validateMap.
-- staging/src/k8s.io/api/resource/v1/types.go: the limits (128/64 devices,
-  32 attributes+capacities, 8 counter sets, 32 counters per set, 2 consumptions
-  per device of 32 counters each, 4+4 binding conditions, 64-byte strings,
-  63/32 domain/identifier lengths, 16 taints, 253-byte pool names).
-- pkg/registry/resource/resourceslice/strategy.go: dropDisabledFields and the
-  selectable fields (spec.nodeName, spec.driver, metadata.name).
-- pkg/features/kube_features.go (1.35): DRAPartitionableDevices, DRADeviceTaints,
-  DRADeviceBindingConditions and DRAConsumableCapacity are alpha and off by
-  default. `GATES_1_35_DEFAULT` is that cluster: counter sets, consumesCounters,
-  taints and binding conditions are dropped without an error, as a stock 1.35
-  API server drops them. The default here is `GATES_ENABLED`: a cluster with
-  those gates on, which bcd's MIG counter sets need.
+- pkg/apis/resource/validation/validation.go, the 1.37 code: ValidateResourceSlice,
+  validateResourceSliceSpec, validateResourcePool, validateDevice (with 1.36's
+  numEntriesDeviceAttribute: at most 48 attribute values), validateDeviceAttribute
+  (1.36's list values bools/ints/strings/versions), validateQualifiedName (1.37
+  refuses more than one slash), validateCIdentifier, validateCounterSet,
+  validateDeviceCounterConsumption, validateDeviceTaint, validateDeviceBindingParameters,
+  validatePartitionTypeAttribute and validateSkipNodeOperations (1.37),
+  haveDeviceTaints/haveConsumesCounters/haveListAttributes (64 devices),
+  validateSet/validateSlice/validateMap. Not ported: validateNodeAllocatableResources
+  (1.37, alpha; the field is decoded and dropped with its gate off).
+- staging/src/k8s.io/api/resource/v1/types.go (kubernetes/api): the limits (128/64
+  devices, 32 attributes+capacities, 48 attribute values, 8 counter sets, 32 counters
+  per set, 2 consumptions per device of 32 counters each, 4+4 binding conditions,
+  64-byte strings, 63/32 domain/identifier lengths, 16 taints, 253-byte pool names)
+  and the SkipNodeOperation values.
+- pkg/registry/resource/resourceslice/strategy.go: dropDisabledFields (taints,
+  partitionable devices, binding conditions, consumable capacity, node allocatable
+  resources, list-type attributes, partitionTypeAttribute) and the selectable fields
+  (spec.nodeName, spec.driver, metadata.name).
+- pkg/features (the versioned specs of kube_features.go): `release_gates(release)` /
+  `GATES_BY_RELEASE` give a stock 1.34, 1.35, 1.36 or 1.37 API server's defaults.
+  DRAPartitionableDevices, DRADeviceTaints, DRADeviceBindingConditions and
+  DRAConsumableCapacity are alpha and off in 1.34 and 1.35 (counter sets,
+  consumesCounters, taints and binding conditions dropped without an error), beta
+  and on from 1.36 (taints GA in 1.37). `GATES_1_35_DEFAULT` is the 1.35 cluster.
+  The stand-in's default is `GATES_ENABLED`: every gate on.
+
+DeviceClass, ResourceClaim and ResourceClaimTemplate rules live beside this file in
+kubeapi_claims_validation.py (`validate_manifest`).
 
 Written from memory of upstream rather than re-read (marked "from memory"
 below): the generic object-meta checks (name format, labels, owner
@@ -88,20 +98,63 @@ from urllib.parse import parse_qs, unquote, urlsplit
 TOKEN = "dra-test-token"
 GROUP = "resource.k8s.io"
 RESOURCE_V1 = f"{GROUP}/v1"
+#: the namespace label admin access needs (KEP-5018; pkg/registry/resource/utils.go)
+ADMIN_ACCESS_LABEL = "resource.kubernetes.io/admin-access"
 
-#: a cluster with the DRA alpha gates this API needs switched on (bcd's MIG counter sets need
-#: DRAPartitionableDevices).
-GATES_ENABLED = {
-    "DRAPartitionableDevices": True,
-    "DRADeviceTaints": True,
-    "DRADeviceBindingConditions": True,
-    "DRAResourceClaimDeviceStatus": True,
-    "DRAConsumableCapacity": True,
+#: Each release's defaults of the DRA feature gates the resource.k8s.io strategies and validation
+#: read: pkg/features (defaultVersionedKubernetesFeatureGates, the versioned specs of
+#: kube_features.go as of the 1.37 code): per gate, (first release, default) in order; a release
+#: gets the default of the last entry not newer than it. Gates added after 1.37 in the index
+#: (DRAResourcePoolStatus, DRAPartitionableDevicesType: alpha, off) are listed off throughout.
+_GATE_SPECS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "DRAAdminAccess": (("1.32", False), ("1.34", True)),  # GA 1.36
+    "DRAConsumableCapacity": (("1.34", False), ("1.36", True)),
+    "DRADeviceBindingConditions": (("1.34", False), ("1.36", True)),
+    "DRADeviceTaints": (("1.33", False), ("1.36", True)),  # GA 1.37
+    "DRADeviceTaintRules": (("1.35", False), ("1.37", True)),
+    "DRAExtendedResource": (("1.34", False), ("1.36", True)),  # GA 1.37
+    "DRAFractionalCapacityRange": (("1.37", True),),
+    "DRAListTypeAttributes": (("1.36", False),),
+    "DRANodeAllocatableResources": (("1.36", False),),
+    "DRAOptionalNodeOperations": (("1.37", False),),
+    "DRAPartitionableDevices": (("1.33", False), ("1.36", True)),
+    "DRAPartitionableDevicesType": (("1.37", False),),
+    "DRAPrioritizedList": (("1.33", False), ("1.34", True)),
+    "DRAResourceClaimDeviceStatus": (("1.32", False), ("1.33", True)),  # GA 1.37
+    "DRAResourcePoolStatus": (("1.37", False),),
 }
-#: a stock 1.35 cluster (pkg/features/kube_features.go: all alpha, off; DRAResourceClaimDeviceStatus beta, on).
-GATES_1_35_DEFAULT = {**{k: False for k in GATES_ENABLED}, "DRAResourceClaimDeviceStatus": True}
+#: the releases whose defaults `release_gates` knows
+RELEASES = ("1.34", "1.35", "1.36", "1.37")
 
-# --- limits: staging/src/k8s.io/api/resource/v1/types.go (1.35) ------------------------------------
+
+def _minor(release: str) -> tuple[int, int]:
+    major, minor = release.split(".")[:2]
+    return int(major), int(minor)
+
+
+def release_gates(release: str) -> dict[str, bool]:
+    """The DRA gate defaults of a stock API server of `release` ("1.34" .. "1.37")."""
+    if release not in RELEASES:
+        raise ValueError(f"release {release!r}: one of {', '.join(RELEASES)}")
+    out = {}
+    for gate, specs in _GATE_SPECS.items():
+        out[gate] = False
+        for since, default in specs:
+            if _minor(since) <= _minor(release):
+                out[gate] = default
+    return out
+
+
+#: a stock cluster of each release (pkg/features: see `_GATE_SPECS`)
+GATES_BY_RELEASE = {r: release_gates(r) for r in RELEASES}
+#: a cluster with every DRA gate this API knows switched on (bcd's MIG counter sets need
+#: DRAPartitionableDevices, off by default before 1.36).
+GATES_ENABLED = {k: True for k in _GATE_SPECS}
+#: a stock 1.35 cluster (partitionable devices, taints, binding conditions, consumable capacity:
+#: alpha, off; DRAResourceClaimDeviceStatus beta, on).
+GATES_1_35_DEFAULT = GATES_BY_RELEASE["1.35"]
+
+# --- limits: staging/src/k8s.io/api/resource/v1/types.go (1.37) ------------------------------------
 RESOURCE_SLICE_MAX_DEVICES = 128
 RESOURCE_SLICE_MAX_DEVICES_WITH_TAINTS_OR_CONSUMES_COUNTERS = 64
 POOL_NAME_MAX_LENGTH = 253  # validation.DNS1123SubdomainMaxLength
@@ -116,6 +169,10 @@ DEVICE_MAX_DOMAIN_LENGTH = 63
 DEVICE_MAX_ID_LENGTH = 32
 DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH = 64
 DEVICE_TAINTS_MAX_LENGTH = 16
+#: types.go (1.36+, DRAListTypeAttributes): every scalar and every list item of a device's attributes
+RESOURCE_SLICE_MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48
+#: types.go SkipNodeOperation values (1.37, DRAOptionalNodeOperations)
+SKIP_NODE_OPERATIONS = ("NodePrepareResources", "NodeUnprepareResources", "*")
 DRIVER_NAME_MAX_LENGTH = 63  # same as CSI driver names (corevalidation.ValidateCSIDriverName)
 #: validation.go: attributeAndCapacityMaxKeyLength (map keys longer than this are truncated in field paths)
 ATTRIBUTE_AND_CAPACITY_MAX_KEY_LENGTH = DEVICE_MAX_DOMAIN_LENGTH + 1 + DEVICE_MAX_ID_LENGTH
@@ -361,7 +418,7 @@ _META = _obj(
 )
 _DEVICE = _obj(
     name=_STR,
-    attributes=_map(_obj(int=_INT, bool=_BOOL, string=_STR, version=_STR)),
+    attributes=_map(_obj(int=_INT, bool=_BOOL, string=_STR, version=_STR, ints=_list(_INT), bools=_list(_BOOL), strings=_list(_STR), versions=_list(_STR))),
     capacity=_map(_obj(value=_QTY, requestPolicy=_obj(default=_QTY, validValues=_list(_QTY), validRange=_obj(min=_QTY, max=_QTY, step=_QTY)))),
     consumesCounters=_list(_obj(counterSet=_STR, counters=_map(_COUNTER))),
     nodeName=_STR,
@@ -372,6 +429,8 @@ _DEVICE = _obj(
     bindingConditions=_list(_STR),
     bindingFailureConditions=_list(_STR),
     allowMultipleAllocations=_BOOL,
+    # 1.37 (DRANodeAllocatableResources): resource name -> {mapping, overhead}; its rules are not ported
+    nodeAllocatableResources=_map(_ANY),
 )
 _SLICE_SCHEMA = _obj(
     apiVersion=_STR,
@@ -386,6 +445,8 @@ _SLICE_SCHEMA = _obj(
         devices=_list(_DEVICE),
         perDeviceNodeSelection=_BOOL,
         sharedCounters=_list(_obj(name=_STR, counters=_map(_COUNTER))),
+        partitionTypeAttribute=_STR,
+        skipNodeOperations=_list(_STR),
     ),
 )
 _GO_TYPES = {_STR: "string", _INT: "int64", _BOOL: "bool"}
@@ -479,6 +540,9 @@ def _partitionable_in_use(spec: dict) -> bool:
     return any(d.get("consumesCounters") or any(k in d for k in ("nodeName", "nodeSelector", "allNodes")) for d in spec.get("devices") or ())
 
 
+_LIST_VALUES = ("bools", "ints", "strings", "versions")
+
+
 def drop_disabled_fields(spec: dict, old_spec: dict | None, gates: dict[str, bool]) -> None:
     """dropDisabledFields: fields of a disabled gate go, unless the old object already used them."""
     devices = spec.get("devices") or []
@@ -498,6 +562,26 @@ def drop_disabled_fields(spec: dict, old_spec: dict | None, gates: dict[str, boo
         for d in devices:
             for k in binding_keys:
                 d.pop(k, None)
+    # dropDisabledDRANodeAllocatableResourcesFields (1.36+)
+    if not gates.get("DRANodeAllocatableResources") and not any(d.get("nodeAllocatableResources") for d in old_devices):
+        for d in devices:
+            d.pop("nodeAllocatableResources", None)
+    # dropDisableDRAListTypeAttributesFields (1.36+): the list values go, the scalars stay
+    if not gates.get("DRAListTypeAttributes") and not any(
+        any(k in a for k in _LIST_VALUES) for d in old_devices for a in (d.get("attributes") or {}).values()
+    ):
+        for d in devices:
+            for a in (d.get("attributes") or {}).values():
+                for k in _LIST_VALUES:
+                    a.pop(k, None)
+    # partitionTypeAttribute (1.37 types.go: +k8s:ifEnabled(DRAPartitionableDevicesType); the
+    # strategy in the index drops it by DRAResourcePoolStatus): dropped unless either gate is on
+    if not (gates.get("DRAPartitionableDevicesType") or gates.get("DRAResourcePoolStatus")) and not (old_spec or {}).get("partitionTypeAttribute"):
+        spec.pop("partitionTypeAttribute", None)
+    # skipNodeOperations (1.37, DRAOptionalNodeOperations; the drop is assumed from the gate, the
+    # strategy read for this file predates the field)
+    if not gates.get("DRAOptionalNodeOperations") and not (old_spec or {}).get("skipNodeOperations"):
+        spec.pop("skipNodeOperations", None)
     consumable_in_use = any("allowMultipleAllocations" in d or any("requestPolicy" in c for c in (d.get("capacity") or {}).values()) for d in old_devices)
     if not gates.get("DRAConsumableCapacity") and not consumable_in_use:
         for d in devices:
@@ -506,7 +590,7 @@ def drop_disabled_fields(spec: dict, old_spec: dict | None, gates: dict[str, boo
                 c.pop("requestPolicy", None)
 
 
-# --- validation: pkg/apis/resource/validation/validation.go (1.35) -----------------------------------
+# --- validation: pkg/apis/resource/validation/validation.go (1.37) -----------------------------------
 def _validate_driver_name(name: str, path: str, errs: Errors) -> None:
     # corevalidation.ValidateCSIDriverName: required, <= 63, a DNS subdomain once lowercased
     # (upper case is accepted with a warning: strategy.go WarningsOnCreate)
@@ -558,8 +642,11 @@ def _validate_c_identifier(value: str, path: str, errs: Errors) -> None:
 
 def _validate_qualified_name(name: str, path: str, errs: Errors) -> None:
     # validateQualifiedName: a C identifier, or <domain>/<C identifier> with the domain a driver
-    # name. Upstream's 1.35 TODO: three or more parts ("a/b/c") are not checked at all, so pass.
+    # name. 1.37 refuses three or more parts (1.35 let "a/b/c" pass unchecked).
     parts = name.split("/")
+    if len(parts) > 2:
+        errs.invalid(path, name, "must not contain more than one slash")
+        return
     if len(parts) == 1:
         _validate_c_identifier(parts[0], path, errs)
     elif len(parts) == 2:
@@ -676,6 +763,22 @@ def _validate_attribute(attr: dict, path: str, errs: Errors) -> None:
             errs.invalid(f"{path}.version", attr["version"], "must be a string compatible with semver.org spec 2.0.0")
         if len(attr["version"].encode()) > DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH:
             errs.too_long(f"{path}.version", DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH)
+    # 1.36+ list values (DRAListTypeAttributes): each present list non-empty; strings <= 64 bytes,
+    # versions semver
+    for k in _LIST_VALUES:
+        if k not in attr:
+            continue
+        n += 1
+        if not attr[k]:
+            errs.invalid(f"{path}.{k}", attr[k], "must not be empty if specified")
+        for i, item in enumerate(attr[k]):
+            if k == "strings" and len(item.encode()) > DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH:
+                errs.too_long(f"{path}.strings[{i}]", DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH)
+            if k == "versions":
+                if not _SEMVER.fullmatch(item):
+                    errs.invalid(f"{path}.versions[{i}]", item, "must be a string compatible with semver.org spec 2.0.0")
+                if len(item.encode()) > DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH:
+                    errs.too_long(f"{path}.versions[{i}]", DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH)
     if n == 0:
         errs.invalid(path, "", "exactly one value must be specified")
     elif n > 1:
@@ -781,6 +884,10 @@ def _validate_device(device: dict, old_device: dict | None, path: str, per_devic
     n = len(attributes) + len(capacity)
     if n > RESOURCE_SLICE_MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE:
         errs.invalid(path, n, f"the total number of attributes and capacities must not exceed {RESOURCE_SLICE_MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE}")
+    # numEntriesDeviceAttribute (1.36+): a scalar counts 1, a list its items
+    values = sum(max(1, sum(len(a.get(k) or ()) for k in _LIST_VALUES)) for a in attributes.values())
+    if values > RESOURCE_SLICE_MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+        errs.invalid(path, values, f"the total number of attribute values must not exceed {RESOURCE_SLICE_MAX_ATTRIBUTE_VALUES_PER_DEVICE}")
     for key in sorted(attributes):
         kp = f"{path}.attributes[{_truncate(key, ATTRIBUTE_AND_CAPACITY_MAX_KEY_LENGTH)}]"
         _validate_qualified_name(key, kp, errs)
@@ -924,7 +1031,13 @@ def validate_resource_slice(obj: dict, old: dict | None = None) -> list[FieldErr
 
     devices = spec.get("devices") or []
     limit = RESOURCE_SLICE_MAX_DEVICES
-    if any(d.get("taints") for d in devices) or any(d.get("consumesCounters") for d in devices):
+    # haveDeviceTaints || haveConsumesCounters || haveListAttributes (the last 1.36+):
+    # ResourceSliceMaxDevicesWithAdvancedFeatures
+    if (
+        any(d.get("taints") for d in devices)
+        or any(d.get("consumesCounters") for d in devices)
+        or any(k in a for d in devices for a in (d.get("attributes") or {}).values() for k in _LIST_VALUES)
+    ):
         limit = RESOURCE_SLICE_MAX_DEVICES_WITH_TAINTS_OR_CONSUMES_COUNTERS
     old_devices = {d.get("name"): d for d in (old_spec or {}).get("devices") or []}
     per_device = spec.get("perDeviceNodeSelection")
@@ -944,7 +1057,56 @@ def validate_resource_slice(obj: dict, old: dict | None = None) -> list[FieldErr
         "spec.sharedCounters",
         errs,
     )
+    if "partitionTypeAttribute" in spec:
+        _validate_partition_type_attribute(spec, errs)
+    _validate_skip_node_operations(spec.get("skipNodeOperations") or [], "spec.skipNodeOperations", errs)
     return list(errs)
+
+
+def _validate_partition_type_attribute(spec: dict, errs: Errors) -> None:
+    # validatePartitionTypeAttribute (1.37): only next to devices that consume counters; a fully
+    # qualified name (declarative format=k8s-resource-fully-qualified-name, validateFullyQualifiedName);
+    # every device that consumes counters carries it as a string (a name in the driver's domain
+    # may be given bare on the device: lookupQualifiedAttribute)
+    name = spec["partitionTypeAttribute"]
+    path = "spec.partitionTypeAttribute"
+    devices = spec.get("devices") or []
+    if not any(d.get("consumesCounters") for d in devices):
+        errs.invalid(path, name, "may only be set on a slice which declares devices that consume counters")
+        return
+    bad = Errors()
+    _validate_qualified_name(name, path, bad)
+    if "/" not in name:
+        bad.invalid(path, name, "a fully qualified name must be a domain and a name separated by a slash")
+    if bad:
+        errs.extend(bad)
+        return
+    prefix = spec.get("driver", "") + "/"
+    bare = name[len(prefix):] if name.startswith(prefix) else ""
+    for i, d in enumerate(devices):
+        if not d.get("consumesCounters"):
+            continue
+        attrs = d.get("attributes") or {}
+        attr = attrs.get(name, attrs.get(bare) if bare else None)
+        ap = f"spec.devices[{i}].attributes[{name}]"
+        if attr is None:
+            errs.required(ap, "device consumes counters and `partitionTypeAttribute` names this attribute, so it must be set")
+        elif "string" not in attr:
+            errs.invalid(ap, attr, "must be a string value because `partitionTypeAttribute` names this attribute")
+
+
+def _validate_skip_node_operations(ops: list, path: str, errs: Errors) -> None:
+    # the declarative enum and set rules of types.go SkipNodeOperations (1.37), then
+    # validateSkipNodeOperations: NodePrepareResources only with NodeUnprepareResources (or "*")
+    seen: set[str] = set()
+    for i, op in enumerate(ops):
+        if op not in SKIP_NODE_OPERATIONS:
+            errs.not_supported(f"{path}[{i}]", op, SKIP_NODE_OPERATIONS)
+        elif op in seen:
+            errs.duplicate(f"{path}[{i}]", op)
+        seen.add(op)
+    if "NodePrepareResources" in seen and not {"NodeUnprepareResources", "*"} & seen:
+        errs.invalid(path, ops, "NodePrepareResources cannot be skipped unless NodeUnprepareResources is also skipped")
 
 
 # --- the scheduler's view of a pool (not the API server's) -------------------------------------------
@@ -1170,6 +1332,8 @@ class KubeApiStandIn:
         self._rv = 0
         self._nodes: dict[str, dict] = {}
         self._claims: dict[tuple[str, str], dict] = {}
+        #: namespace -> its labels (`admit_admin_access`); admin access needs ADMIN_ACCESS_LABEL there
+        self._namespace_labels: dict[str, dict[str, str]] = {}
         self._slices: dict[str, dict] = {}
         self._faults: list[tuple[str, float]] = []
         self._release = threading.Event()
@@ -1275,8 +1439,15 @@ class KubeApiStandIn:
         node: str | None = None,
         config: Sequence[dict] = (),
         shares: Sequence[dict | None] = (),
+        admin_access: bool = False,
     ) -> str:
         """A ResourceClaim; `results` are (request, driver, pool, device); `reserved_for` (pod name, pod uid).
+
+        `admin_access`: every request asks for admin access (v1 ExactDeviceRequest.adminAccess) and
+        every result has it, as the scheduler allocates such a claim. With the DRAAdminAccess gate
+        the API server refuses it unless the namespace carries ADMIN_ACCESS_LABEL "true"
+        (pkg/registry/resource/utils.go AuthorizedForAdmin, run by the claim strategy's Validate);
+        without the gate it drops the field (dropDisabledDRAAdminAccessFields).
 
         `config`: the allocation's device configs as the scheduler copies them in (entries with
         `source` FromClass/FromClaim, `requests` and `opaque`); `shares`: per result, a share of a
@@ -1302,7 +1473,8 @@ class KubeApiStandIn:
                     "devices": {
                         "requests": [
                             {"name": r, "exactly": {"deviceClassName": "gpu.bcd.dev", "allocationMode": "ExactCount",
-                                                    "count": max(1, sum(1 for x in results if x[0] == r))}}
+                                                    "count": max(1, sum(1 for x in results if x[0] == r)),
+                                                    **({"adminAccess": True} if admin_access else {})}}
                             for r in requests
                         ]
                     }
@@ -1310,7 +1482,7 @@ class KubeApiStandIn:
                 "status": {},
             }
             if allocated:
-                entries = [{"request": r, "driver": d, "pool": p, "device": dev} for r, d, p, dev in results]
+                entries = [{"request": r, "driver": d, "pool": p, "device": dev, **({"adminAccess": True} if admin_access else {})} for r, d, p, dev in results]
                 for entry, share in zip(entries, shares):
                     if share and self.gates.get("DRAConsumableCapacity"):
                         entry.update(copy.deepcopy(share))
@@ -1322,8 +1494,31 @@ class KubeApiStandIn:
                 claim["status"]["allocation"] = allocation
                 if reserved_for:
                     claim["status"]["reservedFor"] = [{"resource": "pods", "name": n, "uid": u} for n, u in reserved_for]
+            # what a create would meet: the claim's own validation, with this server's gates
+            # (kubeapi_claims_validation.py, ported from pkg/apis/resource/validation)
+            from .kubeapi_claims_validation import validate_manifest  # it imports this module's rules
+
+            errors = validate_manifest(claim, self.gates)
+            if errors:
+                raise ValueError(f"the API server refuses ResourceClaim {namespace}/{name}: " + "; ".join(map(str, errors)))
+            if admin_access and self.gates.get("DRAAdminAccess"):
+                if self._namespace_labels.get(namespace, {}).get(ADMIN_ACCESS_LABEL) != "true":
+                    raise ValueError(
+                        f"the API server refuses ResourceClaim {namespace}/{name}: admin access to devices requires the "
+                        f"`{ADMIN_ACCESS_LABEL}: true` label on the containing namespace"
+                    )
+            elif admin_access:
+                for req in claim["spec"]["devices"]["requests"]:
+                    req["exactly"].pop("adminAccess", None)
+                for entry in claim["status"].get("allocation", {}).get("devices", {}).get("results", []):
+                    entry.pop("adminAccess", None)
             self._claims[(namespace, name)] = claim
             return meta["uid"]
+
+    def admit_admin_access(self, namespace: str) -> None:
+        """Label `namespace` so that claims there may ask for admin access (ADMIN_ACCESS_LABEL: "true")."""
+        with self._lock:
+            self._namespace_labels.setdefault(namespace, {})[ADMIN_ACCESS_LABEL] = "true"
 
     def remove_claim(self, namespace: str, name: str) -> bool:
         with self._lock:
@@ -1616,6 +1811,9 @@ __all__ = [
     "TOKEN",
     "GATES_ENABLED",
     "GATES_1_35_DEFAULT",
+    "GATES_BY_RELEASE",
+    "RELEASES",
+    "release_gates",
     "ApiRequest",
     "FieldError",
     "KubeApiStandIn",

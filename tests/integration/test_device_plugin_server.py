@@ -238,6 +238,8 @@ async def test_the_converger_waits_for_a_plugin_only_while_it_answers(node_bus):
     ("flag", "value", "why"),
     [
         ("--resource-domain", "kubernetes.io", "reserved"),
+        # the DRA DeviceClasses' extendedResourceName domain: a node offers a name one way only (KEP-5004)
+        ("--resource-domain", "gpu.bcd.dev", "never both"),
         ("--gpu-resource", "-gpu", "alphanumeric at both ends"),
         ("--mig-resource", "mig", "must contain {profile}"),
         ("--rescan-interval", "0", "must be positive"),

@@ -28,6 +28,8 @@ def _kube(alloc: str, gpu: str) -> dict:
 def test_a_release_with_no_kubelet_is_shown_and_freed_by_the_operator(node: Node, tmp_path) -> None:
     gen = node.apply({"node_id": "node-1", "devices": [_kube("k1", GPU[2])]})
     node.wait_generation(gen)
+    copy = node.state / "run" / "cdi" / "bcd-k1.json"
+    withdrawn = copy.read_bytes()  # an old-CDI runtime resolves k1's device through it
 
     spec = tmp_path / "drop.json"
     spec.write_text(json.dumps({"node_id": "node-1", "devices": [assignment("other", GPU[0])]}))
@@ -42,6 +44,12 @@ def test_a_release_with_no_kubelet_is_shown_and_freed_by_the_operator(node: Node
     assert "  releasing k1 (rsv-k1) gen" in status.stdout and "`bcd releases --free k1`" in status.stdout, status.stdout
     assert applied(node, "released") == []
 
+    # issue 41.3: the copy went with the withdrawal; put back from outside while the release is
+    # pending (a downgrade and back left one), it goes again within seconds, not at a restart
+    assert not copy.exists()
+    copy.write_bytes(withdrawn)
+    wait_for(lambda: not copy.exists(), 20, "the withdrawn hold's consumer copy removed again")
+
     # a new hold on that card still waits for it: the card is claimed, and says by whom
     spec.write_text(json.dumps({"node_id": "node-1", "devices": [assignment("other", GPU[0]), assignment("new", GPU[2])]}))
     out = bcd("apply", str(spec), "--state-dir", str(node.state), "--wait", "--wait-timeout", "60", timeout=90)
@@ -53,6 +61,8 @@ def test_a_release_with_no_kubelet_is_shown_and_freed_by_the_operator(node: Node
     assert "k1: you assert no pod holds" in freed.stdout
     wait_for(lambda: [e.event_id for e in applied(node, "released")] == [f"node-1.k1.released.g{gen + 1}"], 30, "k1's Released")
     assert not (node.state / "data" / "releases-freed" / "k1").exists()
+    copy.write_bytes(withdrawn)  # ... and after the release was reported
+    wait_for(lambda: not copy.exists(), 20, "the released hold's consumer copy removed again")
     again = bcd("status", "--state-dir", str(node.state))
     assert "releasing k1" not in again.stdout and "pending Kubernetes release" not in again.stdout, again.stdout
     # an allocation that is not a pending release is refused, naming what is

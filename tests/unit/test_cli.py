@@ -607,3 +607,29 @@ def test_gpu_list_shows_each_cards_health_and_why(monkeypatch: pytest.MonkeyPatc
     (row,) = json.loads(capsys.readouterr().out)
     assert row["phase"] == "Failed"
     assert {"type": "Healthy", "status": "False", "reason": "XidCritical", "message": XID_79}.items() <= next(c for c in row["conditions"] if c["type"] == "Healthy").items()
+
+
+def test_a_command_prints_no_bare_service_log_line_unless_debug(monkeypatch, capsys) -> None:
+    """`bcd apply --dry-run` printed "not a bcd hold; leaving it alone" twice on a node with odd
+    files: a shared module's warning, through Python's last-resort handler, without its file."""
+    import logging
+
+    from bcd import cli
+    from shared import logs
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", root.level)
+
+    def command(func, args, *, debug):  # noqa: ANN001, ANN202
+        logs.get_logger("shared.holddisk").warning("not a bcd hold; leaving it alone", file="/x")
+        return 0
+
+    monkeypatch.setattr(cli, "run_command", command)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["status"])
+    assert done.value.code == 0 and capsys.readouterr().err == ""
+    monkeypatch.setattr(root, "handlers", [])
+    with pytest.raises(SystemExit):
+        cli.main(["status", "--debug"])
+    assert "not a bcd hold; leaving it alone" in capsys.readouterr().err

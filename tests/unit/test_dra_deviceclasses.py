@@ -1,5 +1,6 @@
-"""deploy/kubernetes/dra-deviceclasses.yaml asks for what the DRA plugin publishes: its driver,
-and attribute names and values its devices carry (a typo there would match no device, silently)."""
+"""deploy/kubernetes/dra-deviceclasses.yaml and the claim templates in deploy/kubernetes/examples/
+ask for what the DRA plugin publishes: its driver, and attribute names and values its devices carry
+(a typo there would match no device, silently)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from shared.schemas import Claims
 from tests.converger_kit import host_inventory
 
 FILE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "dra-deviceclasses.yaml"
+EXAMPLES = FILE.parent / "examples"
+
+
+def _load() -> list[dict]:
+    """The DeviceClasses and the examples' claim templates (the examples' Pods are not DRA objects)."""
+    docs = [d for d in yaml.safe_load_all(FILE.read_text()) if d]
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] != "Pod"]
+    return docs
 
 
 def _expressions(doc: dict) -> list[str]:
@@ -36,7 +46,7 @@ def _expressions(doc: dict) -> list[str]:
 
 
 def test_device_classes_select_attributes_the_plugin_publishes() -> None:
-    docs = [d for d in yaml.safe_load_all(FILE.read_text()) if d]
+    docs = _load()
     assert {d["kind"] for d in docs} == {"DeviceClass", "ResourceClaimTemplate"}
     assert all(d["apiVersion"] == dev.API_VERSION for d in docs)
     inv = host_inventory()
@@ -62,7 +72,7 @@ def _opaque_configs(doc: dict) -> list[dict]:
 def test_every_opaque_config_decodes_strictly_and_names_this_driver() -> None:
     """A config with a typo would fail every prepare of its class: each one decodes with the
     plugin's own strict reader, the sharing each asks is the one its comment promises."""
-    docs = [d for d in yaml.safe_load_all(FILE.read_text()) if d]
+    docs = _load()
     found: dict[str, tuple[str, str]] = {}
     for d in docs:
         for c in _opaque_configs(d):
@@ -79,7 +89,7 @@ def test_every_opaque_config_decodes_strictly_and_names_this_driver() -> None:
 
 
 def test_a_claim_config_overrides_its_class_config_as_the_comments_say() -> None:
-    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(FILE.read_text()) if d}
+    docs = {d["metadata"]["name"]: d for d in _load()}
     klass, claim = docs["mps.gpu.bcd.dev"], docs["mps-half"]
     allocation = [{"source": "FromClass", **c} for c in _opaque_configs(klass)]
     allocation += [{"source": "FromClaim", **c} for c in _opaque_configs(claim)]
@@ -89,7 +99,7 @@ def test_a_claim_config_overrides_its_class_config_as_the_comments_say() -> None
 
 
 def test_capacity_requests_name_capacities_a_shared_card_publishes() -> None:
-    docs = [d for d in yaml.safe_load_all(FILE.read_text()) if d]
+    docs = _load()
     pool = dev.plan_pool(host_inventory(), Claims(at=datetime.now(timezone.utc)), shared_cards=True)
     shared = [d.to_api() for d in pool.devices if d.to_api().get("allowMultipleAllocations")]
     assert shared, "the example host publishes shared cards"

@@ -218,6 +218,20 @@ ATTENTION_CASES = [
         False,
     ),
     (
+        "xid-critical-on-a-held-card",  # issue 41.8: a held card is neither reset nor cleared by a recheck
+        "Failed",
+        _binding(state="Managed"),
+        [
+            _cond("Managed", "True", "BackingAllocation", "claim allocation train-01 backs the binding"),
+            _cond("Healthy", "False", "XidCritical", XID_79),
+        ],
+        "unhealthy",
+        f"unhealthy: {XID_79} (Healthy=False/XidCritical)",
+        "move its work: a held card is not reset and a recheck keeps its faults (claim allocation train-01 backs the binding); "
+        "once the hold is released, reset it (`bcd gpu reset {pci}`)",
+        False,
+    ),
+    (
         "gpu-lost",
         "Failed",
         _binding(),

@@ -5,8 +5,10 @@ DRAPlugin service of each version: NodePrepareResources, NodeUnprepareResources)
 `pluginregistration_v1_pb2` / `pluginregistration_v1_pb2_grpc` (Registration: GetInfo,
 NotifyRegistrationStatus) are generated: run `make proto` (or `python -m
 services.dra_plugin.proto.generate`) after a change to a .proto. A test checks they match
-a fresh generation. The constants are the kubelet's (dra/v1/types.go, dra/v1beta1/types.go,
-pluginregistration/v1/constants.go of the same commit).
+a fresh generation. `dra_health_v1alpha1_*` and `dra_health_v1_*` are the kubelet's
+DRAResourceHealth (KEP 4680) in both versions; services/dra_plugin/health.py serves them and
+holds their registration names. The constants are the kubelet's (dra/v1/types.go,
+dra/v1beta1/types.go, pluginregistration/v1/constants.go of the same commit).
 """
 
 #: what a DRA plugin lists in PluginInfo.supported_versions for the v1 DRAPlugin service.

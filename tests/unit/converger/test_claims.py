@@ -12,7 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.converger.claims import ClaimKeeper, check_claim, hold_content, same_request
+from services.converger.claims import ClaimKeeper, check_claim, hold_content, same_request, summary
+from services.converger.plan import claim_holders
 from services.converger.hostwriter import LocalHostWriter
 from services.converger.model import ClaimDeviceRecord, ClaimMig, ClaimRecord, ConvergerState
 from services.converger.observe import observe
@@ -24,6 +25,7 @@ from shared.holdfiles import BINDING_CLAIM, consumer_spec, parse_hold
 from shared.holddisk import read_disk
 from shared.schemas import (
     ClaimDevice,
+    ClaimSharing,
     ClaimPrepareRequest,
     DeviceAssignment,
     GpuClaim,
@@ -382,3 +384,63 @@ def test_a_vm_that_wants_a_claimed_card_waits_for_the_claim(tmp_path: Path) -> N
     p = plan(spec, obs, PlanConfig(node_id="node-1"))
     assert PCI0 in p.vfio_waiting and not [s for s in p.steps if "Switch" in type(s).__name__]
     assert any("DRA claim ml/c1" in n for n in p.vfio_notes), p.vfio_notes
+
+
+# ---------------------------------------------------------------------------- admin access (KEP-5018)
+
+UID3 = "2b6f4a39-1c1e-4d6b-9a53-0123456789ab"
+
+
+def admin(d: ClaimDevice, **kw) -> ClaimDevice:
+    return msgspec.structs.replace(d, admin_access=True, **kw)
+
+
+ADMIN_WHOLE = record(UID2, ClaimDeviceRecord(pool="node-1", device="gpu-0", pci=PCI0, kind="gpu", atom=GPU[0], admin_access=True), name="monitor")
+VFIO_CLAIM = record(UID2, ClaimDeviceRecord(pool="node-1", device="gpu-0", pci=PCI0, kind="gpu", atom=GPU[0], sharing=ClaimSharing(strategy="Vfio")), name="vm")
+
+ADMIN_CHECKS = [
+    ("admin access to a card another claim holds", req(admin(gpu_dev(INV, 0))), INV, [], {UID2: OTHER_WHOLE}, {}, None, ""),
+    ("admin access to a card a hold has", req(admin(gpu_dev(INV, 0))), INV, [GpuClaim(pci_address=PCI0, kind="allocation", holder="a1")], {}, {}, None, ""),
+    ("a claim beside an admin-access claim", req(gpu_dev(INV, 0)), INV, [], {UID2: ADMIN_WHOLE}, {}, None, ""),
+    ("a share beside an admin-access claim", req(msgspec.structs.replace(gpu_dev(INV, 0), share_id="0b6f4a39-1c1e-4d6b-9a53-0123456789ab", share_percent=100)), INV, [], {UID2: ADMIN_WHOLE}, {}, None, ""),
+    ("admin access to a card in a VM", req(admin(gpu_dev(INV, 0))), INV, [GpuClaim(pci_address=PCI0, kind="instance", holder="vm1")], {}, {}, "overlap", "passed through to instance vm1 (VFIO)"),
+    ("admin access to a card in the VFIO record", req(admin(gpu_dev(INV, 0))), INV, [], {}, {PCI0: "instance vm1"}, "overlap", "passed through to instance vm1"),
+    ("admin access to a card a VFIO claim has", req(admin(gpu_dev(INV, 0))), INV, [], {UID2: VFIO_CLAIM}, {}, "overlap", "passed through to DRA claim ml/vm"),
+    ("admin access asking passthrough", req(admin(gpu_dev(INV, 0), sharing=ClaimSharing(strategy="Vfio"))), INV, [], {}, {}, "invalid-config", "adminAccess"),
+    ("admin access asking an MPS daemon", req(admin(gpu_dev(INV, 0), sharing=ClaimSharing(strategy="MPS"))), INV, [], {}, {}, "invalid-config", "an MPS daemon"),
+    ("admin access asking a time slice", req(admin(gpu_dev(INV, 0), sharing=ClaimSharing(strategy="TimeSlicing", interval="Long"))), INV, [], {}, {}, "invalid-config", "time slice Long"),
+    ("admin access to a placement with no instance", req(admin(mig_dev("1g.18gb", 3))), INV, [], {}, {}, "device-missing", "admin access makes none"),
+]
+
+
+@pytest.mark.parametrize(("request_", "inv", "claims", "records", "vfio", "reason", "part"), [c[1:] for c in ADMIN_CHECKS], ids=[c[0] for c in ADMIN_CHECKS])
+def test_check_claim_admin_access(request_, inv, claims, records, vfio, reason, part) -> None:
+    got = check_claim(request_, inv, claims, records, privileged=True, vfio=vfio)
+    if reason is None:
+        assert got is None, got
+    else:
+        assert got is not None and got.reason == reason and part in got.message, got
+
+
+def test_admin_access_to_a_held_mig_instance_is_read_only_and_holds_nothing(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    owner = asyncio.run(rig.keeper.prepare(req(mig_dev("3g.71gb", 0))))
+    assert owner.ok
+    steps = list(rig.mig.steps)
+    # a monitoring claim on the same placement and on card 0 (nobody's): prepared, nothing made
+    mon = asyncio.run(rig.keeper.prepare(req(admin(mig_dev("3g.71gb", 0)), admin(gpu_dev(INV, 0)), uid=UID2, name="monitor")))
+    assert mon.ok, mon
+    assert rig.mig.steps == steps  # no MIG step
+    assert [d.atom for d in mon.devices] == [owner.devices[0].atom, GPU[0]]
+    spec = json.loads((rig.cdi / f"bcd-claim-{UID2}.json").read_text())
+    assert any(e.startswith("NVIDIA_VISIBLE_DEVICES=MIG-00000001-aaaa-bbbb-cccc-000000000000,") for e in spec["containerEdits"]["env"]), spec["containerEdits"]["env"]
+    assert rig.state.claims[UID2].devices[0].mig is None and "admin access (read-only) to gpu-6-mig-3g-71gb-0" in summary(rig.state.claims[UID2]).sharing
+    assert asyncio.run(rig.keeper.prepare(req(admin(mig_dev("3g.71gb", 0)), admin(gpu_dev(INV, 0)), uid=UID2, name="monitor"))) == mon  # the kubelet asks again
+    # no holder: an ordinary claim still gets card 0, and the card claims do not name the monitor
+    assert asyncio.run(rig.keeper.prepare(req(gpu_dev(INV, 0), uid=UID3, name="c3"))).ok
+    holds = asyncio.run(rig._claim_holds())
+    holders = {h for h, _ in claim_holders(holds, rig.state.claims).values()}
+    assert holders == {"DRA claim ml/c1", "DRA claim ml/c3"}
+    # unprepared: its file goes, the owner's instance stays
+    assert asyncio.run(rig.keeper.unprepare(UID2)).ok
+    assert rig.mig.steps == steps and sorted(rig.mig.gis) == [1] and f"bcd-claim-{UID2}.json" not in rig.files()
