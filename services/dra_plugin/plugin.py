@@ -1,14 +1,15 @@
 """The DRA kubelet plugin: registration, NodePrepareResources / NodeUnprepareResources, ResourceSlices.
 
-`DraPlugin` serves two gRPC services on unix sockets (kubelet API v1):
+`DraPlugin` serves gRPC services on two unix sockets:
 
 * `pluginregistration.Registration` at `<kubelet dir>/plugins_registry/<driver>-reg.sock`:
   the kubelet's plugin watcher finds the socket, asks GetInfo (type DRAPlugin,
-  our endpoint, supported version `v1.DRAPlugin`) and tells the outcome
-  through NotifyRegistrationStatus. A socket that vanished is served again.
-  The health services (health.py: DRAResourceHealth v1alpha1 and v1) are
-  listed there too, and served on the plugin socket.
-* `v1.DRAPlugin` at `<kubelet dir>/plugins/<driver>/dra.sock`. Prepare reads
+  our endpoint, supported versions `v1.DRAPlugin` then `v1beta1.DRAPlugin`:
+  kubelet_api.py says why that order; then the health services, health.py:
+  DRAResourceHealth v1alpha1 and v1, served on the plugin socket too) and tells
+  the outcome through NotifyRegistrationStatus. A socket that vanished is served again.
+* `v1.DRAPlugin` and `v1beta1.DRAPlugin` at `<kubelet dir>/plugins/<driver>/dra.sock`,
+  thin adapters (kubelet_api.py) over one prepare and unprepare here. Prepare reads
   the ResourceClaim from the API server (refusing one whose uid differs or
   that is not allocated), takes the results of our driver, resolves each
   published device name to its card (devices.resolve_device), writes
@@ -81,9 +82,8 @@ from .binding import plan_binding
 from .checkpoint import Checkpoint, CheckpointStore, ClaimEntry
 from .health import HEALTH_SERVICES, HealthFeed, add_health_servicers, plan_health
 from .kubeapi import Conflict, KubeApi, KubeApiError
-from .proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
-from .proto import dra_v1_pb2 as dra_pb
-from .proto import dra_v1_pb2_grpc as dra_grpc
+from .kubelet_api import ClaimRef, PrepareResult, add_services, supported_versions
+from .proto import DRA_PLUGIN_TYPE
 from .proto import pluginregistration_v1_pb2 as reg_pb
 from .proto import pluginregistration_v1_pb2_grpc as reg_grpc
 
@@ -355,8 +355,8 @@ class DraPlugin:
     # -------------------------------------------------------------- serving
 
     def _add_plugin_services(self, server: grpc.aio.Server) -> None:
-        # the kubelet dials the one endpoint it registered for DRAPlugin and for the health service
-        dra_grpc.add_DRAPluginServicer_to_server(_Dra(self), server)
+        # the kubelet dials the one endpoint it registered for DRAPlugin (each version) and for the health service
+        add_services(server, self)
         add_health_servicers(server, self.health)
 
     async def start(self) -> None:
@@ -550,10 +550,12 @@ class DraPlugin:
 
     # -------------------------------------------------------------- prepare / unprepare
 
-    async def prepare(self, claim: dra_pb.Claim) -> dra_pb.NodePrepareResourceResponse:
+    async def prepare_claim(self, claim: ClaimRef) -> PrepareResult:
+        """One claim prepared, whichever DRAPlugin version the kubelet asked in (kubelet_api.py)."""
         self.in_flight += 1
+        shares: dict[str, str] = {}
         try:
-            devices, error = await asyncio.wait_for(self._prepare(claim), PREPARE_TIMEOUT_S)
+            devices, error = await asyncio.wait_for(self._prepare(claim, shares), PREPARE_TIMEOUT_S)
         except asyncio.TimeoutError:
             devices, error = [], f"preparing claim {claim.namespace}/{claim.name} took longer than {PREPARE_TIMEOUT_S:.0f} s"
         finally:
@@ -562,14 +564,11 @@ class DraPlugin:
         self._count(self.metrics.prepares, outcome="failed" if error else "ok")
         if error:
             log.warning("claim not prepared", claim=f"{claim.namespace}/{claim.name}", uid=claim.uid, error=error)
-            return dra_pb.NodePrepareResourceResponse(error=error)
-        return dra_pb.NodePrepareResourceResponse(
-            devices=[
-                dra_pb.Device(request_names=list(d.requests), pool_name=d.pool, device_name=d.device, cdi_device_ids=list(d.cdi_ids)) for d in devices
-            ]
-        )
+            return PrepareResult(error=error)
+        return PrepareResult(devices=devices, share_ids=shares)
 
-    async def _prepare(self, c: dra_pb.Claim) -> tuple[list[PreparedDevice], str]:
+    async def _prepare(self, c: ClaimRef, share_ids: dict[str, str]) -> tuple[list[PreparedDevice], str]:
+        """`share_ids` gets the shareID of each device of a shared card (device name -> id)."""
         if not _UID_RE.match(c.uid) or not c.namespace or not c.name or len(c.namespace) > 253 or len(c.name) > 253:
             return [], f"claim {c.namespace!r}/{c.name!r} uid {c.uid!r}: not a valid claim reference"
         if self.api is None:
@@ -613,6 +612,8 @@ class DraPlugin:
             if have != d:
                 return [], f"device {r.device} is allocated to two requests of the claim with other configs or shares: {', '.join(requests[r.device] + [r.request])}"
             requests.setdefault(r.device, []).append(r.request)
+            if share_id:
+                share_ids[r.device] = share_id
         if len(wanted) > CLAIM_DEVICES_MAX:
             return [], f"the claim has {len(wanted)} devices of {self.driver}; at most {CLAIM_DEVICES_MAX} are prepared per claim"
         req = ClaimPrepareRequest(
@@ -643,7 +644,8 @@ class DraPlugin:
         log.info("claim prepared", claim=f"{c.namespace}/{c.name}", uid=c.uid, devices=[d.device for d in reply.devices])
         return list(reply.devices), ""
 
-    async def unprepare(self, claim: dra_pb.Claim) -> dra_pb.NodeUnprepareResourceResponse:
+    async def unprepare_claim(self, claim: ClaimRef) -> str:
+        """One claim unprepared ("" when done), whichever DRAPlugin version the kubelet asked in."""
         self.in_flight += 1
         try:
             error = await self._unprepare(claim.uid, f"{claim.namespace}/{claim.name}")
@@ -651,7 +653,7 @@ class DraPlugin:
             self.in_flight -= 1
             self._wake.set()
         self._count(self.metrics.unprepares, outcome="failed" if error else "ok")
-        return dra_pb.NodeUnprepareResourceResponse(error=error)
+        return error
 
     async def _unprepare(self, uid: str, what: str) -> str:
         if not _UID_RE.match(uid):
@@ -752,7 +754,11 @@ class _Registration(reg_grpc.RegistrationServicer):
 
     async def GetInfo(self, request: reg_pb.InfoRequest, context: Any) -> reg_pb.PluginInfo:  # noqa: N802 - the proto's name
         p = self.plugin
-        return reg_pb.PluginInfo(type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=[DRA_PLUGIN_SERVICE, *HEALTH_SERVICES])
+        # the DRAPlugin versions first, in the order kubelet_api.py says; the health services after
+        # (a 1.34+ kubelet skips names it does not know as DRAPlugin services, 1.32/1.33 ignore them)
+        return reg_pb.PluginInfo(
+            type=DRA_PLUGIN_TYPE, name=p.driver, endpoint=str(p.dra_path), supported_versions=[*supported_versions(), *HEALTH_SERVICES]
+        )
 
     async def NotifyRegistrationStatus(self, request: reg_pb.RegistrationStatus, context: Any) -> reg_pb.RegistrationStatusResponse:  # noqa: N802
         p = self.plugin
@@ -761,23 +767,6 @@ class _Registration(reg_grpc.RegistrationServicer):
             p.metrics.registered.set(1 if p.registered else 0)
         (log.info if p.registered else log.error)("kubelet registration", registered=p.registered, error=request.error)
         return reg_pb.RegistrationStatusResponse()
-
-
-class _Dra(dra_grpc.DRAPluginServicer):
-    def __init__(self, plugin: DraPlugin) -> None:
-        self.plugin = plugin
-
-    async def NodePrepareResources(self, request: dra_pb.NodePrepareResourcesRequest, context: Any) -> dra_pb.NodePrepareResourcesResponse:  # noqa: N802
-        out = dra_pb.NodePrepareResourcesResponse()
-        for c in request.claims:
-            out.claims[c.uid].CopyFrom(await self.plugin.prepare(c))
-        return out
-
-    async def NodeUnprepareResources(self, request: dra_pb.NodeUnprepareResourcesRequest, context: Any) -> dra_pb.NodeUnprepareResourcesResponse:  # noqa: N802
-        out = dra_pb.NodeUnprepareResourcesResponse()
-        for c in request.claims:
-            out.claims[c.uid].CopyFrom(await self.plugin.unprepare(c))
-        return out
 
 
 __all__ = ["DraPlugin", "SlicePublisher", "Calls", "Metrics", "PluginError", "claim_gis"]

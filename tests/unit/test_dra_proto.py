@@ -1,4 +1,4 @@
-"""The kubelet DRA plugin API v1 and plugin registration API v1 (services/dra_plugin/proto): the
+"""The kubelet DRA plugin API v1 and v1beta1 and plugin registration API v1 (services/dra_plugin/proto): the
 checked-in code is what the .protos generate today, it names the kubelet's services, messages and
 field numbers, and a real gRPC client and server speak both over unix sockets."""
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.dra_plugin.proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE, generate
+from services.dra_plugin.proto import DRA_PLUGIN_SERVICE, DRA_PLUGIN_SERVICE_V1BETA1, DRA_PLUGIN_TYPE, generate
 from services.dra_plugin.proto import dra_v1_pb2 as dra
 from services.dra_plugin.proto import dra_v1_pb2_grpc as dra_grpc
+from services.dra_plugin.proto import dra_v1beta1_pb2 as dra_v1beta1
 from services.dra_plugin.proto import pluginregistration_v1_pb2 as reg
 from services.dra_plugin.proto import pluginregistration_v1_pb2_grpc as reg_grpc
 from shared.protogen import normalised
@@ -41,6 +42,20 @@ def test_the_code_speaks_the_kubelet_s_v1_apis() -> None:
     assert set(reg.DESCRIPTOR.services_by_name["Registration"].methods_by_name) == {"GetInfo", "NotifyRegistrationStatus"}
     assert {f.name: f.number for f in reg.PluginInfo.DESCRIPTOR.fields} == {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
     assert (DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE) == ("v1.DRAPlugin", "DRAPlugin")
+
+
+def test_the_code_speaks_the_kubelet_s_v1beta1_api() -> None:
+    # what kubelets 1.32 and 1.33 call: /k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/..., the
+    # messages of v1 without Device.share_id
+    assert dra_v1beta1.DESCRIPTOR.package == "k8s.io.kubelet.pkg.apis.dra.v1beta1"
+    plugin = dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"]
+    assert plugin.full_name == "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
+    assert set(plugin.methods_by_name) == {"NodePrepareResources", "NodeUnprepareResources"}
+    assert {f.name: f.number for f in dra_v1beta1.Claim.DESCRIPTOR.fields} == {"namespace": 1, "uid": 2, "name": 3}
+    assert {f.name: f.number for f in dra_v1beta1.Device.DESCRIPTOR.fields} == {"request_names": 1, "pool_name": 2, "device_name": 3, "cdi_device_ids": 4}
+    assert {f.name: f.number for f in dra_v1beta1.NodePrepareResourceResponse.DESCRIPTOR.fields} == {"devices": 1, "error": 2}
+    assert {f.name: f.number for f in dra_v1beta1.NodeUnprepareResourceResponse.DESCRIPTOR.fields} == {"error": 1}
+    assert DRA_PLUGIN_SERVICE_V1BETA1 == "v1beta1.DRAPlugin"
 
 
 async def test_registration_and_a_prepare_go_over_unix_sockets(tmp_path: Path) -> None:

@@ -183,7 +183,7 @@ async def test_the_plugin_advertises_both_services_and_feeds_them_from_its_refre
     watches: list[HealthWatch] = []
     try:
         info = await kubelet.register("gpu.bcd.dev", timeout=10)
-        assert list(info.supported_versions) == ["v1.DRAPlugin", HEALTH_V1ALPHA1, HEALTH_V1]
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", HEALTH_V1ALPHA1, HEALTH_V1]
         assert kubelet.health_service("1.37") == HEALTH_V1 and kubelet.health_service("1.35") == HEALTH_V1ALPHA1
         watches = [kubelet.watch_health("1.37"), kubelet.watch_health("1.34")]
         await plugin.refresh()

@@ -1,5 +1,5 @@
-"""Generate the Python code of the kubelet protos here: `dra_v1.proto`, `pluginregistration_v1.proto`,
-`dra_health_v1alpha1.proto` and `dra_health_v1.proto` (needs grpcio-tools, the `test` extra).
+"""Generate the Python code of the kubelet protos here: `dra_v1.proto`, `dra_v1beta1.proto`,
+`pluginregistration_v1.proto`, `dra_health_v1alpha1.proto` and `dra_health_v1.proto` (needs grpcio-tools, the `test` extra).
 
     python -m services.dra_plugin.proto.generate            # rewrite the checked-in files
     python -m services.dra_plugin.proto.generate --out DIR  # write them elsewhere (the currency test)
@@ -16,6 +16,7 @@ from shared.protogen import ProtoPackage
 HERE = Path(__file__).resolve().parent
 PACKAGES = (
     ProtoPackage(HERE, "dra_v1.proto"),
+    ProtoPackage(HERE, "dra_v1beta1.proto"),
     ProtoPackage(HERE, "pluginregistration_v1.proto"),
     # the DRA health service (KEP 4680), both versions the kubelets of 1.34-1.37 ask for
     ProtoPackage(HERE, "dra_health_v1alpha1.proto"),
