@@ -159,6 +159,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         "BCD_ADAPTER": "fakehw" if fake_host else "nvidia",
         # the inventory keeps DRA claims' MPS daemons here; the helper mounts their pipes from it
         "BCD_MPS_ROOT": str(paths["run"] / "mps"),
+        # the GPU feature labels' NFD file (the inventory's): under the state dir, never the host's /etc
+        "BCD_FEATURE_DIR": str(paths["run"] / "features.d"),
     }
     if fake_host is not None:
         common["BCD_FAKE_HOST"] = str(fake_host)

@@ -39,7 +39,8 @@ from shared.schemas import (
 )
 from shared.schemas.inventory import DriverMode
 
-from .adapters.base import GpuFacts, MigCapable, MigInstancer, SharingCapable, VendorAdapter, VfioCapable
+from .adapters.base import GpuFacts, GpuSharer, MigCapable, MigInstancer, SharingCapable, VendorAdapter, VfioCapable
+from .features import card_labels
 from .physicalgpu import (
     ADAPTER_READY,
     FAILED_REASONS,
@@ -279,6 +280,9 @@ def build_inventory(
         _build_gpu(adapter, f, vendor=vendor, mps_running=mps_running, now=now, previous=before.get(f.pci_address))
         for f in sorted(scan.gpus, key=lambda f: (f.index, f.pci_address))
     ]
+    # each PhysicalGPU's labels (seed 003): vendor, device, node, the sharing it supports
+    sharer = isinstance(adapter, GpuSharer)
+    gpus = [msgspec.structs.replace(g, labels=card_labels(g, node_id=node_id, sharer=sharer).labels) for g in gpus]
     position = {g.uuid: g.index for g in gpus}
     atoms = sorted((a for g in gpus for a in _atoms(g)), key=lambda a: (position[a.gpu_uuid], a.id))
     return Inventory(
@@ -287,6 +291,7 @@ def build_inventory(
         observed_at=now,
         vendor=vendor,
         driver_version=scan.driver_version,
+        cuda_driver_version=scan.cuda_driver_version,
         boot_id=scan.boot_id,
         gpus=gpus,
         atoms=atoms,

@@ -99,6 +99,7 @@ from shared.subjects import MSG_ID_HEADER
 from .adapters import AdapterError, AdapterUnavailable, load_adapter
 from .adapters.base import Diagnosable, GpuSharer, HealthNotRead, HealthWatcher, MigInstancer, MigPartitioner, MigStepError, SharingStepError, mps_dirs
 from .build import build_inventory, inventory_content_key
+from .features import MIG_STRATEGIES, NFD_FEATURES_DIR, FeatureKeeper
 from .gpustate import (
     claim_text,
     claims_by_card,
@@ -175,6 +176,8 @@ class InventoryApp(ServiceApp):
         self.health_first = True
         #: cards on their compute driver the last health check did not name (each scanned for once)
         self.unseen: set[str] = set()
+        #: the NFD feature file (features.py); None when --feature-dir is empty
+        self.features: FeatureKeeper | None = None
 
     def options(self) -> list[Option]:
         return [
@@ -210,6 +213,8 @@ class InventoryApp(ServiceApp):
             Option("--ecc-uncorrectable-max", "uncorrectable ECC errors since the last reset a card may have and stay healthy", default=0, type=int),
             Option("--ecc-correctable-max", "correctable ECC errors since the last reset a card may have and stay healthy (-1: no limit)", default=-1, type=int),
             Option("--orphan-grace", "seconds a passthrough binding with no claim must last to read Orphaned (tests only; the seed says 120)", default=120.0, type=float),
+            Option("--feature-dir", "NFD feature file directory the GPU labels go to (bcd-gpu in it); empty: off", default=str(NFD_FEATURES_DIR)),
+            Option("--feature-mig-strategy", "GFD's MIG strategy the feature labels follow", default="mixed", choices=MIG_STRATEGIES),
             Option("--reclaim-timeout", "seconds after which a reclaim still not on the compute driver is Failed (tests only; the seed says 120)", default=120.0, type=float),
         ]
 
@@ -228,6 +233,9 @@ class InventoryApp(ServiceApp):
             self.health_policy = policy_from(o)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        if o.feature_dir and not Path(o.feature_dir).is_absolute():
+            raise StartupError(f"--feature-dir must be an absolute path (or empty: off), not {o.feature_dir!r}")
+        self.features = FeatureKeeper(o.feature_dir, mig_strategy=o.feature_mig_strategy, log=ctx.log) if o.feature_dir else None
         self.store = GpuStateStore(state_dir_from(o.data_dir), log=ctx.log)
         state = GpuState()
         try:
@@ -650,6 +658,8 @@ class InventoryApp(ServiceApp):
             )
         if flush:
             await self._flush_events(ctx)
+        if self.features is not None:
+            self.features.sync(inv)
         self.wake.set()
         return inv
 
@@ -1126,6 +1136,8 @@ class InventoryApp(ServiceApp):
                 await task
         if self.adapter is not None:
             self.adapter.close()
+        if self.features is not None:
+            self.features.stop()  # bcd no longer speaks for the node's GPUs
 
 
 async def _in_daemon_thread(fn: Any, *args: Any) -> Any:

@@ -14,6 +14,10 @@ import msgspec
 
 from .common import Condition, CpuListOrEmpty, Id, Int64, Name, NonNegInt, PciAddress, Struct
 
+#: a Kubernetes label's name ([prefix/]name) and value; services/inventory/features.py checks the syntax
+LabelName = Annotated[str, msgspec.Meta(min_length=1, max_length=317)]
+LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
+
 AtomKind = Literal["gpu", "mig", "slot"]
 
 #: derived from conditions, never set directly (seed 003).
@@ -146,6 +150,9 @@ class Gpu(Struct, kw_only=True):
     #: passed through to a DRA claim is /dev/vfio/<group> in its CDI spec
     iommu_group: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     status: PhysicalGPUStatus = PhysicalGPUStatus()
+    #: the PhysicalGPU's labels (seed 003): gpu.deckhouse.io/vendor, device, node, and the sharing
+    #: strategies the card supports (sharing.mps, sharing.ts: "true" | "false"); Kubernetes label syntax
+    labels: Annotated[dict[LabelName, LabelValue], msgspec.Meta(max_length=32)] = {}
 
 
 class Atom(Struct, kw_only=True):
@@ -198,6 +205,8 @@ class Inventory(Struct, kw_only=True):
     #: the adapter that read the host ("nvidia": NVML answered; "fakehw").
     adapter: Name = ""
     driver_version: Name = ""
+    #: the CUDA version the driver supports ("12.4"; NVML's nvmlSystemGetCudaDriverVersion), "" when not known
+    cuda_driver_version: Name = ""
     boot_id: Name = ""
     gpus: list[Gpu] = []
     atoms: list[Atom] = []

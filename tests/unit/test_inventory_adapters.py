@@ -116,6 +116,11 @@ class FakeNvml:
     def driver_version(self) -> str:
         return self.host.driver_version
 
+    def cuda_driver_version(self) -> str:
+        if not self.host.cuda_version:
+            raise NvmlError("Not Supported", 3)
+        return self.host.cuda_version
+
     def device_count(self) -> int:
         return len(self.cards)
 
@@ -606,6 +611,26 @@ def test_boot_id(rig: Callable[..., Rig]) -> None:
     adapter = rig().adapter
     assert build(adapter).boot_id == "3f0c9a52-6e1d-4b8a-9c47-1d2e5f6a7b80"
     assert adapter.read_capabilities().boot_id == "3f0c9a52-6e1d-4b8a-9c47-1d2e5f6a7b80"
+
+
+def test_cuda_driver_version_and_card_labels(rig: Callable[..., Rig]) -> None:
+    """Both adapters read the CUDA version the driver supports (NVML: nvmlSystemGetCudaDriverVersion)
+    for the feature labels, and each card carries the seed's PhysicalGPU labels; unknown reads ""."""
+    inv = build(rig().adapter)
+    assert inv.cuda_driver_version == "12.4"
+    assert inv.gpus[0].labels == {
+        "gpu.deckhouse.io/vendor": "nvidia",
+        "gpu.deckhouse.io/device": "NVIDIA-H200",
+        "gpu.deckhouse.io/node": "gpu-node-1",
+        "gpu.deckhouse.io/sharing.mps": "true",
+        "gpu.deckhouse.io/sharing.ts": "true",
+    }
+    assert inv.gpus[6].labels["gpu.deckhouse.io/sharing.ts"] == "false"  # in MIG mode
+
+    def unknown(d: dict[str, Any]) -> None:
+        d["cuda_version"] = ""
+
+    assert build(rig(unknown).adapter).cuda_driver_version == ""
 
 
 def test_processes_with_cgroup(rig: Callable[..., Rig]) -> None:

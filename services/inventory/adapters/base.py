@@ -168,6 +168,8 @@ class HostScan:
     boot_id: str
     #: compute processes on the GPUs, with their cgroup (for the Kubernetes reaper).
     processes: tuple[RunningProcess, ...] = ()
+    #: the CUDA version the driver supports ("12.4"), "" when not known (the feature labels' cuda.runtime.*)
+    cuda_driver_version: str = ""
 
 
 @dataclass(frozen=True)

@@ -261,6 +261,8 @@ class FakeHost(_HostStruct, frozen=True, kw_only=True):
     virtualized: bool = False
     vendor: Name = "nvidia"
     driver_version: Name = ""
+    #: the CUDA version the driver supports ("12.4", NVML's nvmlSystemGetCudaDriverVersion); "" unknown
+    cuda_version: Annotated[str, msgspec.Meta(pattern=r"^(\d{1,3}\.\d{1,3})?$")] = ""
     #: the vendor's CDI spec, written to <cdi_dir>/nvidia.json; null for none.
     vendor_cdi_spec: dict[str, Any] | None = None
     mps_pipe_dir: AbsPath = "/tmp/nvidia-mps"

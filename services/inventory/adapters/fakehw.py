@@ -615,6 +615,7 @@ class FakeHwAdapter:
         )
         return HostScan(
             driver_version=host.driver_version,
+            cuda_driver_version=host.cuda_version,
             gpus=gpus,
             host=resources,
             boot_id=host.boot_id or hostfs.read_boot_id("/proc"),

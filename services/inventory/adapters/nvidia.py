@@ -172,6 +172,9 @@ class NvmlPort(Protocol):
     def init(self) -> None: ...
     def shutdown(self) -> None: ...
     def driver_version(self) -> str: ...
+    def cuda_driver_version(self) -> str:
+        """The CUDA version the driver supports, "<major>.<minor>"."""
+        ...
     def device_count(self) -> int: ...
     def device_uuid(self, index: int) -> str: ...
     def device_name(self, index: int) -> str: ...
@@ -279,6 +282,11 @@ class PynvmlNvml:
 
     def driver_version(self) -> str:
         return _text(self._call(pynvml.nvmlSystemGetDriverVersion))
+
+    def cuda_driver_version(self) -> str:
+        # NVML answers 1000 * major + 10 * minor (12040 is 12.4), as GFD reads it
+        version = int(self._call(pynvml.nvmlSystemGetCudaDriverVersion))
+        return f"{version // 1000}.{version % 1000 // 10}"
 
     def device_count(self) -> int:
         return int(self._call(pynvml.nvmlDeviceGetCount))
@@ -785,6 +793,7 @@ class NvidiaAdapter:
 
         return HostScan(
             driver_version=driver_version,
+            cuda_driver_version=self._try(self.nvml.cuda_driver_version, ""),
             gpus=tuple(gpus),
             host=hostfs.read_host_resources(self.sysfs_root, self.proc_root),
             boot_id=hostfs.read_boot_id(self.proc_root),
