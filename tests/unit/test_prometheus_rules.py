@@ -131,11 +131,18 @@ def source_metrics(paths: list[Path] = SOURCES) -> list[Metric]:
             if "proto" in rel.parts:
                 continue
             tree = ast.parse(path.read_text(), filename=str(path))
+            # a bare name counts only where prometheus_client gave it (collections.Counter is no metric)
+            other = {
+                a.asname or a.name
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and not (n.module or "").startswith("prometheus_client")
+                for a in n.names
+            }
             for node in ast.walk(tree):
                 if not isinstance(node, ast.Call):
                     continue
                 func = node.func
-                cls = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+                cls = func.id if isinstance(func, ast.Name) and func.id not in other else func.attr if isinstance(func, ast.Attribute) else None
                 if cls not in _METRIC_CLASSES or not (node.args or node.keywords):
                     continue
                 where = f"{rel}:{node.lineno}"
