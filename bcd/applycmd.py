@@ -5,7 +5,7 @@ Exit codes (bcd.exits): 0 applied (with `--wait`: CONVERGED; with
 spec, a newer generation superseded it, the dry run's plan refuses
 something, the node is at the last generation a spec can carry), 2 the spec
 was refused here and nothing was put (a field NodeSpec does not know, a value
-the schema refuses, a generation asked for above 2^53 - 1, a signed envelope
+the schema refuses, a generation asked for above 2^52, a signed envelope
 the node bus cannot carry, a node that never announced itself, an unreadable
 file), 3 the control plane was not reachable, or no outcome within
 `--wait-timeout` (the node may be down).
@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--generation-from-file",
         action="store_true",
-        help="put the spec at the `generation` its file carries (up to 2^53 - 1; bumped to the next when not above the last) "
+        help="put the spec at the `generation` its file carries (up to 2^52; bumped to the next when not above the last) "
         "instead of ignoring it; without it the control plane gives the next generation",
     )
 
@@ -96,7 +96,8 @@ def _say(text: str, *, json_mode: bool) -> None:
 
 
 def _refused(args: argparse.Namespace, text: str, extra: dict[str, Any] | None = None, code: int = EXIT_REFUSED) -> int:
-    print(f"bcd apply: {text}", file=sys.stderr)
+    # the command the user ran (`bcd rebase` shares this path, and said "bcd apply:")
+    print(f"bcd {getattr(args, 'command', None) or 'apply'}: {text}", file=sys.stderr)
     if args.json:
         print(json.dumps({"spec": str(args.spec), "outcome": "REFUSED", "error": text, **(extra or {})}, indent=2))
     return code

@@ -55,6 +55,7 @@ from shared.schemas import (
     GpuOp,
     Inventory,
 )
+from shared.schemas.nodespec import GENERATION_SAFE_MAX
 from shared.schemas.inventory import HEALTHY_CONDITION, REBOOT_WAIT_REASONS
 from shared.schemas.strict import UNKNOWN_FIELDS_CONDITION
 from shared.subjects import NodeSubjects
@@ -149,6 +150,8 @@ def problems(report: NodeReport) -> list[str]:
     conv = report.converger
     if conv is not None and conv.section is not None and conv.section.state == "PROGRESSING" and conv.next_retry_in_s is not None:
         out.append(f"devices section PROGRESSING (retrying): {conv.section.message.splitlines()[-1] if conv.section.message else ''}")
+    if conv is not None and conv.generation is not None and conv.generation > GENERATION_SAFE_MAX:
+        out.append(generation_problem(conv.generation))
     if conv is not None:
         # the journal and the disk disagree: not healthy until the next pass put it right
         out.extend(f"hold files drifted: {line}" for line in conv.drift)
@@ -163,6 +166,19 @@ def problems(report: NodeReport) -> list[str]:
     if age is not None and age > OUTBOX_STALE_S:
         out.append(f"outbox not draining: {report.outbox.messages if report.outbox else 0} events, oldest {age:.0f} s")
     return out
+
+
+def generation_problem(generation: int) -> str:
+    """A node above 2^53 - 1 was put there by an earlier release or another control plane (this
+    one's count and requests stay below): no count goes on from there for long, at 2^63 - 1 none
+    at all, and every JSON reader does not take it exactly. A person rebases it (issue 41.5: such a
+    node said `health: ok`)."""
+    top = " and no spec can follow it" if generation >= 2**63 - 1 else ""
+    return (
+        f"spec generation {generation} is above 2^53 - 1 (put by an earlier release or another control plane){top}: "
+        "`bcd rebase` (or `python -m controlplane rebase`) brings the node back to its control plane's count, "
+        "its holds kept (docs/upstream.md, Generations)"
+    )
 
 
 def _holders(conv: ConvergerStatus | None) -> dict[str, str]:
@@ -829,6 +845,8 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
             )
         else:
             out.append(("ok", "vendor-cdi-spec", conv.vendor_cdi_spec))
+        if conv.generation is not None and conv.generation > GENERATION_SAFE_MAX:
+            out.append(("fail", "generation", generation_problem(conv.generation)))
         if conv.outbox_error:
             out.append(("fail", "outbox-size", conv.outbox_error))
         elif conv.outbox_warning:

@@ -67,12 +67,13 @@ def _spec_fields(spec: NodeSpec | dict[str, Any] | str | bytes) -> dict[str, Any
     return dict(data)
 
 
-#: the largest generation a put may ask for (a spec that carries one): 2^53 - 1, the largest
-#: integer every JSON reader takes exactly (one that reads numbers as doubles too), and far below
-#: the int64 top (2^63 - 1), so a node is never put where no next generation exists. Only the
-#: control plane's own count (last + 1) goes above it, one put at a time; a node found above it
-#: (put there by an earlier release or another control plane) can be rebased (publish.py).
-GENERATION_REQUEST_MAX = GENERATION_SAFE_MAX
+#: the largest generation a put may ask for (a spec that carries one): 2^52, half of the range every
+#: JSON reader takes exactly (up to GENERATION_SAFE_MAX, 2^53 - 1). The other half is the control
+#: plane's count's and the rebases': a rebase goes to one above the highest generation ever issued
+#: at or below 2^53 - 1, so a put asked at 2^53 - 1 left a node no way back (issue 41.5, seen from
+#: outside after the first fix). The count (last + 1) never crosses 2^53 - 1 (state.next_generation);
+#: a node found above it (put there by an earlier release or another control plane) is rebased.
+GENERATION_REQUEST_MAX = 2**52
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def check_spec(spec: NodeSpec | dict[str, Any] | str | bytes, *, allow_unknown_f
             # the schema takes it (an int64), but a put at it leaves the node no generation to go
             # on with (issue 41.5: 2^63 - 1 wedged a node for good)
             raise BadMessage(
-                f"spec: generation {requested} is above the largest a put may ask for ({GENERATION_REQUEST_MAX}, 2^53 - 1): "
+                f"spec: generation {requested} is above the largest a put may ask for ({GENERATION_REQUEST_MAX}, 2^52): "
                 "a node put there could never be given another spec; leave `generation` out and the control plane "
                 "puts the next one - at `$.generation`"
             )

@@ -139,6 +139,10 @@ def next_generation(state: ControlPlaneState, node_id: str, requested: int | Non
     Returns (generation, note); the note says why a requested one was bumped.
     """
     last = max(state.node(node_id).last_generation, published)
+    if last == GENERATION_SAFE_MAX:
+        # the count never crosses the bound: above it a node's only way back is a rebase, and a
+        # rebase goes above the highest issued generation at or below it, which would be none
+        raise GenerationExhausted(node_id, last, bound=GENERATION_SAFE_MAX)
     if requested is not None and requested > last:
         return requested, ""
     if last + 1 > INT64_MAX:
@@ -323,12 +327,20 @@ class GenerationExhausted(Exception):
     #: a situation an operator can be in (bcd.exits prints it as one line, not an internal error)
     operator_error = True
 
-    def __init__(self, node_id: str, last: int) -> None:
-        super().__init__(
-            f"node {node_id} is at generation {last}, the largest a spec can carry ({INT64_MAX}): no spec can follow it; "
-            "`bcd rebase` (this node's control plane) or `python -m controlplane rebase` brings it back with its holds "
-            "(docs/upstream.md, \"Generations\")"
-        )
+    def __init__(self, node_id: str, last: int, *, bound: int = INT64_MAX) -> None:
+        if bound == INT64_MAX:
+            text = (
+                f"node {node_id} is at generation {last}, the largest a spec can carry ({INT64_MAX}): no spec can follow it; "
+                "`bcd rebase` (this node's control plane) or `python -m controlplane rebase` brings it back with its holds "
+                "(docs/upstream.md, \"Generations\")"
+            )
+        else:
+            text = (
+                f"node {node_id} is at generation {last}, the last a control plane counts to ({bound}, 2^53 - 1): its "
+                "count cannot go on and no rebase can go below it; move the node to a new control-plane record "
+                "(docs/upstream.md, \"Generations\")"
+            )
+        super().__init__(text)
         self.node_id = node_id
         self.last = last
 

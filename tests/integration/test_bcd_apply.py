@@ -295,12 +295,20 @@ def test_a_generation_in_the_file_never_wedges_the_node(node: Node) -> None:
     for flags in (("--dry-run",), ("--no-wait",)):
         asked = apply(node, gmax, "--generation-from-file", *flags, timeout=60)
         assert asked.returncode == 2, (flags, asked.stdout, asked.stderr)
-        assert f"generation {top} is above the largest a put may ask for (9007199254740991, 2^53 - 1)" in asked.stderr
+        assert f"generation {top} is above the largest a put may ask for (4503599627370496, 2^52)" in asked.stderr
         assert "internal error" not in asked.stderr and asked.stderr.strip().count("\n") == 0, asked.stderr
     assert last_generation(node) == gen
     # the next apply is taken, and the node follows it
     nxt = apply(node, write(node, {"node_id": "node-1", "devices": [assignment("after", GPU[5])]}), *WAIT)
     assert nxt.returncode == 0 and f"as generation {gen + 1}" in nxt.stdout, nxt.stdout + nxt.stderr
+    # the largest a put may ask for, then the count: the node stays where the count and a rebase
+    # can go on (asked at 2^53 - 1, the count then crossed it and no rebase had a generation left)
+    most = write(node, {"node_id": "node-1", "generation": 2**52, "devices": [assignment("after", GPU[5])]})
+    assert apply(node, most, "--generation-from-file", *WAIT).returncode == 0
+    assert last_generation(node) == 2**52
+    assert apply(node, write(node, {"node_id": "node-1", "devices": [assignment("after", GPU[5])]}), *WAIT).returncode == 0
+    assert last_generation(node) == 2**52 + 1
+    assert bcd("status", "--state-dir", str(node.state)).returncode == 0
 
 
 async def _put_at_the_top(node: Node) -> None:
@@ -342,6 +350,10 @@ def test_a_node_at_the_top_is_rebased_by_its_control_plane_with_its_holds_kept(n
     node.wait_generation(top)
     before = (node.holds(), [e.event_id for e in applied(node, "bound")], applied(node, "released"))
     assert before[0] == {"a", "b"} and len(before[1]) == 2 and before[2] == []
+    # status and doctor say so (they said `health: ok`): a person rebases it
+    for cmd in ("status", "doctor"):
+        said = bcd(cmd, "--state-dir", str(node.state))
+        assert said.returncode == 1 and f"spec generation {top} is above 2^53 - 1" in said.stdout and "`bcd rebase`" in said.stdout, said.stdout
 
     another = write(node, {"node_id": "node-1", "devices": [assignment("c", GPU[2])]})
     for flags in ((), ("--dry-run",)):
@@ -357,6 +369,7 @@ def test_a_node_at_the_top_is_rebased_by_its_control_plane_with_its_holds_kept(n
     assert node.section()["observed_generation"] == gen + 1
     # the holds as they were: no Released, no second Bound
     assert (node.holds(), [e.event_id for e in applied(node, "bound")], applied(node, "released")) == before
+    assert "above 2^53 - 1" not in bcd("status", "--state-dir", str(node.state)).stdout
     # nothing left to rebase; the count goes on from the rebased generation
     again = bcd("rebase", "--state-dir", str(node.state), "--no-wait", timeout=60)
     assert again.returncode == 1 and "nothing to rebase" in again.stderr, again.stdout + again.stderr

@@ -129,11 +129,13 @@ def test_a_generation_in_the_file_is_ignored_with_a_word_unless_asked(tmp_path: 
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["apply", "dry-run"])
-def test_a_generation_asked_for_above_2_53_is_refused_as_input(tmp_path: Path, capsys, dry_run: bool) -> None:
-    body = json.dumps({"node_id": "node-1", "generation": INT64_MAX, "devices": [HOLD]})
+@pytest.mark.parametrize("asked", [INT64_MAX, 2**53 - 1, 2**52 + 1], ids=["int64-top", "2^53-1", "2^52+1"])
+def test_a_generation_asked_for_above_2_52_is_refused_as_input(tmp_path: Path, capsys, dry_run: bool, asked: int) -> None:
+    """2^53 - 1 itself too: a put there left no generation for a rebase to go to (seen from outside)."""
+    body = json.dumps({"node_id": "node-1", "generation": asked, "devices": [HOLD]})
     code, err, _ = run(tmp_path, body, capsys, generation_from_file=True, dry_run=dry_run)
     assert code == 2 and len(err) == 1, err
-    assert f"generation {INT64_MAX} is above the largest a put may ask for ({2**53 - 1}, 2^53 - 1)" in err[0]
+    assert f"generation {asked} is above the largest a put may ask for ({2**52}, 2^52)" in err[0]
     assert "internal error" not in err[0]
 
 

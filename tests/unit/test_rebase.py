@@ -63,3 +63,27 @@ def test_the_rebase_target_is_one_above_what_the_count_issued_and_the_count_goes
     from controlplane.state import generation_issued
 
     assert generation_issued(st, "node-1", TOP) and generation_issued(st, "node-1", 6)
+
+
+def test_the_count_never_crosses_2_53_minus_1_so_a_rebase_always_has_a_generation_left() -> None:
+    """Seen from outside after the first fix: a put asked at 2^53 - 1, then the count went to 2^53,
+    and `bcd rebase` said no generation was left. Requests stop at 2^52 (controlplane.specs), and the
+    count stops at 2^53 - 1 (refused, saying so), so the highest issued generation at or below the
+    bound is always below it while a node is above it."""
+    from controlplane.specs import GENERATION_REQUEST_MAX
+    from controlplane.state import GenerationExhausted
+
+    assert GENERATION_REQUEST_MAX == 2**52 < GENERATION_SAFE_MAX
+    with pytest.raises(BadMessage, match="above the largest a put may ask for"):
+        check_spec({"node_id": "node-1", "generation": GENERATION_SAFE_MAX})
+    st = ControlPlaneState()
+    reserve_generation(st, "node-1", GENERATION_REQUEST_MAX)
+    assert next_generation(st, "node-1", None) == (GENERATION_REQUEST_MAX + 1, "")
+    reserve_generation(st, "node-1", GENERATION_SAFE_MAX)  # 2^52 puts later
+    with pytest.raises(GenerationExhausted, match="the last a control plane counts to"):
+        next_generation(st, "node-1", None)
+    # a node put above the bound elsewhere still has somewhere to go back to
+    st = ControlPlaneState()
+    reserve_generation(st, "node-1", GENERATION_REQUEST_MAX)
+    reserve_generation(st, "node-1", TOP)
+    assert rebase_target(st, "node-1", TOP) == GENERATION_REQUEST_MAX + 1
