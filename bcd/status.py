@@ -854,7 +854,7 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
         else:
             out.append(("ok", "outbox-size", "the outbox has the size asked for"))
         hold_dirs = [p for p in conv.problems if p not in (conv.outbox_error, conv.outbox_warning)]
-        out.extend(("warn", "hold-dirs", p) for p in hold_dirs)
+        out.extend(("warn", "hold-files", p) for p in hold_dirs)
         out.extend(("warn", "hold-files", f"odd file: {o}") for o in conv.odd_files)
         if not hold_dirs and not conv.odd_files:
             out.append(("ok", "hold-files", "the hold dirs hold only bcd's files"))

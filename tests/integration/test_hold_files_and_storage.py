@@ -190,7 +190,7 @@ async def test_fifos_in_the_hold_dirs_do_not_hang_the_converger(node_bus: NodeBu
         assert [h.allocation_id for h in st.holds] == ["a1"]
         for f in fifos:
             assert any(str(f) in p and "a FIFO" in p for p in st.problems), st.problems
-        assert node.doctor(st)["hold-dirs"][0] == "warn"
+        assert node.doctor(st)["hold-files"][0] == "warn"
         # removing them changes nothing (nothing was stuck on them)
         for f in fifos:
             f.unlink()

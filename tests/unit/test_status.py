@@ -408,7 +408,7 @@ def test_doctor_and_status_show_a_reduced_or_refused_outbox():
     reduced = "outbox reduced to 200 MiB of the 256 MiB asked: ... set --outbox-max-bytes (BCD_OUTBOX_MAX_BYTES)"
     r = report(converger=conv(outbox_warning=reduced, problems=[reduced]))
     assert [(lv, m) for lv, n, m in doctor_checks(r) if n == "outbox-size"] == [("warn", reduced)]
-    assert not any(n == "hold-dirs" for _, n, _ in doctor_checks(r))  # not listed twice
+    assert not any(n == "hold-files" and m == reduced for _, n, m in doctor_checks(r))  # not listed twice
     assert f"  problem: {reduced}" in render_status(r).splitlines()
     assert problems(r) == []  # smaller, but working
 
@@ -421,7 +421,7 @@ def test_doctor_and_status_show_a_reduced_or_refused_outbox():
 def test_doctor_and_status_list_skipped_entries_of_the_hold_dirs():
     skipped = "/etc/cdi/bcd-x.json: a FIFO, not a regular file: skipped, not a hold"
     r = report(converger=conv(problems=[skipped]))
-    assert ("warn", "hold-dirs", skipped) in doctor_checks(r)
+    assert ("warn", "hold-files", skipped) in doctor_checks(r)
     assert f"  problem: {skipped}" in render_status(r).splitlines()
 
 
@@ -930,3 +930,28 @@ def test_doctor_prints_a_row_for_every_check_readme_lists_and_names_fit_their_co
     assert any(n.startswith("service.") for n in names)
     rows = render_doctor([("ok", "bus", "a"), ("warn", "service.gateway_bridge", "b")]).splitlines()
     assert rows == ["ok    bus                     a", "WARN  service.gateway_bridge  b"]
+
+
+def test_every_doctor_row_the_docs_name_is_one_doctor_prints() -> None:
+    """README said odd files were "a `hold-dirs` warning in `bcd doctor`"; doctor printed them as
+    `hold-files` (and non-regular entries as `hold-dirs`): one family, one name now, and every row
+    name README and docs/ give (`warns X`, `fails X`, `WARN X`, `` `X` warning in `bcd doctor` ``)
+    is one the doctor's code makes."""
+    import pathlib
+    import re
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    code = "".join(p.read_text() for p in (repo / "bcd").glob("*.py"))
+    made = set(re.findall(r'\(\s*"(?:ok|warn|fail)",\s*"([a-z][a-z.-]*)"', code))
+    docs = "\n".join(p.read_text() for p in [repo / "README.md", *(repo / "docs").glob("*.md")])
+    named: set[str] = set()
+    for pattern in (
+        r"(?:warns|fails) `([a-z][a-z.-]*)`",
+        r"`(?:WARN|FAIL|warn|fail) +([a-z][a-z.-]*)`",
+        r"`([a-z][a-z.-]*)` (?:warning|row) in `bcd doctor`",
+        r"(?:WARN|FAIL)  +([a-z][a-z.-]*)",
+    ):
+        named |= set(re.findall(pattern, docs))
+    assert {"gpu-health", "hold-files", "outbox-size"} <= named
+    assert named <= made, sorted(named - made)
+    assert "hold-dirs" not in made
