@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 from pathlib import Path
 
 import msgspec
@@ -702,8 +702,16 @@ EPILOG = (
 READ_COMMANDS = ("ping", "inventory", "key", "status", "doctor", "bus", "releases", "gpu", "events", "cdi")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line like every other failure (README, "The `bcd` command"): what is
+    wrong and where help is, exit 2; argparse printed its whole usage block first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (`{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="bcd",
         description="bcd: node agent for GPU hosts",
         epilog=EPILOG,

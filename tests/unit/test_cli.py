@@ -633,3 +633,19 @@ def test_a_command_prints_no_bare_service_log_line_unless_debug(monkeypatch, cap
     with pytest.raises(SystemExit):
         cli.main(["status", "--debug"])
     assert "not a bcd hold; leaving it alone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["status", "--bogus"], ["gpu", "diag", "3a:00.0", "--level", "0"], ["frob"], ["apply"], ["events", "--last", "x"]],
+    ids=["unknown-flag", "bad-choice", "unknown-command", "missing-argument", "bad-number"],
+)
+def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], capsys) -> None:
+    """README: whatever goes wrong ends in one line on stderr; argparse printed its usage block too."""
+    from bcd import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and err.startswith("bcd"), err
+    assert "--help`)" in err and "usage:" not in err, err
