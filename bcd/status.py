@@ -551,6 +551,14 @@ def _unhealthy_action(g: Gpu) -> tuple[str, bool]:
         )
     # GpuLost, XidCritical, EccUncorrectable: sticky until a person acted
     managed = _condition(g, "Managed")
+    if managed is not None and managed.status == "Unknown" and managed.reason == "Indeterminate":
+        # the converger's claims do not answer: whether a hold is on it is not known now, and the
+        # advice must hold either way (a reset of a held card is refused)
+        return (
+            f"whether a hold is on it is not known now (the converger's claims do not answer): move any work on it, "
+            f"then reset it (`bcd gpu reset {pci}`) or reboot the node (a clean check after either clears it)",
+            False,
+        )
     if managed is not None and managed.reason == "BackingAllocation":
         # a held card is neither reset (bcd refuses) nor cleared by a recheck: the holds go first
         return (

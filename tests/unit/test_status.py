@@ -232,6 +232,16 @@ ATTENTION_CASES = [
         False,
     ),
     (
+        "xid-critical-while-the-claims-do-not-answer",  # outside review of issue 41: it said "reset" for held cards
+        "Failed",
+        _binding(state="Unknown"),
+        [_cond("Managed", "Unknown", "Indeterminate", "the converger's claims did not answer"), _cond("Healthy", "False", "XidCritical", XID_79)],
+        "unhealthy",
+        f"unhealthy: {XID_79} (Healthy=False/XidCritical)",
+        "whether a hold is on it is not known now (the converger's claims do not answer): move any work on it, then reset it",
+        False,
+    ),
+    (
         "gpu-lost",
         "Failed",
         _binding(),
@@ -548,7 +558,8 @@ def test_gpu_list_shows_why_a_card_is_unhealthy_and_which_cards_are_not_watched(
     out = render_gpus(inv).splitlines()
     i = next(k for k, line in enumerate(out) if line.startswith("0000:18:00.0"))
     assert out[i + 1].strip() == f"Healthy: {XID_79}"
-    assert out[i + 2].strip() == "needs a person: reset the card (`bcd gpu reset 0000:18:00.0`) or reboot the node, then `bcd gpu recheck 0000:18:00.0` if it still reads unhealthy (a clean check after the reset or the reboot clears it)"
+    # (host_inventory: an inventory whose claims never answered, Managed=Unknown/Indeterminate)
+    assert out[i + 2].strip() == "needs a person: whether a hold is on it is not known now (the converger's claims do not answer): move any work on it, then reset it (`bcd gpu reset 0000:18:00.0`) or reboot the node (a clean check after either clears it)"
     assert sum(line.strip().startswith("Healthy:") for line in out) == 1  # healthy, unwatched and unchecked cards get no line
     assert "health not watched on 0000:3a:00.0, 0000:5d:00.0: events cannot be registered for this card" in out
     every = render_gpus(_with_health(host_inventory(), {i: OFF for i in EVERY})).splitlines()
@@ -561,11 +572,9 @@ def test_status_says_why_a_card_is_unhealthy_and_what_to_do():
     lines = render_status(r).splitlines()
     i = lines.index("needs a person:")
     assert lines[i + 1] == f"  GPU 0000:18:00.0 unhealthy: {XID_79} (Healthy=False/XidCritical)"
-    assert lines[i + 2].startswith("    to do: reset the card (`bcd gpu reset 0000:18:00.0`) or reboot the node, then `bcd gpu recheck 0000:18:00.0`")
-    assert problems(r) == [
-        f"GPU 0000:18:00.0 unhealthy: {XID_79} (Healthy=False/XidCritical) -> reset the card (`bcd gpu reset 0000:18:00.0`) or reboot the node, "
-        "then `bcd gpu recheck 0000:18:00.0` if it still reads unhealthy (a clean check after the reset or the reboot clears it)"
-    ]
+    # (host_inventory: the claims never answered, so whether a hold is on the card is not known)
+    assert lines[i + 2] == "    to do: whether a hold is on it is not known now (the converger's claims do not answer): move any work on it, then reset it (`bcd gpu reset 0000:18:00.0`) or reboot the node (a clean check after either clears it)"
+    assert problems(r) == [f"GPU 0000:18:00.0 unhealthy: {XID_79} (Healthy=False/XidCritical) -> whether a hold is on it is not known now (the converger's claims do not answer): move any work on it, then reset it (`bcd gpu reset 0000:18:00.0`) or reboot the node (a clean check after either clears it)"]
     # only the unhealthy row: phase Failed is the condition's doing, not a second item
     assert sum(line.startswith("  GPU ") for line in lines[i:]) == 1
 
