@@ -4,7 +4,9 @@ A bind records its intent (boot id stamped), then writes slice, CDI spec and
 env file, has the signer sign AllocationBound, puts it in the outbox and only
 then records completion. A release records intent (with everything its
 Released event needs, since the CDI spec is about to go), removes CDI spec and
-env file, stops the slice once empty, and reports. A pass's binds and
+env file, stops the slice once empty, and reports; the journal keeps the
+Released's generation (ConvergerState.released), so files of that hold put
+back later are removed as a stale copy (RemoveStaleHold) and never adopted. A pass's binds and
 releases do this as one group (batch.py: one intent record, the files as
 groups, one sign request, pipelined publishing, one completion record).
 Every step can be run again after a crash and does the same thing, and every
