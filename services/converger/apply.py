@@ -4,7 +4,9 @@ A bind records its intent (boot id stamped), then writes slice, CDI spec and
 env file, has the signer sign AllocationBound, puts it in the outbox and only
 then records completion. A release records intent (with everything its
 Released event needs, since the CDI spec is about to go), removes CDI spec and
-env file, stops the slice once empty, and reports. A pass's binds and
+env file, stops the slice once empty, and reports; the journal keeps the
+Released's generation (ConvergerState.released), so files of that hold put
+back later are removed as a stale copy (RemoveStaleHold) and never adopted. A pass's binds and
 releases do this as one group (batch.py: one intent record, the files as
 groups, one sign request, pipelined publishing, one completion record).
 Every step can be run again after a crash and does the same thing, and every
@@ -55,6 +57,7 @@ from .model import (
     SwitchGpu,
     RecordWritten,
     RemoveConsumer,
+    RemoveStaleHold,
     RestoreHold,
     WriteConsumer,
     WriteEnv,
@@ -229,6 +232,19 @@ class Applier:
         elif isinstance(step, RemoveConsumer):
             self.writer.remove_consumer(step.allocation_id)
             log.info("consumer copy without a hold spec removed", allocation_id=step.allocation_id)
+        elif isinstance(step, RemoveStaleHold):
+            # the consumer copy first (a runtime never finds a device whose spec is gone); nothing is
+            # journaled or reported: the Released is out, and removing again is the same
+            remove = {"cdi-consumer": self.writer.remove_consumer, "cdi": self.writer.remove_cdi, "allocation-env": self.writer.remove_env}
+            for kind in step.files:
+                remove[kind](step.allocation_id)
+                self.count_drift(kind)
+            log.warning(
+                "stale copy of a released hold removed",
+                allocation_id=step.allocation_id,
+                released_generation=step.released_generation,
+                files=list(step.files),
+            )
         elif isinstance(step, WithdrawKubeHold):
             await self._withdraw(step)
         elif isinstance(step, ReportKubeRelease):
@@ -361,6 +377,7 @@ class Applier:
         state.hold_conditions.pop(step.allocation_id, None)
         state.intents.pop(step.allocation_id, None)
         state.written.pop(step.allocation_id, None)
+        state.note_released(step.allocation_id, rel.generation)
         self.save_state(state)
         log.info("Kubernetes hold released: no pod holds its devices", allocation_id=step.allocation_id, event_id=rel.event_id)
 

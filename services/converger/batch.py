@@ -135,6 +135,7 @@ class GroupCommit:
 
     def _completed_bound(self, state: ConvergerState, alloc: str, event_id: str, event: AllocationBound) -> None:
         state.reported[alloc] = event_id
+        state.released.pop(alloc, None)  # live again: a file of it is no stale copy
         state.bound[alloc] = self._intent("bind", alloc, event, event_id, cgroup_parent=event.cgroup_parent, sliced=bool(event.cgroup_parent))
         state.intents.pop(alloc, None)
 
@@ -291,6 +292,8 @@ class GroupCommit:
             state.hold_conditions.pop(s.allocation_id, None)
             state.intents.pop(s.allocation_id, None)
             state.written.pop(s.allocation_id, None)
+            if s.report:
+                state.note_released(s.allocation_id, s.event.generation)
             result.done += 1
             if not s.report:
                 log.info("unreported bind undone", allocation_id=s.allocation_id)

@@ -4,7 +4,8 @@ A card's claims (vfio.card_claims: holds on disk, bind intents, pending
 Kubernetes releases, the spec's instances, running domains, DRA claims) are
 what a reset, a diagnostic, a MIG layout change, a DRA claim and the holder
 endpoint check the card against, and what the inventory derives each card's
-managementState from. `CardClaims.read` makes them from what is there now;
+managementState from. `CardClaims.read` makes them from what is there now (a
+stale copy of a released hold, plan.stale_hold_files, claims nothing);
 `publish` sends the Claims message (with the VFIO record and the MIG layouts)
 when it changed since the last one, after each pass and each claim
 prepare/unprepare (and the first time).
@@ -26,7 +27,7 @@ from shared.subjects import NodeSubjects
 from .facts import NodeFacts
 from .holddirs import HoldDirs
 from .intake import InventoryIntake
-from .plan import claim_holders
+from .plan import claim_holders, stale_hold_files
 from .releases import ReleasesStore
 from .vfio import card_claims
 
@@ -59,6 +60,9 @@ class CardClaims:
         if holds is None:
             holds = self.dirs.holds()
         pending, unreadable = self.releases.peek()
+        # a stale copy of a released hold is no hold: the card stays as free as its release left it
+        stale = stale_hold_files(state, holds, (), pending)
+        holds = {a: h for a, h in holds.items() if a not in stale}
         dra = claim_holders({a: h for a, h in holds.items() if h.binding == BINDING_CLAIM}, state.claims)
         return card_claims(
             inventory=inv,

@@ -18,7 +18,9 @@ card Unclaimed with the section CONVERGED. So:
   whose slice is missing or reads back other than its recorded limits make
   (`SlicesNow`; a fake host's slice records are in the watched dirs too); the
   status carries them (`ConvergerStatus.drift`), `bcd status` shows them and
-  `bcd doctor` warns `hold-drift`.
+  `bcd doctor` warns `hold-drift`. A hold spec or env file of an allocation
+  whose Released the node already reported, at that generation or older
+  (`plan.stale_hold_files`), is said as a stale copy, removed by the next pass.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shared.holdfiles import BINDING_CLAIM, hold_file_name
 from shared.slices import slice_differences, slice_name
 
 from .model import ConvergerState
+from .plan import stale_hold_files
 
 @dataclass(frozen=True)
 class SlicesNow:
@@ -123,8 +126,13 @@ def journal_disagreements(
             missing.append("its consumer copy" if alloc not in copies else "a consumer copy that is not what its spec makes")
         if missing:
             lines.append(f"{alloc}: bound, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in place: put back by the next pass")
-    for alloc, hold in sorted(disk.holds.items()):
-        if hold.binding == BINDING_CLAIM or alloc in state.reported or alloc in state.intents or alloc in pending_releases:
+    holds = {a: h for a, h in disk.holds.items() if h.binding != BINDING_CLAIM}
+    stale = stale_hold_files(state, holds, disk.env_files, pending_releases)
+    for alloc, gen in sorted(stale.items()):
+        what = hold_file_name(alloc) if alloc in holds else "its env file"
+        lines.append(f"{alloc}: {what} is a stale copy of a hold released at generation {gen}: removed by the next pass")
+    for alloc, hold in sorted(holds.items()):
+        if alloc in stale or alloc in state.reported or alloc in state.intents or alloc in pending_releases:
             continue
         lines.append(f"{alloc}: {hold_file_name(alloc)} is on disk but the journal has no bind of it: the next pass reports it, or releases it if the spec does not want it")
     return lines

@@ -5,7 +5,10 @@ inventory, vendor CDI spec, VFIO claims, and the converger's own journal);
 `Plan` is what the pure planner returns: ordered steps, failures, and the
 section status the pass aims for. `ConvergerState` is the journal on disk:
 intent recorded before side effects (boot id stamped), which holds have been
-reported Bound, which failures and section status were reported.
+reported Bound, which failures and section status were reported, and the generation
+of each allocation's last reported Released (`ConvergerState.released`, the newest
+`RELEASED_KEPT`): a hold file found afterwards for such an allocation, at that
+generation or older, is a stale copy (plan.stale_hold_files), removed, never adopted.
 """
 
 from __future__ import annotations
@@ -193,6 +196,11 @@ class Written(msgspec.Struct, frozen=True, kw_only=True):
     env: bytes
 
 
+#: how many reported Releases `ConvergerState.released` keeps (the oldest go first): a stale
+#: copy of an allocation released longer ago is a hold spec the node never knew (released again)
+RELEASED_KEPT = 1024
+
+
 class ConvergerState(msgspec.Struct, kw_only=True):
     """`<data_dir>/converger/state.json` (0600, written atomically)."""
 
@@ -239,6 +247,19 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     #: allocation id -> what bcd wrote for its hold (Written): the truth the disk is compared
     #: with. A hold bound by a bcd without this record is taken as found once (RecordWritten).
     written: dict[str, Written] = {}
+    #: allocation id -> the generation of its last Released in the outbox (a plain hold's or a
+    #: Kubernetes one's), oldest first, at most RELEASED_KEPT; dropped when the allocation is
+    #: reported Bound again. A hold spec (or env file) of such an allocation that is not live
+    #: again, at that generation or older, is a copy of what was released (put back from a
+    #: backup, left by an older bcd): removed as drift, never a hold, a claim or a new Released.
+    released: dict[str, int] = {}
+
+    def note_released(self, allocation_id: str, generation: int) -> None:
+        """Record a Released now in the outbox (newest last; the oldest beyond RELEASED_KEPT go)."""
+        self.released.pop(allocation_id, None)
+        self.released[allocation_id] = generation
+        while len(self.released) > RELEASED_KEPT:
+            del self.released[next(iter(self.released))]
 
 
 # ---------------------------------------------------------------------------- observed
@@ -380,6 +401,19 @@ class RemoveConsumer:
 
 
 @dataclass(frozen=True)
+class RemoveStaleHold:
+    """Files of an allocation whose Released the node already reported (ConvergerState.released),
+    found again at that generation or older (put back from outside): removed, consumer copy
+    first, each counted as drift; nothing is reported and no claim is made."""
+
+    allocation_id: str
+    #: the generation of the Released the files predate
+    released_generation: int
+    #: of "cdi-consumer", "cdi", "allocation-env", in that order: the ones on disk
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BindHold:
     """Slice (when limits), CDI spec, env file, then AllocationBound.
 
@@ -495,6 +529,7 @@ Step = (
     | RestoreHold
     | RecordWritten
     | RemoveConsumer
+    | RemoveStaleHold
     | BindHold
     | ReportBound
     | ReportFailed
@@ -560,6 +595,8 @@ __all__ = [
     "RecordWritten",
     "Written",
     "RemoveConsumer",
+    "RemoveStaleHold",
+    "RELEASED_KEPT",
     "BindHold",
     "ReportBound",
     "ReportFailed",

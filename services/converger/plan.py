@@ -1,6 +1,11 @@
 """The pure planner: `plan(spec, observed, config)` -> ordered steps, failures, section.
 
 It follows the seed's pass to the letter ("One pass"), one function per step:
+0. `stale_hold_files`: files of an allocation whose Released the node already
+   reported (ConvergerState.released), found again at that generation or older,
+   are stale copies: removed (RemoveStaleHold, counted as drift) and left out of
+   everything after, so they are never adopted as a hold, released again, made a
+   pending Kubernetes release or a claim;
 1. `plan_kubernetes_releases`: pending Kubernetes releases reported or dropped;
 2. `plan_releases`: holds no longer wanted released (so a GPU can move
    between allocations in one generation);
@@ -68,6 +73,7 @@ from .model import (
     RecordWritten,
     ReleaseHold,
     RemoveConsumer,
+    RemoveStaleHold,
     RemoveTemp,
     RestoreHold,
     ReportBound,
@@ -287,6 +293,9 @@ class _Pass:
     waiting: dict[str, str] = field(default_factory=dict)
     #: holds whose spec on disk is not what bcd wrote (trusted_holds): put back from the record.
     drifted: frozenset[str] = frozenset()
+    #: allocations whose files on disk are stale copies of a reported release (stale_hold_files):
+    #: their RemoveStaleHold takes the consumer copy too.
+    stale: frozenset[str] = frozenset()
 
     @property
     def gen(self) -> int:
@@ -304,14 +313,17 @@ class _Pass:
 def plan(spec: NodeSpec, observed: Observed, config: PlanConfig) -> Plan:
     """The seed's "One pass", one function per step, in its order."""
     observed, drifted = trusted_holds(observed)
+    observed, stale = without_stale_files(observed)
     p = _Pass(
         spec=spec,
         observed=observed,
         config=config,
         wanted={a.allocation_id: a for a in spec.devices if a.binding in HOLD_BINDINGS},
         drifted=drifted,
+        stale=frozenset(s.allocation_id for s in stale),
     )
     p.steps.extend(RemoveTemp(path) for path in observed.temp_files)
+    p.steps.extend(stale)  # 0: before any release or bind (a rebind of the id writes after it)
     plan_kubernetes_releases(p)  # 1
     plan_releases(p)  # 2
     plan_leftover_slices(p)  # 3
@@ -375,6 +387,75 @@ def trusted_holds(observed: Observed) -> tuple[Observed, frozenset[str]]:
     if not drifted:
         return observed, frozenset()
     return dataclasses.replace(observed, holds=holds), frozenset(drifted)
+
+
+def stale_hold_files(
+    state: ConvergerState,
+    holds: Mapping[str, HoldOnDisk],
+    env_files: Iterable[str] = (),
+    pending: Iterable[str] = (),
+) -> dict[str, int]:
+    """Allocation -> the generation of its reported Released, for each allocation whose files on
+    disk are stale copies of that released hold.
+
+    The node reported the allocation Released at generation R (`state.released`) and nothing
+    made it live since (no Bound reported, no intent, no pending Kubernetes release): its hold
+    spec at generation <= R, or (no hold spec) its env file, can only be a copy of what was
+    released. A hold spec newer than R is one the node never knew (handled as any such spec).
+
+    | row                   | journal                        | on disk               | stale |
+    |-----------------------|--------------------------------|-----------------------|-------|
+    | put back              | released at 3                  | spec gen 1 (+env)     | yes   |
+    | env file alone        | released at 3                  | env file              | yes   |
+    | newer spec            | released at 3                  | spec gen 4            | no    |
+    | live again            | released at 3, reported Bound  | spec                  | no    |
+    | bind or release going | an intent                      | spec                  | no    |
+    | release pending       | releasing.json has it          | spec                  | no    |
+    | never known           | nothing                        | spec                  | no    |
+    """
+    out: dict[str, int] = {}
+    busy = set(pending)
+    env = set(env_files)
+    for alloc, gen in state.released.items():
+        if alloc in state.reported or alloc in state.intents or alloc in busy:
+            continue
+        hold = holds.get(alloc)
+        if hold is not None and hold.generation <= gen:
+            out[alloc] = gen
+        elif hold is None and alloc in env:
+            out[alloc] = gen
+    return out
+
+
+def without_stale_files(observed: Observed) -> tuple[Observed, list[RemoveStaleHold]]:
+    """The observation without stale copies of released holds (stale_hold_files), and the
+    steps that remove them: the rest of the pass never sees them."""
+    stale = stale_hold_files(observed.state, observed.holds, observed.env_files, observed.pending_releases)
+    if not stale:
+        return observed, []
+    copies = observed.consumer_copies or {}
+    steps = [
+        RemoveStaleHold(
+            alloc,
+            gen,
+            tuple(
+                kind
+                for kind, there in (
+                    ("cdi-consumer", alloc in copies),
+                    ("cdi", alloc in observed.holds),
+                    ("allocation-env", alloc in observed.env_files),
+                )
+                if there
+            ),
+        )
+        for alloc, gen in sorted(stale.items())
+    ]
+    observed = dataclasses.replace(
+        observed,
+        holds={a: h for a, h in observed.holds.items() if a not in stale},
+        env_files={a: e for a, e in observed.env_files.items() if a not in stale},
+    )
+    return observed, steps
 
 
 def section_status(generation: int, failures: Iterable[Failure], waiting: Iterable[str] = ()) -> SectionStatus:
@@ -528,8 +609,8 @@ def plan_leftover_slices(p: _Pass) -> None:
     # reported, would let an old-CDI runtime resolve the withdrawn device).
     copies = p.observed.consumer_copies
     for alloc in sorted(copies or ()):
-        if alloc in p.observed.claim_holds:
-            continue
+        if alloc in p.observed.claim_holds or alloc in p.stale:
+            continue  # (a stale copy of a released hold goes with its RemoveStaleHold)
         if alloc in p.observed.holds and alloc not in p.released:
             continue
         if alloc in p.observed.holds and any(
@@ -1131,6 +1212,8 @@ __all__ = [
     "claims_after_releases",
     "plan_kept_holds",
     "trusted_holds",
+    "stale_hold_files",
+    "without_stale_files",
     "written_record",
     "consumer_copy_stale",
     "assignment_changes",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from datetime import datetime, timezone
@@ -198,6 +199,9 @@ class Row:
     drift: Callable[[Node], None] | None = None
     node: dict[str, Any] = field(default_factory=dict)
     observed: dict[str, Any] = field(default_factory=dict)
+    #: (spec, allocations): after `before`, these allocations' files are saved, `spec` converged
+    #: until their releases are reported, and the files put back (a copy of a released hold)
+    put_back: tuple[NodeSpec, tuple[str, ...]] | None = None
     notes: tuple[str, ...] = ()
     #: changes the inventory the pass plans against (a card's status)
     inventory: Callable[[Inventory], Inventory] | None = None
@@ -448,6 +452,17 @@ ROWS = [
     Row("kept-missing-env-and-consumer-copy", S1, ["WriteEnv", "WriteConsumer"], before=S1, drift=both(remove_env("a2"), remove_copy("a2"))),
     Row("orphan-consumer-copy-removed", S1, ["RemoveConsumer"], before=S1, drift=orphan_copy("gone1")),
     Row("released-hold-takes-its-copy-no-extra-step", spec(2, S1.devices[0]), ["ReleaseHold", "ReleaseHold"], before=S1),
+    # D3 (after issue 41.3): the files of a hold whose Released was reported, put back from outside,
+    # are a stale copy: removed as drift, never a hold, a second Released or a pending release
+    Row("released-hold-put-back-is-a-stale-copy", spec(2, *S1.devices[1:]), ["RemoveStaleHold"], before=S1,
+        put_back=(spec(2, *S1.devices[1:]), ("a1",))),
+    Row("released-kubernetes-hold-put-back-is-a-stale-copy", spec(3), ["RemoveStaleHold"],
+        before=spec(1, hold("k1", G[2], binding="BINDING_KUBERNETES")), put_back=(spec(2), ("k1",))),
+    Row("released-hold-env-file-put-back-is-a-stale-copy", spec(2, *S1.devices[1:]), ["RemoveStaleHold"], before=S1,
+        put_back=(spec(2, *S1.devices[1:]), ("a1.env",))),
+    # the id booked again: the stale copy goes first, then a new hold (a new Bound at the new generation)
+    Row("released-hold-put-back-and-booked-again", spec(3, *S1.devices), ["RemoveStaleHold", "BindHold"], bound=["a1"], before=S1,
+        put_back=(spec(2, *S1.devices[1:]), ("a1",))),
     Row("foreign-files-in-the-consumer-dir-left-alone", S1, [], before=S1, drift=foreign_copies),
     Row("consumer-copy-temp-file-removed", S1, ["RemoveTemp"], before=S1, drift=copy_temp_file),
     Row("consumer-copies-not-kept-nothing-planned", S1, [], before=S1, drift=both(remove_copy("a1"), orphan_copy("gone1")),
@@ -475,12 +490,35 @@ def _node(row: Row, root: Path) -> Node:
     return Node(root / "node", host, **kw) if host is not None else Node(root / "node", **kw)
 
 
+def hold_files(node: Node, alloc: str) -> list[Path]:
+    """A hold's spec, consumer copy and env file ("<alloc>.env": the env file alone)."""
+    if alloc.endswith(".env"):
+        return [node.run_dir / "allocations" / alloc]
+    return [node.cdi_dir / f"bcd-{alloc}.json", node.consumer_dir / f"bcd-{alloc}.json", node.run_dir / "allocations" / f"{alloc}.env"]
+
+
+async def put_back_released(node: Node, release: NodeSpec, allocs: tuple[str, ...]) -> dict[Path, bytes]:
+    """Save the allocations' files, converge `release` until no release is pending, put them back."""
+    saved = {f: f.read_bytes() for a in allocs for f in hold_files(node, a)}
+    for _ in range(3):
+        _, result = await node.converge(release)
+        assert not result.errors, result.errors
+        if not node.releases.load()[0]:
+            break
+    assert not any(f.exists() for f in saved), "released"
+    for f, data in saved.items():
+        f.write_bytes(data)
+    return saved
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 async def test_plan_rule(row: Row, tmp_path: Path) -> None:
     node = _node(row, tmp_path)
     if row.before is not None:
         _, result = await node.converge(row.before)
         assert not result.errors, result.errors
+    if row.put_back is not None:
+        await put_back_released(node, *row.put_back)
     if row.host_after is not None:
         rewrite_host(node.host_file, row.host_after)
         node.rescan()
@@ -645,3 +683,50 @@ async def test_mig_instance_without_uuid_is_not_bound_to_the_whole_card(tmp_path
     bind = p.steps[0]
     assert isinstance(bind, BindHold)
     assert bind.content.visible_devices == "MIG-7d3e61b0-0006-4001-8001-000000000002"
+
+
+@pytest.mark.parametrize("binding", ["BINDING_HOLD", "BINDING_KUBERNETES"])
+async def test_put_back_copy_of_a_released_hold_goes_as_drift_unreported(binding: str, tmp_path: Path) -> None:
+    """D3: a released hold's files put back are removed (each counted as drift); no event, no
+    pending release, no claim, the journal as the release left it; the next pass has nothing."""
+    from services.converger.drift import journal_disagreements
+    from services.converger.plan import stale_hold_files
+    from shared.holddisk import read_disk
+
+    node = Node(tmp_path)
+    counted: list[str] = []
+    node.applier.count_drift = counted.append
+    kept = hold("b1", G[1])
+    await node.converge(spec(1, hold("k1", G[2], binding=binding), kept))
+    saved = await put_back_released(node, spec(2, kept), ("k1",))
+    assert node.state.released == {"k1": 2}
+    events = list(node.outbox.ids("released"))
+    assert events == ["node-1.k1.released.g2"]
+    def journal() -> bytes:  # (the section's generation moves on)
+        return msgspec.json.encode(msgspec.structs.replace(node.state, last_section=None))
+
+    before = journal()
+
+    disk = read_disk(node.cdi_dir, node.run_dir, consumer_dir=node.consumer_dir)
+    assert stale_hold_files(node.state, disk.holds, disk.env_files) == {"k1": 2}
+    assert journal_disagreements(node.state, disk) == [
+        "k1: bcd-k1.json is a stale copy of a hold released at generation 2: removed by the next pass"
+    ]
+    p, result = await node.converge(spec(3, kept))
+    assert not result.errors and p.kinds() == ["RemoveStaleHold"], (p.kinds(), result.errors)
+    assert not any(f.exists() for f in saved)
+    assert sorted(counted) == ["allocation-env", "cdi", "cdi-consumer"]
+    assert node.outbox.ids("released") == events and node.releases.load()[0] == {}
+    assert journal() == before  # nothing journaled: not a hold, not a release
+    assert node.plan(spec(3, kept)).kinds() == []
+
+
+def test_released_records_are_bounded() -> None:
+    from services.converger.model import RELEASED_KEPT, ConvergerState
+
+    state = ConvergerState()
+    for i in range(RELEASED_KEPT + 5):
+        state.note_released(f"a{i}", i)
+    state.note_released("a7", 99)  # released again: the newest
+    assert len(state.released) == RELEASED_KEPT
+    assert "a0" not in state.released and list(state.released)[-1] == "a7" and state.released["a7"] == 99
