@@ -62,6 +62,7 @@ from .health import (
     lost_off_bus,
     note_watched,
     off_bus_condition,
+    off_library,
 )
 from .physicalgpu import (
     ADAPTER_READY,
@@ -737,8 +738,13 @@ class GpuTracker:
                 if reconf is None or reconf.reason not in DISRUPTION_REASONS:
                     rec.disruption = None  # cleared: the card is back on its base driver after a new boot
 
+        # a card off its compute driver is one the vendor library cannot see: its last check is
+        # forgotten (a card back from a VM is NotChecked until checked again), it is never Checked
+        unseen = "" if mode == "Compute" or rec.missing_since is not None else (f"on {driver}" if driver else "on no driver")
+        if unseen and rec.health is not None:
+            off_library(rec.health)
         healthy = (
-            healthy_condition(rec.health, self.health, now=now, watched=self.health_watched) if self.health is not None else None
+            healthy_condition(rec.health, self.health, now=now, watched=self.health_watched, unseen=unseen) if self.health is not None else None
         )
         if healthy is not None and rec.missing_since is not None and healthy.status != "False":
             # health not watched: the scan alone says the card is lost
