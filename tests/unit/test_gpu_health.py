@@ -240,7 +240,7 @@ def inventory(host: Path) -> Any:
 
 def tracker(**kw: Any) -> GpuTracker:
     clock = [T0]
-    t = GpuTracker("node-1", clock=lambda: clock[0], health=HealthPolicy(), claims_grace=timedelta(0), **kw)
+    t = GpuTracker("node-1", clock=lambda: clock[0], health=HealthPolicy(), **kw)
     t.clock_cell = clock  # type: ignore[attr-defined]
     return t
 
