@@ -21,6 +21,10 @@ scan:
 - the last status of each card, so an unchanged condition keeps its `since`
   and only a real change (phase, managementState, a condition's status or
   reason) becomes a GpuChanged event,
+- what was last said upstream of each card: while the converger's claims are
+  not known (at start or later) the status stands fail-closed here, but an
+  event says what the claims decide as last said (`reported`), so a converger
+  that does not answer for a while is no news upstream,
 - the events not yet accepted by the node-bus outbox (journaled before sent).
 
 `GpuTracker` does no I/O; its only outside input is the clock it is given,
@@ -62,6 +66,7 @@ from .health import (
     lost_off_bus,
     note_watched,
     off_bus_condition,
+    off_library,
 )
 from .physicalgpu import (
     ADAPTER_READY,
@@ -271,32 +276,31 @@ def status_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
 
 
 #: what a card's status says without the claims: a change here is news even while the claims are
-#: not known yet (the rest, managementState, Managed, Reclaim and the phase they make, is not)
+#: not known (the rest, managementState, Managed, Reclaim, MigLayout and the phase they make, is not)
 _CLAIM_BLIND = (ADAPTER_READY, RECONFIGURING, HEALTHY_CONDITION)
-
-
-def claim_blind_key(status: PhysicalGPUStatus | None) -> tuple[Any, ...] | None:
-    """status_key of what the claims do not decide: the driver binding and AdapterReady, Reconfiguring."""
-    if status is None:
-        return None
-    return (
-        status.driver_binding.driver,
-        status.driver_binding.mode,
-        tuple(sorted((c.type, c.status, c.reason) for c in status.conditions if c.type in _CLAIM_BLIND)),
-    )
 
 
 def with_claimed_parts(status: PhysicalGPUStatus, said: PhysicalGPUStatus) -> PhysicalGPUStatus:
     """`status` with what the claims decide (managementState and every condition but AdapterReady,
-    Reconfiguring and Healthy) as `said` had it, the phase derived again: what upstream may hear of
-    a card while the claims are not known yet at start (nothing it was told changes by itself)."""
+    Reconfiguring and Healthy, and AdapterReady=False/VFIORequiresBareMetal, which an instance claim
+    makes) as `said` had it, the phase derived again: what upstream may hear of a card while the
+    claims are not known (at start or later: nothing it was told changes by itself)."""
     own = {c.type: c for c in status.conditions if c.type in _CLAIM_BLIND}
     told = {c.type: c for c in said.conditions if c.type not in _CLAIM_BLIND}
+    ready = condition_of(said.conditions, ADAPTER_READY)
+    if ready is not None and ready.reason == VFIO_REQUIRES_BARE_METAL and own.get(ADAPTER_READY, ready).status != "False":
+        own[ADAPTER_READY] = ready  # made by an instance claim, not by the card: the claims decide it
     order = [ADAPTER_READY, MANAGED, RECLAIM, RECONFIGURING, HEALTHY_CONDITION, MIG_LAYOUT]
     merged = {**own, **told}
     conditions = [merged[t] for t in order if t in merged] + [c for t, c in merged.items() if t not in order]
     binding = msgspec.structs.replace(status.driver_binding, management_state=said.driver_binding.management_state)
     return PhysicalGPUStatus(phase=derive_phase(binding.mode, conditions), driver_binding=binding, conditions=conditions)
+
+
+def reported(status: PhysicalGPUStatus, said: PhysicalGPUStatus | None, claims_known: bool) -> PhysicalGPUStatus:
+    """What a `gpu` event may say of `status`: itself once the claims are known (or when nothing was
+    said of the card yet), else with the claimed parts as last said (with_claimed_parts)."""
+    return status if claims_known or said is None else with_claimed_parts(status, said)
 
 
 def _change_text(status: PhysicalGPUStatus, extra: str = "") -> str:
@@ -326,7 +330,6 @@ class GpuTracker:
         reclaim_timeout: timedelta = RECLAIM_TIMEOUT,
         state: GpuState | None = None,
         max_outbox: int = 10_000,
-        claims_grace: timedelta = timedelta(seconds=15),
         health: HealthPolicy | None = None,
         health_watched: bool = True,
     ) -> None:
@@ -336,10 +339,6 @@ class GpuTracker:
         #: the adapter watches health (False: every card reads Healthy=Unknown/Unmonitored)
         self.health_watched = health_watched
         self.clock = clock
-        #: at start the converger may not answer yet: a status that exists only because the claims
-        #: are not known (Unknown/Indeterminate) is not said upstream before this is over
-        self.claims_grace = claims_grace
-        self.started = clock()
         self.orphan_grace = orphan_grace
         self.reclaim_timeout = reclaim_timeout
         self.state = state if state is not None else GpuState()
@@ -557,7 +556,6 @@ class GpuTracker:
             state.boot_id = inv.boot_id
         claims_known = claims is not None
         self.claims_known = claims_known
-        starting = now - self.started < self.claims_grace
         by_card = claims_by_card(claims)
         layouts = {m.pci_address: m for m in claims.mig_layouts} if claims is not None else None
         result = Evaluation(inventory=inv, new_boot=new_boot, claims_known=claims_known)
@@ -592,22 +590,17 @@ class GpuTracker:
             if rec.said is None and previous is not None:
                 rec.said = previous  # a state file of an older bcd: its last status was said
             notice = switch_event if switch_event is not None and switch_event.pci == pci else None
+            # what upstream may hear: while the claims are not known (the converger does not answer,
+            # at start or later) the status stands fail-closed here, but what only the claims decide
+            # is no news: it is said as it was last said, so upstream hears only a change of the card
+            # itself (its health, driver, Reconfiguring), never an Unknown that did not happen
+            told = reported(status, rec.said, claims_known)
             if notice is not None:
-                result.events.append(self._event(pci, g.uuid, status, now, notice))
-                rec.said = status
-            elif not claims_known and starting and rec.said is not None:
-                # while the claims are not known yet at start, what only they decide is not news:
-                # the status stands fail-closed here, but upstream hears only a change of the card
-                # itself (Reconfiguring Completing after a reboot, a Healthy condition a state file
-                # of an older bcd never had), with the claimed parts as they were last said, never
-                # an Unknown that did not happen; the rest outlasts the grace or is said with the claims
-                told = with_claimed_parts(status, rec.said)
-                if status_key(told) != status_key(rec.said):
-                    result.events.append(self._event(pci, g.uuid, told, now))
-                    rec.said = told
-            elif status_key(rec.said) != status_key(status):
-                result.events.append(self._event(pci, g.uuid, status, now))
-                rec.said = status
+                result.events.append(self._event(pci, g.uuid, told, now, notice))
+                rec.said = told
+            elif status_key(rec.said) != status_key(told):
+                result.events.append(self._event(pci, g.uuid, told, now))
+                rec.said = told
 
         if switch_event is not None and switch_event.pci not in listed and PCI_RE.match(switch_event.pci):
             # the card is not on the bus any more (it vanished during the switch): report what is known
@@ -616,6 +609,7 @@ class GpuTracker:
             gone = msgspec.structs.replace(
                 last, driver_binding=msgspec.structs.replace(last.driver_binding, driver="", mode="None")
             )
+            gone = reported(gone, rec.said if rec is not None else None, claims_known)
             result.events.append(
                 self._event(switch_event.pci, rec.uuid if rec is not None else "", gone, switch_event.at, switch_event)
             )
@@ -737,8 +731,13 @@ class GpuTracker:
                 if reconf is None or reconf.reason not in DISRUPTION_REASONS:
                     rec.disruption = None  # cleared: the card is back on its base driver after a new boot
 
+        # a card off its compute driver is one the vendor library cannot see: its last check is
+        # forgotten (a card back from a VM is NotChecked until checked again), it is never Checked
+        unseen = "" if mode == "Compute" or rec.missing_since is not None else (f"on {driver}" if driver else "on no driver")
+        if unseen and rec.health is not None:
+            off_library(rec.health)
         healthy = (
-            healthy_condition(rec.health, self.health, now=now, watched=self.health_watched) if self.health is not None else None
+            healthy_condition(rec.health, self.health, now=now, watched=self.health_watched, unseen=unseen) if self.health is not None else None
         )
         if healthy is not None and rec.missing_since is not None and healthy.status != "False":
             # health not watched: the scan alone says the card is lost

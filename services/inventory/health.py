@@ -16,8 +16,16 @@ Two kinds of fault:
   clears it. Remapped rows stay pending until a reset, so this too needs someone to act.
 
 The condition is False with the worst reason (HEALTH_ORDER) while any fault but Unmonitored
-stands, Unknown/Unmonitored when only watching is impossible, True/Checked otherwise; its
-message is the worst fault's, then `also <Reason>: <message>` for each other one. Healthy=False makes the phase Failed (physicalgpu.PHASE_ROWS).
+stands, Unknown/Unmonitored when only watching is impossible, True/Checked when a check of the
+card on its compute driver found nothing, Unknown/NotChecked before such a check; its
+message is the worst fault's, then `also <Reason>: <message>` for each other one.
+
+A card off its compute driver (on vfio-pci, or on none) is one the vendor library cannot see:
+no event and no check reads it, so nothing says it is healthy now. It reads NotChecked
+(`healthy_condition(..., unseen=...)`), and `off_library` forgets its last check, so a card
+back from a VM reads NotChecked too until the first check of it on its compute driver. A fault
+it had stays (a sticky one as always; a level one until a check clears it): only a check of
+the card can say it is gone; Unmonitored, which is about registering the card's events, clears. Healthy=False makes the phase Failed (physicalgpu.PHASE_ROWS).
 
 Which XIDs are fatal follows NVIDIA's device plugin: every XID but the application ones
 (13, 31, 43, 45, 68, 109: a program's fault, not the card's) and those an operator ignores;
@@ -260,6 +268,16 @@ def off_bus_condition(at: datetime) -> Condition:
     return Condition(type=HEALTHY, status="False", reason=GPU_LOST, message=f"the card is not on the bus any more: missing from the scan since {_stamp(at)}", since=at)
 
 
+def off_library(health: CardHealth) -> bool:
+    """The card is where the vendor library cannot see it (vfio-pci, no driver): its last check no
+    longer describes it (forgotten: it reads NotChecked until a check of it on its compute driver)
+    and Unmonitored, about registering its events, clears; its faults stay. True when something changed."""
+    changed = health.checked_at is not None or health.ecc_uncorrectable is not None or health.ecc_correctable is not None
+    health.checked_at = None
+    health.ecc_uncorrectable = health.ecc_correctable = None
+    return _clear(health, [UNMONITORED]) or changed
+
+
 def note_watched(health: CardHealth) -> bool:
     """Events are registered for the card again: Unmonitored clears."""
     return _clear(health, [UNMONITORED])
@@ -270,13 +288,19 @@ def lost_everywhere(health: CardHealth, message: str, *, now: datetime, boot_id:
     return _raise(health, GPU_LOST, f"the vendor library does not answer: {message}", now, boot_id)
 
 
-def healthy_condition(health: CardHealth | None, policy: HealthPolicy, *, now: datetime, watched: bool = True) -> Condition:
-    """The card's Healthy condition. `watched`: the adapter watches health at all."""
+def healthy_condition(health: CardHealth | None, policy: HealthPolicy, *, now: datetime, watched: bool = True, unseen: str = "") -> Condition:
+    """The card's Healthy condition. `watched`: the adapter watches health at all. `unseen`: where the
+    card is that the vendor library cannot see it ("on vfio-pci"; "": it can): no check of it stands
+    then, whatever the record says, so it is never True/Checked; a fault it had stays."""
     if not policy.enabled:
         return Condition(type=HEALTHY, status="Unknown", reason=UNMONITORED, message="health checks are off (--health-checks off)", since=now)
     if not watched:
         return Condition(type=HEALTHY, status="Unknown", reason=UNMONITORED, message="this adapter cannot watch GPU health", since=now)
-    faults = [health.faults[r] for r in HEALTH_ORDER if health is not None and r in health.faults]
+    faults = [health.faults[r] for r in HEALTH_ORDER if health is not None and r in health.faults and not (unseen and r == UNMONITORED)]
+    if not faults and unseen:
+        return Condition(
+            type=HEALTHY, status="Unknown", reason=NOT_CHECKED, message=f"not checked: the card is {unseen}, where the vendor library cannot see it", since=now
+        )
     if not faults and (health is None or health.checked_at is None):
         return Condition(
             type=HEALTHY, status="Unknown", reason=NOT_CHECKED, message="not checked yet: the vendor library has not seen the card (on vfio-pci, or not read yet)", since=now
@@ -315,6 +339,7 @@ __all__ = [
     "check_clean",
     "apply_check",
     "note_watched",
+    "off_library",
     "lost_everywhere",
     "lost_off_bus",
     "off_bus_condition",

@@ -199,13 +199,6 @@ class InventoryApp(ServiceApp):
             Option("--data-dir", "state directory of this node; the inventory keeps <data-dir>/inventory/gpus.json", default=Path("/var/lib/bcd"), type=Path),
             Option("--gpu-tick", "seconds between evaluations while a GPU timer runs (orphan grace, reclaim, disruption)", default=5.0, type=float),
             Option("--claims-timeout", "seconds to wait for the converger's claims (no answer reads Indeterminate)", default=1.0, type=float),
-            Option(
-                "--claims-grace",
-                "seconds after start in which a card's status that only comes of the converger not answering yet "
-                "(Unknown/Indeterminate) is kept here, fail-closed, but not sent upstream as a gpu event",
-                default=15.0,
-                type=float,
-            ),
             Option("--health-checks", "watch GPU health: XIDs, ECC errors, the card lost (on | off)", default="on", choices=("on", "off")),
             Option("--health-interval", "seconds between health checks (the library answers the card, remapped rows, ECC counters)", default=10.0, type=float),
             Option("--xid-ignore", "XIDs (comma list) that never make a card unhealthy, besides the application XIDs 13,31,43,45,68,109", default=""),
@@ -250,7 +243,6 @@ class InventoryApp(ServiceApp):
             orphan_grace=timedelta(seconds=o.orphan_grace),
             reclaim_timeout=timedelta(seconds=o.reclaim_timeout),
             state=state,
-            claims_grace=timedelta(seconds=o.claims_grace),
             health=self.health_policy,
         )
         ctx.metadata["state_file"] = str(self.store.path)

@@ -92,6 +92,9 @@ class Node:
         self.subjects = NodeSubjects(bus.node_id)
         self.claims: list[GpuClaim] = []
         self.claims_asked = 0
+        #: the converger stand-in takes the claims requests but answers none (kill -STOP)
+        self.claims_paused = False
+        self.claims_sub: Any = None
         self.converger: Client | None = None
         self.cli: Client | None = None
         self.admin: Client | None = None
@@ -141,9 +144,17 @@ class Node:
 
         async def respond(msg: Msg) -> None:
             self.claims_asked += 1
-            await msg.respond(encode(self.current_claims()))
+            if not self.claims_paused:
+                await msg.respond(encode(self.current_claims()))
 
-        await self.converger.subscribe(self.subjects.converger_claims, cb=respond)
+        self.claims_sub = await self.converger.subscribe(self.subjects.converger_claims, cb=respond)
+        await self.converger.flush()
+
+    async def stop_answering_claims(self) -> None:
+        """The converger gone (a crash, or it refuses to start): nobody takes the claims requests."""
+        assert self.converger is not None and self.claims_sub is not None
+        await self.claims_sub.unsubscribe()
+        self.claims_sub = None
         await self.converger.flush()
 
     async def create_outbox(self) -> None:
@@ -542,3 +553,51 @@ async def test_a_corrupt_state_file_is_set_aside_and_the_inventory_starts_fresh(
     assert len(aside) == 1 and "maybe" in aside[0].read_text()
     assert json.loads((state_dir / "gpus.json").read_text())["version"] == 1
     assert "GPU state file unreadable; renamed aside" in node.log()
+
+
+async def test_a_converger_that_stops_answering_is_no_change_of_the_cards_upstream(node: Node) -> None:
+    """D4 (after issue 41): with the converger stopped (kill -STOP) for about 12 s, or not running, long
+    after the inventory started, every card was said upstream as Unknown (Managed=Unknown/
+    Indeterminate), held ones too, then Managed again. While the claims are unknown the cards read
+    Indeterminate here (fail-closed) but a gpu event says the claimed parts as last said: only the
+    card's own news (an XID) is said, and the claims answering again changes nothing upstream."""
+    node.claims = [GpuClaim(pci_address=CARD2, kind="allocation", holder="train-01")]
+    started = time.monotonic()
+    await node.start(BCD_HEALTH_INTERVAL="0.3", BCD_CLAIMS_TIMEOUT="0.3")
+    await node.wait_card(CARD2, lambda g: mstate(g) == ("Managed", "BackingAllocation"), "held")
+    # past the start (the inventory once held back only its first 15 s): the outage comes later
+    await asyncio.sleep(max(0.0, 16 - (time.monotonic() - started)))
+    before = len(await node.outbox())
+    assert before >= 8
+
+    def told(e: GpuChanged) -> tuple[str, str | None, str | None]:
+        return (e.management_state, *(cond_of(e, "Managed") or (None, None)))
+
+    for outage in ("stopped", "absent"):
+        if outage == "stopped":
+            node.claims_paused = True  # kill -STOP: the requests are taken, nothing answers
+        else:
+            await node.stop_answering_claims()  # not running: no responder at all
+        await node.rescan()  # an evaluation asks for the claims
+        await node.wait_card(CARD2, lambda g: mstate(g) == ("Unknown", "Indeterminate"), f"fail-closed while the converger is {outage}")
+        if outage == "stopped":
+            # the card's own news while the claims are unknown: XID 79
+            node.edit_host(**{CARD2: {"health": {"xids": [{"xid": 79, "at": datetime.now(timezone.utc).isoformat()}]}}})
+            await node.wait_card(CARD2, lambda g: cond(g, "Healthy") == ("False", "XidCritical"), "XID 79 noticed")
+        await asyncio.sleep(2)  # the claims retried on every 0.1-s tick meanwhile
+        assert mstate(await node.card(CARD0)) == ("Unknown", "Indeterminate")
+        if outage == "stopped":
+            node.claims_paused = False
+        else:
+            await node.answer_claims()
+        await node.wait_card(CARD2, lambda g: mstate(g) == ("Managed", "BackingAllocation"), f"held again once the {outage} converger answers")
+        await node.wait_card(CARD0, lambda g: mstate(g) == ("Unclaimed", "NoBackingAllocation"), "free again")
+
+    said = [e for _, _, e in (await node.outbox())[before:]]
+    assert [e for e in said if e.management_state == "Unknown" or (cond_of(e, "Managed") or ("",))[0] == "Unknown"] == []
+    # the one change said is the card's own: XID 79, with its hold as last said
+    assert [(e.pci_address, told(e), cond_of(e, "Healthy"), e.phase) for e in said] == [
+        (CARD2, ("Managed", "True", "BackingAllocation"), ("False", "XidCritical"), "Failed")
+    ]
+    assert "claims lookup failed" in node.log()
+    node.assert_clean_log()

@@ -259,3 +259,40 @@ async def test_a_card_the_check_no_longer_sees_is_scanned_at_once(node: Node) ->
     moved = await node.wait_card(CARD6, lambda g: g.status.driver_binding.mode == "Passthrough", "scanned on vfio-pci", timeout=5)
     assert health(moved) != ("False", "GpuLost")
     node.assert_clean_log()
+
+
+async def test_a_card_moved_to_vfio_reads_not_checked_and_back_again_until_checked(node: Node) -> None:
+    """D2 (after issue 41): a card moved to vfio-pci kept `Healthy=True/Checked` ('the vendor library
+    answers') from its last check on nvidia. The library cannot see it there: it reads
+    Unknown/NotChecked, upstream too; back on nvidia it is Checked again only once a check saw it.
+    (No periodic check in the test's time: the scans and the recheck are the test's.)"""
+    await node.start(**{**FAST, "BCD_HEALTH_INTERVAL": "120"})
+    assert health(await node.card(CARD2)) == ("True", "Checked")
+    node.edit_host(**{CARD2: {"driver": "vfio-pci", "driver_override": "vfio-pci"}})
+    moved = next(g for g in (await node.rescan()).gpus if g.pci_address == CARD2)
+    assert moved.status.driver_binding.mode == "Passthrough"
+    assert health(moved) == ("Unknown", "NotChecked")
+    c = next(c for c in moved.status.conditions if c.type == "Healthy")
+    assert "vfio-pci" in c.message and "answers" not in c.message, c.message
+    said = await until(lambda: _said_on(node, CARD2, "Passthrough"), "the gpu event of the move")
+    assert ("Healthy", "Unknown", "NotChecked") in [(c.type, c.status, c.reason) for c in said.status.conditions]
+    assert (await node.gpu("recheck", CARD2)).accepted is False  # nothing can check it there
+
+    # a sticky fault it had stays through the passthrough
+    add_health(node, CARD3, xids=[xid(79)])
+    await node.wait_card(CARD3, lambda g: health(g) == ("False", "XidCritical"), "XID 79 noticed")
+    node.edit_host(**{CARD3: {"driver": "vfio-pci", "driver_override": "vfio-pci"}})
+    gone = next(g for g in (await node.rescan()).gpus if g.pci_address == CARD3)
+    assert gone.status.driver_binding.mode == "Passthrough" and health(gone) == ("False", "XidCritical")
+
+    # back on nvidia: NotChecked at the scan, Checked once a check saw it there
+    node.edit_host(**{CARD2: {"driver": "nvidia", "driver_override": ""}})
+    back = next(g for g in (await node.rescan()).gpus if g.pci_address == CARD2)
+    assert back.status.driver_binding.mode == "Compute" and health(back) == ("Unknown", "NotChecked")
+    checked = await node.gpu("recheck", CARD2)
+    assert checked.accepted is True and checked.gpu is not None and health(checked.gpu) == ("True", "Checked"), checked.message
+    node.assert_clean_log()
+
+
+async def _said_on(node: Node, pci: str, mode: str) -> Any:
+    return next((e for e in reversed(await node.events_of(pci)) if e.status.driver_binding.mode == mode), None)

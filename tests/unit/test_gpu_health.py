@@ -34,6 +34,7 @@ from services.inventory.health import (
     apply_check,
     apply_event,
     healthy_condition,
+    off_library,
 )
 from services.inventory.healthintake import HealthIntake, policy_from, watched_cards
 from services.inventory.healthwatch import HealthNews, HealthThread
@@ -201,6 +202,34 @@ def test_a_card_never_checked_reads_unknown() -> None:
     assert healthy_condition(CardHealth(), POLICY, now=T0).status == "Unknown"
 
 
+def test_a_card_the_library_cannot_see_is_never_checked_and_keeps_its_faults() -> None:
+    """D2: a card on vfio-pci whose record holds a clean check of earlier read True/Checked ('the
+    vendor library answers'). Off the library it is NotChecked; a fault it had stays; Unmonitored
+    (about registering its events) does not describe it any more."""
+    h = CardHealth()
+    apply_check(h, check(), POLICY, boot_id="b", now=T0)
+    assert healthy_condition(h, POLICY, now=T0).reason == CHECKED
+    c = healthy_condition(h, POLICY, now=T0, unseen="on vfio-pci")
+    assert (c.status, c.reason) == ("Unknown", NOT_CHECKED)
+    assert "on vfio-pci" in c.message and "answers" not in c.message
+    apply_event(h, HealthEvent(PCI, "unmonitored", T0, message="no events"), POLICY, "b")
+    assert healthy_condition(h, POLICY, now=T0, unseen="on vfio-pci").reason == NOT_CHECKED
+    apply_event(h, xid(79), POLICY, "b")
+    c = healthy_condition(h, POLICY, now=T0, unseen="on vfio-pci")
+    assert (c.status, c.reason) == ("False", XID_CRITICAL) and "Unmonitored" not in c.message
+
+
+def test_off_library_forgets_the_last_check_and_keeps_the_faults() -> None:
+    h = CardHealth()
+    apply_check(h, check(row_remap_pending=True, ecc_correctable=3, unmonitored="no events"), POLICY, boot_id="b", now=T0)
+    apply_event(h, xid(79), POLICY, "b")
+    assert off_library(h)
+    assert h.checked_at is None and h.ecc_correctable is None
+    assert set(h.faults) == {XID_CRITICAL, ROW_REMAP_PENDING}
+    assert not off_library(h)  # idempotent
+    assert healthy_condition(CardHealth(faults={}), POLICY, now=T0).reason == NOT_CHECKED
+
+
 # --------------------------------------------------------------------------- the tracker
 
 
@@ -211,7 +240,7 @@ def inventory(host: Path) -> Any:
 
 def tracker(**kw: Any) -> GpuTracker:
     clock = [T0]
-    t = GpuTracker("node-1", clock=lambda: clock[0], health=HealthPolicy(), claims_grace=timedelta(0), **kw)
+    t = GpuTracker("node-1", clock=lambda: clock[0], health=HealthPolicy(), **kw)
     t.clock_cell = clock  # type: ignore[attr-defined]
     return t
 
@@ -277,6 +306,40 @@ def test_the_library_gone_loses_every_watched_card() -> None:
     card = t.evaluate(inv, None).inventory.gpus[0]
     assert card.status.unhealthy().reason == GPU_LOST  # type: ignore[union-attr]
     assert "Driver Not Loaded" in card.status.unhealthy().message  # type: ignore[union-attr]
+
+
+def on_driver(inv: Any, driver: str) -> Any:
+    """`inv` with its one card bound to `driver` (as a scan reads it: vfio-pci is Passthrough)."""
+    from shared.schemas import DriverBinding
+
+    g = inv.gpus[0]
+    mode = "Passthrough" if driver == "vfio-pci" else ("None" if not driver else "Compute")
+    status = type(g.status)(
+        phase=g.status.phase, driver_binding=DriverBinding(driver=driver, mode=mode, management_state="Unknown"), conditions=g.status.conditions
+    )
+    card = type(g)(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "driver": driver, "status": status})
+    return type(inv)(**{**{f: getattr(inv, f) for f in inv.__struct_fields__}, "gpus": [card]})
+
+
+def test_a_card_moved_to_vfio_reads_not_checked_until_a_check_on_its_compute_driver() -> None:
+    """D2: the card moved to vfio-pci kept Healthy=True/Checked from its last check on nvidia; back
+    on nvidia it must read NotChecked until the library checked it again there."""
+    inv = inventory(ONE_GPU)
+    t = tracker()
+    t.note_health_checks([check()], boot_id=inv.boot_id)
+    assert t.evaluate(inv, None).inventory.gpus[0].status.health().reason == CHECKED  # type: ignore[union-attr]
+    for driver in ("vfio-pci", ""):
+        c = t.evaluate(on_driver(inv, driver), None).inventory.gpus[0].status.health()
+        assert c is not None and (c.status, c.reason) == ("Unknown", NOT_CHECKED), driver
+        assert "answers" not in c.message
+    back = t.evaluate(inv, None).inventory.gpus[0].status.health()
+    assert back is not None and back.reason == NOT_CHECKED  # no check of it since it came back
+    t.note_health_checks([check()], boot_id=inv.boot_id)
+    assert t.evaluate(inv, None).inventory.gpus[0].status.health().reason == CHECKED  # type: ignore[union-attr]
+    # a sticky fault it had stays through the passthrough
+    t.note_health_event(xid(79), boot_id=inv.boot_id)
+    c = t.evaluate(on_driver(inv, "vfio-pci"), None).inventory.gpus[0].status.health()
+    assert c is not None and (c.status, c.reason) == ("False", XID_CRITICAL)
 
 
 def test_a_tracker_told_nothing_of_health_adds_no_condition() -> None:

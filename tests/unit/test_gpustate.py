@@ -37,7 +37,7 @@ from services.inventory.gpustate import (
     state_dir_from,
 )
 from services.inventory.physicalgpu import ORPHAN_GRACE, RECLAIM_TIMEOUT
-from services.inventory.adapters.base import HealthCheck
+from services.inventory.adapters.base import HealthCheck, HealthEvent
 from services.inventory.health import HealthPolicy
 from shared.eventids import gpu_id
 from shared.schemas import (
@@ -856,7 +856,7 @@ def test_since_stays_while_status_and_reason_do_not_change() -> None:
 
 def test_every_change_is_one_event_and_no_change_is_none() -> None:
     clock = Clock()
-    t = tracker(clock, claims_grace=timedelta(0))  # the start's grace: the test below
+    t = tracker(clock)
     first = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
     assert [e.event.pci_address for e in first.events] == [PCI, PCI2]  # first sight of each card
     clock.advance(timedelta(seconds=5))
@@ -1123,21 +1123,60 @@ def test_a_restart_says_nothing_upstream_that_did_not_happen() -> None:
     assert status_of(after, PCI2).driver_binding.management_state == "Managed"
     assert list(after.outbox) == list(before.outbox)
 
-    # a converger that stays away past the grace is a change worth saying
+    # a converger that stays away is no change of the cards either (D4 after issue 41): it is
+    # the converger's own news (its status), never each card's said Unknown
     clock.advance(timedelta(seconds=20))
     gone = after.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
-    assert [(e.event.pci_address, e.event.management_state) for e in gone.events] == [(PCI, "Unknown"), (PCI2, "Unknown")]
+    assert gone.events == []
+    assert status_of(after, PCI2).driver_binding.management_state == "Unknown"
+
+
+def test_claims_unknown_later_say_no_unknown_that_did_not_happen() -> None:
+    """D4 (after issue 41): with the converger stopped (kill -STOP) for 12 s long after the start, every
+    card was said upstream as `Unknown` (Managed=Unknown/Indeterminate), held ones too, then Managed
+    again. Whenever the claims are unknown, an event carries what they decide as last said; the card's
+    own news (its health) is still said at once; locally the status stays fail-closed."""
+    clock = Clock()
+    t = tracker(clock, health=HealthPolicy())
+    t.note_health_checks([HealthCheck(pci_address=p, answers=True) for p in (PCI, PCI2)], boot_id=BOOT)
+    held = claims((PCI2, "allocation", "a-1"))
+    first = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), held)
+    assert [(e.event.pci_address, e.event.management_state) for e in first.events] == [(PCI, "Unclaimed"), (PCI2, "Managed")]
+    said_before = {e.event.pci_address: e.event.status for e in first.events}
+
+    for _ in range(4):  # long after the start: no grace of any kind
+        clock.advance(timedelta(minutes=1))
+        assert t.evaluate(inv(gpu(), gpu(PCI2, index=1)), None).events == []
+        assert status_of(t, PCI2).driver_binding.management_state == "Unknown"  # fail-closed here
+        assert sr(status_of(t, PCI2), "Managed") == ("Unknown", "Indeterminate")
+
+    # the card's own news while the claims are unknown: said, with the claimed parts as last said
+    t.note_health_event(HealthEvent(PCI2, "xid", clock.now, xid=79), boot_id=BOOT)
+    sick = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), None)
+    [e] = [p.event for p in sick.events]
+    assert e.pci_address == PCI2 and e.management_state == "Managed" and e.phase == "Failed"
+    assert sr(e.status, "Managed") == sr(said_before[PCI2], "Managed") and sr(e.status, "Managed")[0] == "True"
+    assert sr(e.status, "Healthy") == ("False", "XidCritical")
+
+    # a switch notice while the claims are unknown says no Unknown either
+    notice = t.evaluate(inv(gpu(), gpu(PCI2, index=1)), None, switch=switch_reply(pci=PCI, at=clock.now))
+    assert [p.event.management_state for p in notice.events] == ["Unclaimed"]
+
+    # the claims answer again, unchanged: nothing to say
+    clock.advance(timedelta(seconds=12))
+    assert t.evaluate(inv(gpu(), gpu(PCI2, index=1)), held).events == []
+    assert status_of(t, PCI2).driver_binding.management_state == "Managed"
 
 
 def test_a_state_file_of_an_older_bcd_says_nothing_at_its_first_evaluation() -> None:
     """Upgrades too: a card record without `said` takes its last status as said."""
     clock = Clock()
-    old = tracker(clock, claims_grace=timedelta(0))
+    old = tracker(clock)
     old.evaluate(inv(gpu()), FREE)
     state = old.state
     for rec in state.cards.values():
         rec.said = None  # what an older bcd wrote
-    new = tracker(clock, claims_grace=timedelta(0), state=state)
+    new = tracker(clock, state=state)
     assert new.evaluate(inv(gpu()), FREE).events == []
 
 
