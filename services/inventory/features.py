@@ -385,6 +385,9 @@ class FeatureFile:
             dfd = self._open_dir(make=True)
         except _Refused as exc:
             return Outcome("refused", str(exc))
+        except FileNotFoundError:
+            # no NFD tree on this host (not a Kubernetes worker): nothing to say but once, at INFO
+            return Outcome("not written", f"{self.directory.parent} does not exist (no node-feature-discovery here)")
         except OSError as exc:
             return Outcome("error", f"{self.directory}: {exc.strerror or exc}")
         tmp = f".{self.name}.{os.getpid()}.tmp"
@@ -480,7 +483,7 @@ class FeatureKeeper:
         if outcome.what in ("refused", "error"):
             log.error("GPU feature file not kept", path=str(self.file.path), outcome=outcome.what, error=outcome.message)  # type: ignore[attr-defined]
         else:
-            log.info("GPU feature file " + outcome.what, path=str(self.file.path), labels=count)  # type: ignore[attr-defined]
+            log.info("GPU feature file " + outcome.what, path=str(self.file.path), labels=count, **({"why": outcome.message} if outcome.message else {}))  # type: ignore[attr-defined]
         for problem in skipped:
             log.warning("GPU feature label left out", problem=problem)  # type: ignore[attr-defined]
 

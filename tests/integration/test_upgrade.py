@@ -58,7 +58,11 @@ def release(tmp_path: Path):
 
 @pytest.mark.timeout(300)
 def test_an_upgrade_from_the_last_release_keeps_every_hold_and_every_event(tmp_path: Path, release: Path) -> None:
-    old = Node(tmp_path, repo=release).start()
+    # the hardware as the release's own example host describes it (a newer example may carry fields
+    # it does not know, like cuda_version); the upgrade keeps the same host file
+    host = tmp_path / "host.json"
+    host.write_bytes((release / "examples" / "hosts" / "h200x8.json").read_bytes())
+    old = Node(tmp_path, repo=release, host=host).start()
     try:
         gen = old.apply({"node_id": "node-1", "devices": [assignment("keep-a", GPU[0]), assignment("keep-b", GPU[1], memory_bytes=1 << 30)]})
         old.wait_generation(gen)
@@ -81,7 +85,7 @@ def test_an_upgrade_from_the_last_release_keeps_every_hold_and_every_event(tmp_p
 
     assert not [e for e in before if is_excluded(e)], "the release's bridge sent it before it was stopped"
 
-    new = Node(tmp_path).start()
+    new = Node(tmp_path, host=host).start()
     try:
         # the event the release journaled goes upstream, once
         def excluded_upstream() -> list:

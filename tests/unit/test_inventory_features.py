@@ -243,8 +243,9 @@ def test_written_atomically_then_unchanged_then_rewritten(tmp_path: Path) -> Non
 
 
 def test_directory_made_only_where_its_parent_exists(tmp_path: Path) -> None:
+    # a host with no NFD tree (not a Kubernetes worker) is no error: said once, at INFO
     out = FeatureFile(tmp_path / "no" / "features.d").sync(b"a=1\n")
-    assert out.what == "error" and "features.d" in out.message
+    assert out.what == "not written" and f"{tmp_path / 'no'} does not exist" in out.message
     assert not (tmp_path / "no").exists()
 
 
