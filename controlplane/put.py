@@ -12,7 +12,9 @@ what a put needs and none of the event consumer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 from pathlib import Path
 
 import nats.errors
@@ -61,23 +63,13 @@ async def put_spec_file(
     # everything that can be judged offline is judged before connecting
     checked = check_spec(data, allow_unknown_fields=allow_unknown_fields)
     wait = hello_wait(checked.draft.node_id) if callable(hello_wait) else hello_wait
-    key, _ = load_or_create_cp_key(state_dir)
-    nc = await connect_upstream(nats_url, user, password_file, nkey_file=nkey_file, tls=tls, reconnect=False, timeout=connect_timeout)
-    try:
-        store = StateStore(Path(state_dir))
-        objects = UpstreamObjects(nc.jetstream(timeout=5.0), replicas)
-        publisher = SpecPublisher(key, objects, store, Nodes(objects, store), max_payload=lambda: nc.max_payload)
+    async with _publisher(nats_url, user, password_file, state_dir, connect_timeout, replicas, nkey_file, tls) as (publisher, nc):
         try:
-            await objects.ensure()
             return await publisher.put(data, allow_unknown_fields=allow_unknown_fields, require_known_node=require_known_node, hello_wait=wait)
         except nats.errors.MaxPayloadError:
             # check_fits refuses such a spec before a generation is reserved; should the server
             # say it anyway, it is still the spec's size, not an unreachable upstream
             raise SpecTooLarge(f"spec: its signed envelope is above upstream {nats_url}'s max_payload of {nc.max_payload} bytes") from None
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
-    finally:
-        await close(nc)
 
 
 
@@ -99,6 +91,23 @@ async def rebase_node(
     Raises RebaseRefused (nothing to rebase, or not this control plane's spec), ConnectionError
     when upstream cannot be reached.
     """
+    async with _publisher(nats_url, user, password_file, state_dir, connect_timeout, replicas, nkey_file, tls) as (publisher, _):
+        return await publisher.rebase(node_id)
+
+
+@contextlib.asynccontextmanager
+async def _publisher(
+    nats_url: str,
+    user: str,
+    password_file: Path | None,
+    state_dir: Path,
+    connect_timeout: float,
+    replicas: int,
+    nkey_file: Path | None,
+    tls: UpstreamTls | None,
+) -> AsyncIterator[tuple[SpecPublisher, Any]]:
+    """A one-off SpecPublisher on its own upstream connection, the objects ensured; a bus error
+    inside is ConnectionError naming the upstream (put and rebase alike)."""
     key, _ = load_or_create_cp_key(state_dir)
     nc = await connect_upstream(nats_url, user, password_file, nkey_file=nkey_file, tls=tls, reconnect=False, timeout=connect_timeout)
     try:
@@ -107,11 +116,12 @@ async def rebase_node(
         publisher = SpecPublisher(key, objects, store, Nodes(objects, store), max_payload=lambda: nc.max_payload)
         try:
             await objects.ensure()
-            return await publisher.rebase(node_id)
+            yield publisher, nc
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            if isinstance(exc, nats.errors.MaxPayloadError):
+                raise
             raise ConnectionError(f"upstream {nats_url}: {exc or type(exc).__name__}") from None
     finally:
         await close(nc)
-
 
 __all__ = ["LOCAL_HELLO_WAIT_S", "put_spec_file", "rebase_node"]
