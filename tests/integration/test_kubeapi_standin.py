@@ -577,13 +577,13 @@ ROWS: list[tuple[str, Callable[[], dict], Mutation, Any]] = [
     ("annotations over 256 KiB", device_slice, _set("metadata.annotations", {"a": "x" * (256 * 1024)}), {"metadata.annotations"}),
     # corevalidation.ValidateNodeSelector(sel, false, ...)
     ("nodeSelector value not a label value", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "gpu.bcd.dev/model", "operator": "In", "values": ["A100 80GB"]}]}]})), {f"spec.nodeSelector.nodeSelectorTerms[0].matchExpressions[0].values[0]"}),
+        {"matchExpressions": [{"key": "gpu.bcd.dev/model", "operator": "In", "values": ["A100 80GB"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchExpressions[0].values[0]"}),
     ("nodeSelector operator unknown", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "gpu.bcd.dev/model", "operator": "Like", "values": ["a"]}]}]})), {f"spec.nodeSelector.nodeSelectorTerms[0].matchExpressions[0].operator"}),
+        {"matchExpressions": [{"key": "gpu.bcd.dev/model", "operator": "Like", "values": ["a"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchExpressions[0].operator"}),
     ("nodeSelector field value not a node name", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
-        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["Node_1"]}]}]})), {f"spec.nodeSelector.nodeSelectorTerms[0].matchFields[0].values[0]"}),
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["Node_1"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchFields[0].values[0]"}),
     ("nodeSelector field key not metadata.name", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
-        {"matchFields": [{"key": "spec.podCIDR", "operator": "In", "values": ["x"]}]}]})), {f"spec.nodeSelector.nodeSelectorTerms[0].matchFields[0].key"}),
+        {"matchFields": [{"key": "spec.podCIDR", "operator": "In", "values": ["x"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchFields[0].key"}),
     ("nodeSelector field a node name", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
         {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]})), OK),
     ("generation as a string", device_slice, _set("spec.pool.generation", "1"), 400),
