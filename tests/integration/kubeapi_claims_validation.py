@@ -11,11 +11,13 @@ validateRequestNameRef / validateOpaqueConfiguration, ValidateResourceClaimTempl
 from staging/src/k8s.io/api/resource/v1/types.go (32 requests, constraints, configs and
 selectors; 8 firstAvailable; 16 tolerations; 10 KiB CEL expressions and opaque parameters).
 
-Written from memory rather than re-read (marked "from memory"): v1helper.IsExtendedResourceName
-(an extended resource name: has a domain, not kubernetes.io, not `requests.`, a qualified name
-after `requests.`), validateDeviceToleration, the v1 defaulting (allocationMode ExactCount with
-count 1), and the strategies' drops of adminAccess (DRAAdminAccess), extendedResourceName
-(DRAExtendedResource) and firstAvailable (DRAPrioritizedList) with their gates off.
+Also re-read (kubernetes/kubernetes through the code index, validation.go at 009801d930e2):
+validateDeviceToleration; v1helper.IsExtendedResourceName (pkg/apis/core/v1/helper/helpers.go);
+the v1 defaults (pkg/apis/resource/v1/defaults.go at 16913111deb1: allocationMode ExactCount,
+count 1 when ExactCount and 0; DeviceToleration.Operator `+default="Equal"` in
+staging/src/k8s.io/api/resource/v1/types.go); the strategies' drops: pkg/api/resourceclaimspec
+DropDisabledFields (both claim and template strategies call it) and
+pkg/registry/resource/deviceclass/strategy.go dropDisabledDRAExtendedResourceFields.
 
 `validate_manifest(doc, gates)` takes any manifest: the three kinds get their rules, after the
 drops a stock API server with `gates` would make; other kinds give [].
@@ -101,14 +103,16 @@ def _opaque(config: dict, path: str, errs: Errors) -> None:
 
 
 def _toleration(t: dict, path: str, errs: Errors) -> None:
-    # validateDeviceToleration (from memory): key a label name when set; operator Exists (no value)
-    # or Equal (a label value); effect empty or a device taint effect
+    # validateDeviceToleration: key a label name when set; operator Exists (no value) or Equal (a
+    # label value); effect empty or a device taint effect. The operator is never empty here: v1's
+    # DeviceToleration.Operator carries `+default="Equal"` (staging/src/k8s.io/api/resource/v1/
+    # types.go), so an omitted or "" operator is Equal before validation.
     if t.get("key"):
         _validate_label_name(t["key"], f"{path}.key", errs)
-    op = t.get("operator", "Equal")
+    op = t.get("operator") or "Equal"
     if op == "Exists":
         if t.get("value"):
-            errs.invalid(f"{path}.value", t["value"], "must be empty when `operator` is 'Exists'")
+            errs.invalid(f"{path}.value", t["value"], "must be empty for operator `Exists`")
     elif op == "Equal":
         for msg in is_label_value(t.get("value", "")):
             errs.invalid(f"{path}.value", t.get("value", ""), msg)
@@ -127,9 +131,13 @@ def _class_name(name: str, path: str, errs: Errors) -> None:
 
 
 def _mode(req: dict, path: str, errs: Errors) -> None:
-    # validateDeviceAllocationMode, after the v1 defaults (from memory: ExactCount, count 1)
-    mode = req.get("allocationMode", "ExactCount")
-    count = req.get("count", 1 if mode == "ExactCount" else 0)
+    # validateDeviceAllocationMode, after pkg/apis/resource/v1/defaults.go
+    # SetDefaults_ExactDeviceRequest / SetDefaults_DeviceSubRequest: an empty allocationMode is
+    # ExactCount, and ExactCount with count 0 (omitted or sent as 0) gets count 1.
+    mode = req.get("allocationMode") or "ExactCount"
+    count = req.get("count") or 0
+    if mode == "ExactCount" and count == 0:
+        count = 1
     if mode == "All":
         if count != 0:
             errs.invalid(f"{path}.count", count, "must not be specified when allocationMode is 'All'")
@@ -189,8 +197,9 @@ def _request_ref(name: str, path: str, names: dict[str, set[str] | None], errs: 
         errs.invalid(path, name, msg)
 
 
-def _constraint(c: dict, path: str, names: dict, errs: Errors) -> None:
-    # validateDeviceConstraint: request refs; matchAttribute or distinctAttribute a fully qualified name
+def _constraint(c: dict, path: str, names: dict, errs: Errors, gates: dict[str, bool]) -> None:
+    # validateDeviceConstraint: request refs; matchAttribute or distinctAttribute a fully qualified
+    # name; with neither, the error depends on DRAConsumableCapacity (which added distinctAttribute)
     _each(c.get("requests") or [], DEVICE_REQUESTS_MAX_SIZE, f"{path}.requests", errs, lambda n, p: _request_ref(n, p, names, errs), lambda n: n)
     for key in ("matchAttribute", "distinctAttribute"):
         if key in c:
@@ -198,17 +207,20 @@ def _constraint(c: dict, path: str, names: dict, errs: Errors) -> None:
             if "/" not in c[key]:
                 errs.invalid(f"{path}.{key}", c[key], "a fully qualified name must be a domain and a name separated by a slash")
             return
-    errs.required(path, 'exactly one of "matchAttribute" or "distinctAttribute" is required, but multiple fields are set')
+    if gates.get("DRAConsumableCapacity", True):
+        errs.required(path, 'exactly one of "matchAttribute" or "distinctAttribute" is required, but multiple fields are set')
+    else:
+        errs.required(f"{path}.matchAttribute")
 
 
-def validate_claim_spec(spec: dict, path: str = "spec") -> list[FieldError]:
+def validate_claim_spec(spec: dict, path: str = "spec", gates: dict[str, bool] | None = None) -> list[FieldError]:
     """validateResourceClaimSpec / validateDeviceClaim on a claim's (or a template's) spec."""
     errs = Errors()
     devices = spec.get("devices") or {}
     dp = f"{path}.devices"
     names = _request_names(devices)
     _each(devices.get("requests") or [], DEVICE_REQUESTS_MAX_SIZE, f"{dp}.requests", errs, lambda r, p: _request(r, p, errs), lambda r: r.get("name", ""))
-    _each(devices.get("constraints") or [], DEVICE_CONSTRAINTS_MAX_SIZE, f"{dp}.constraints", errs, lambda c, p: _constraint(c, p, names, errs))
+    _each(devices.get("constraints") or [], DEVICE_CONSTRAINTS_MAX_SIZE, f"{dp}.constraints", errs, lambda c, p: _constraint(c, p, names, errs, gates or {}))
 
     def config(c: dict, p: str) -> None:
         _each(c.get("requests") or [], DEVICE_REQUESTS_MAX_SIZE, f"{p}.requests", errs, lambda n, q: _request_ref(n, q, names, errs), lambda n: n)
@@ -219,7 +231,9 @@ def validate_claim_spec(spec: dict, path: str = "spec") -> list[FieldError]:
 
 
 def _is_extended_resource_name(name: str) -> bool:
-    # v1helper.IsExtendedResourceName (from memory)
+    # pkg/apis/core/v1/helper/helpers.go IsExtendedResourceName: not native (IsNativeResource: no
+    # slash, or containing "kubernetes.io/"), no "requests." prefix, and "requests."+name a
+    # qualified name
     if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
         return False
     return not is_qualified_name("requests." + name)
@@ -238,31 +252,46 @@ def validate_device_class(obj: dict) -> list[FieldError]:
     return list(errs)
 
 
-def validate_resource_claim(obj: dict) -> list[FieldError]:
-    """ValidateResourceClaim (a create): object meta, then the spec."""
+def validate_resource_claim(obj: dict, gates: dict[str, bool] | None = None) -> list[FieldError]:
+    """ValidateResourceClaim (a create): object meta (namespaced), then the spec."""
     errs = Errors()
-    _validate_object_meta(obj.get("metadata") or {}, errs)
-    return list(errs) + validate_claim_spec(obj.get("spec") or {})
+    _validate_object_meta(obj.get("metadata") or {}, errs, namespaced=True)
+    return list(errs) + validate_claim_spec(obj.get("spec") or {}, gates=gates)
 
 
-def validate_resource_claim_template(obj: dict) -> list[FieldError]:
-    """ValidateResourceClaimTemplate: object meta, then spec.spec (spec.metadata labels checked as meta)."""
+def validate_resource_claim_template(obj: dict, gates: dict[str, bool] | None = None) -> list[FieldError]:
+    """ValidateResourceClaimTemplate: object meta (namespaced), then spec.spec."""
     errs = Errors()
-    _validate_object_meta(obj.get("metadata") or {}, errs)
+    _validate_object_meta(obj.get("metadata") or {}, errs, namespaced=True)
     spec = obj.get("spec") or {}
-    return list(errs) + validate_claim_spec(spec.get("spec") or {}, "spec.spec")
+    return list(errs) + validate_claim_spec(spec.get("spec") or {}, "spec.spec", gates)
 
 
 def _drop_claim_fields(spec: dict, gates: dict[str, bool]) -> None:
-    # the ResourceClaim / template strategies' drops (from memory), on a create
-    for r in (spec.get("devices") or {}).get("requests") or []:
+    # pkg/api/resourceclaimspec DropDisabledFields (called by both strategies' PrepareForCreate),
+    # on a create (no old spec, so nothing counts as in use), in its order: firstAvailable
+    # (DRAPrioritizedList); tolerations of exactly and of each subrequest (DRADeviceTaints);
+    # exactly.adminAccess only (DRAAdminAccess); constraints' distinctAttribute and the requests'
+    # and subrequests' capacity (DRAConsumableCapacity).
+    devices = spec.get("devices") or {}
+    requests = devices.get("requests") or []
+    for r in requests:
         if not gates.get("DRAPrioritizedList"):
             r.pop("firstAvailable", None)
-        for e in [r.get("exactly") or {}, *(r.get("firstAvailable") or [])]:
-            if not gates.get("DRAAdminAccess"):
-                e.pop("adminAccess", None)
-            if not gates.get("DRADeviceTaints"):
+    for r in requests:
+        entries = [r["exactly"]] if isinstance(r.get("exactly"), dict) else []
+        entries += [s for s in r.get("firstAvailable") or [] if isinstance(s, dict)]
+        if not gates.get("DRADeviceTaints"):
+            for e in entries:
                 e.pop("tolerations", None)
+        if not gates.get("DRAAdminAccess") and entries and entries[0] is r.get("exactly"):
+            entries[0].pop("adminAccess", None)
+        if not gates.get("DRAConsumableCapacity"):
+            for e in entries:
+                e.pop("capacity", None)
+    if not gates.get("DRAConsumableCapacity"):
+        for c in devices.get("constraints") or []:
+            c.pop("distinctAttribute", None)
 
 
 def validate_manifest(doc: dict, gates: dict[str, bool]) -> list[FieldError]:
@@ -272,15 +301,16 @@ def validate_manifest(doc: dict, gates: dict[str, bool]) -> list[FieldError]:
     doc = copy.deepcopy(doc)
     kind = doc.get("kind")
     if kind == "DeviceClass":
+        # pkg/registry/resource/deviceclass/strategy.go dropDisabledDRAExtendedResourceFields
         if not gates.get("DRAExtendedResource"):
             (doc.get("spec") or {}).pop("extendedResourceName", None)
         return validate_device_class(doc)
     if kind == "ResourceClaim":
         _drop_claim_fields(doc.get("spec") or {}, gates)
-        return validate_resource_claim(doc)
+        return validate_resource_claim(doc, gates)
     if kind == "ResourceClaimTemplate":
         _drop_claim_fields((doc.get("spec") or {}).get("spec") or {}, gates)
-        return validate_resource_claim_template(doc)
+        return validate_resource_claim_template(doc, gates)
     return []
 
 

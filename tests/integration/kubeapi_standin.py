@@ -56,11 +56,19 @@ read for this file (paths in kubernetes/kubernetes):
 DeviceClass, ResourceClaim and ResourceClaimTemplate rules live beside this file in
 kubeapi_claims_validation.py (`validate_manifest`).
 
-Written from memory of upstream rather than re-read (marked "from memory"
-below): the generic object-meta checks (name format, labels, owner
-references), core's node-selector validation, the decode error texts, the
-ResourceClaim status-update rules, and metav1.Time (a device taint's
-timeAdded: RFC 3339 or 400, read back in UTC with whole seconds).
+The generic parts were re-read too (kubernetes/kubernetes, through the code index; the commits
+are those the index held): validation.go at 009801d930e2; staging/.../apimachinery/pkg/api/
+validation/objectmeta.go (ValidateObjectMeta*) at 008b3652959c; staging/.../meta/v1/time.go and
+time_proto.go (metav1.Time) at 07e7e2611b40 / 0e746bde3e9f; pkg/registry/resource/resourceclaim/
+strategy.go (status strategy, dropDeallocatedStatusDevices) at 0021a864a65a. The index holds
+pkg/apis/core/validation/validation.go only at an old commit (a7264f95ffc8, before
+allowInvalidLabelValueInRequiredNodeAffinity), so ValidateNodeSelector and its requirement
+checks follow that file's operator and key messages and, for the label-value and node-name
+checks on values, a verbatim copy of the current functions held in the index under the same
+path in another repository (which repository the index did not say). The store's refusal of a
+create carrying a resourceVersion is staging/.../apiserver/pkg/storage etcd3 store.go Create
+(storage.ErrResourceVersionSetOnCreate); which HTTP status the handler gives that error was not
+read: 400 here is an assumption. The decode error texts are not re-read.
 
 Device taints (DRADeviceTaints, KEP 5055): with the gate on a device's
 `taints` are kept and validated (validateDeviceTaint: key a label name, value
@@ -368,10 +376,11 @@ class DecodeError(Exception):
 
 
 _STR, _INT, _BOOL, _QTY, _ANY, _TIME = "string", "int64", "bool", "quantity", "any", "time"
-#: metav1.Time (from memory of apimachinery's time.go / time_proto.go): UnmarshalJSON takes null or a
-#: JSON string time.Parse(time.RFC3339) reads (fractional seconds allowed); MarshalJSON writes
-#: RFC 3339 in UTC with whole seconds, and the protobuf storage keeps seconds only, so what is
-#: read back is `YYYY-MM-DDTHH:MM:SSZ` whatever offset or fraction was sent.
+#: metav1.Time (staging/src/k8s.io/apimachinery/pkg/apis/meta/v1/time.go UnmarshalJSON / MarshalJSON,
+#: time_proto.go Unmarshal): UnmarshalJSON takes null or a JSON string time.Parse(time.RFC3339)
+#: reads (Go accepts a fraction there); MarshalJSON writes t.UTC() in RFC 3339 (whole seconds), and
+#: the protobuf storage drops nanos (ProtoTime leaves Nanos out), so what is read back is
+#: `YYYY-MM-DDTHH:MM:SSZ` whatever offset or fraction was sent.
 _RFC3339 = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(\.\d+)?(Z|[+-]\d{2}:\d{2})")
 RFC3339_LAYOUT = "2006-01-02T15:04:05Z07:00"
 
@@ -661,11 +670,17 @@ def _validate_qualified_name(name: str, path: str, errs: Errors) -> None:
 
 
 def _validate_node_selector(selector: dict, path: str, errs: Errors) -> None:
-    # corevalidation.ValidateNodeSelector (from memory): at least one term; requirements checked
+    # corevalidation.ValidateNodeSelector(sel, allowInvalidLabelValueInRequiredNodeAffinity=false):
+    # no term is Required and ends there; each term's matchExpressions go through
+    # ValidateNodeSelectorRequirement (an unknown operator is Invalid "not a valid selector
+    # operator"; the key a label name; each value a label value), its matchFields through
+    # ValidateNodeFieldSelectorRequirement (In/NotIn with exactly one value; the key metadata.name;
+    # each value a node name, i.e. a DNS subdomain).
     terms_path = f"{path}.nodeSelectorTerms"
     terms = selector.get("nodeSelectorTerms") or []
     if not terms:
         errs.required(terms_path, "must have at least one node selector term")
+        return
     for i, term in enumerate(terms):
         for j, req in enumerate(term.get("matchExpressions") or []):
             rp = f"{terms_path}[{i}].matchExpressions[{j}]"
@@ -680,8 +695,11 @@ def _validate_node_selector(selector: dict, path: str, errs: Errors) -> None:
                 if len(values) != 1:
                     errs.required(f"{rp}.values", "must be specified single value when `operator` is 'Lt' or 'Gt'")
             else:
-                errs.not_supported(f"{rp}.operator", op, ["DoesNotExist", "Exists", "Gt", "In", "Lt", "NotIn"])
+                errs.invalid(f"{rp}.operator", op, "not a valid selector operator")
             _validate_label_name(req.get("key", ""), f"{rp}.key", errs)
+            for k, value in enumerate(values):
+                for msg in is_label_value(value):
+                    errs.invalid(f"{rp}.values[{k}]", value, msg)
         for j, req in enumerate(term.get("matchFields") or []):
             rp = f"{terms_path}[{i}].matchFields[{j}]"
             op, values = req.get("operator", ""), req.get("values") or []
@@ -689,9 +707,13 @@ def _validate_node_selector(selector: dict, path: str, errs: Errors) -> None:
                 if len(values) != 1:
                     errs.required(f"{rp}.values", "must be only one value when `operator` is 'In' or 'NotIn' for node field selector")
             else:
-                errs.not_supported(f"{rp}.operator", op, ["In", "NotIn"])
+                errs.invalid(f"{rp}.operator", op, "not a valid selector operator")
             if req.get("key") != "metadata.name":
-                errs.not_supported(f"{rp}.key", req.get("key", ""), ["metadata.name"])
+                errs.invalid(f"{rp}.key", req.get("key", ""), "not a valid field selector key")
+            else:
+                for k, value in enumerate(values):
+                    for msg in is_dns1123_subdomain(value):
+                        errs.invalid(f"{rp}.values[{k}]", value, msg)
 
 
 def _validate_counters(counters: dict, limit: int, path: str, errs: Errors) -> None:
@@ -944,37 +966,160 @@ def _validate_device(device: dict, old_device: dict | None, path: str, per_devic
     _validate_binding(device, path, errs)
 
 
-def _validate_object_meta(meta: dict, errs: Errors) -> None:
-    # corevalidation.ValidateObjectMeta (from memory): name a DNS subdomain (name or generateName
-    # required), labels qualified names with label values, owner references complete, at most one
-    # controller
+#: apimachinery api/validation/objectmeta.go: TotalAnnotationSizeLimitB
+TOTAL_ANNOTATION_SIZE_LIMIT = 256 * (1 << 10)
+
+
+def _validate_object_meta(meta: dict, errs: Errors, namespaced: bool = False) -> None:
+    # apimachinery api/validation/objectmeta.go ValidateObjectMetaAccessor(WithOpts) and
+    # validateObjectMetaAccessorWithOptsCommon, on a create (a generateName is already turned into
+    # a name here, so only the name is checked, as a DNS subdomain): the namespace required on a
+    # namespaced kind (the API server sets it from the URL when the body has none, so only a
+    # present one is checked, as a DNS label) and forbidden on a cluster-scoped one; labels
+    # (ValidateLabels); annotation keys lower-cased qualified names, 256 KiB in all
+    # (ValidateAnnotations); owner references (validateOwnerReference, ValidateOwnerReferences);
+    # finalizers qualified names (ValidateFinalizers). Not ported: BannedOwners, the
+    # orphan/foregroundDeletion finalizer clash, generation >= 0, managedFields.
     name = meta.get("name", "")
     if not name:
         errs.required("metadata.name", "name or generateName is required")
     else:
         for msg in is_dns1123_subdomain(name):
             errs.invalid("metadata.name", name, msg)
+    namespace = meta.get("namespace", "")
+    if namespaced:
+        for msg in is_dns1123_label(namespace) if namespace else ():
+            errs.invalid("metadata.namespace", namespace, msg)
+    elif namespace:
+        errs.forbidden("metadata.namespace", "not allowed on this type")
     for key in sorted(meta.get("labels") or {}):
         _validate_label_name(key, "metadata.labels", errs)
         for msg in is_label_value(meta["labels"][key]):
             errs.invalid("metadata.labels", meta["labels"][key], msg)
-    for key in sorted(meta.get("annotations") or {}):
+    annotations = meta.get("annotations") or {}
+    for key in sorted(annotations):
         for msg in is_qualified_name(key.lower()):
             errs.invalid("metadata.annotations", key, msg)
-    controllers = 0
-    for i, ref in enumerate(meta.get("ownerReferences") or []):
-        rp = f"metadata.ownerReferences[{i}]"
-        if not ref.get("apiVersion"):
-            errs.invalid(f"{rp}.apiVersion", ref.get("apiVersion", ""), "version must not be empty")
-        if not ref.get("kind"):
-            errs.invalid(f"{rp}.kind", ref.get("kind", ""), "kind must not be empty")
-        if not ref.get("name"):
-            errs.invalid(f"{rp}.name", ref.get("name", ""), "name must not be empty")
-        if not ref.get("uid"):
-            errs.invalid(f"{rp}.uid", ref.get("uid", ""), "uid must not be empty")
-        controllers += ref.get("controller") is True
-    if controllers > 1:
-        errs.invalid("metadata.ownerReferences", meta.get("ownerReferences"), "Only one reference can have Controller set to true")
+    if sum(len(k.encode()) + len(str(v).encode()) for k, v in annotations.items()) > TOTAL_ANNOTATION_SIZE_LIMIT:
+        errs.too_long("metadata.annotations", TOTAL_ANNOTATION_SIZE_LIMIT)
+    first_controller = ""
+    refs = meta.get("ownerReferences") or []
+    for ref in refs:
+        rp = "metadata.ownerReferences"
+        api_version = ref.get("apiVersion", "")
+        # schema.FromAPIVersionAndKind: the version is what follows the last slash
+        if not api_version.rpartition("/")[2]:
+            errs.invalid(f"{rp}.apiVersion", api_version, "version must not be empty")
+        for key in ("kind", "name", "uid"):
+            if not ref.get(key):
+                errs.invalid(f"{rp}.{key}", ref.get(key, ""), "must not be empty")
+        if ref.get("controller") is True:
+            current = f"{ref.get('kind', '')}/{ref.get('name', '')}"
+            if first_controller:
+                errs.invalid(rp, refs, f'Only one reference can have Controller set to true. Found "true" in references for {first_controller} and {current}')
+            else:
+                first_controller = current
+    finalizers = meta.get("finalizers") or []
+    for f in finalizers:
+        for msg in is_qualified_name(f):
+            errs.invalid("metadata.finalizers", f, msg)
+
+
+def _device_key(d: dict) -> tuple:
+    # structured.MakeSharedDeviceID(MakeDeviceID(driver, pool, device), shareID)
+    return (d.get("driver", ""), d.get("pool", ""), d.get("device", ""), d.get("shareID"))
+
+
+def _request_name_ok(name: str, spec: dict) -> bool:
+    # requestNames.Has (gatherRequestNames over spec.devices.requests)
+    parts = name.split("/")
+    if len(parts) > 2:
+        return False
+    for r in (spec.get("devices") or {}).get("requests") or []:
+        if r.get("name", "") == parts[0]:
+            subs = {x.get("name", "") for x in r.get("firstAvailable") or []}
+            return len(parts) == 1 or parts[1] in subs
+    return False
+
+
+def validate_claim_status_update(status: dict, old_status: dict, spec: dict, deleted: bool, gates: dict[str, bool]) -> list[FieldError]:
+    """A ResourceClaim status update as the API server sees it (`status` is changed in place by the drop).
+
+    pkg/registry/resource/resourceclaim/strategy.go dropDeallocatedStatusDevices (with
+    DRAResourceClaimDeviceStatus on or status.devices already in use: entries whose
+    driver/pool/device the old allocation had and the new one has not are dropped), then
+    pkg/apis/resource/validation/validation.go validateResourceClaimStatusUpdate: reservedFor a
+    set by uid of references with resource, name and uid; status.devices a set by shared device
+    id, each entry's driver, pool and device names valid and an allocated device of the claim
+    (validateDeviceStatus); reservedFor only with an allocation, and no new entries while the
+    claim is being deleted; an allocation, once made, immutable (it may be removed); a new one
+    checked by validateAllocationResult (here its results: request names of this claim, driver,
+    pool and device names). Not ported: the size limit of reservedFor, the conditions, data and
+    networkData of status.devices, and the allocation's config, node selector, binding
+    conditions, tolerations, shareID and skipNodeOperations.
+    """
+    errs = Errors()
+    old_alloc, new_alloc = old_status.get("allocation"), status.get("allocation")
+    if status.get("devices") and (gates.get("DRAResourceClaimDeviceStatus") or old_status.get("devices")):
+        gone = {_device_key(r)[:3] for r in ((old_alloc or {}).get("devices") or {}).get("results") or ()}
+        gone -= {_device_key(r)[:3] for r in ((new_alloc or {}).get("devices") or {}).get("results") or ()}
+        status["devices"] = [d for d in status["devices"] if _device_key(d)[:3] not in gone] or None
+        if status["devices"] is None:
+            del status["devices"]
+    reserved = status.get("reservedFor") or []
+    seen: set = set()
+    for i, ref in enumerate(reserved):
+        for key in ("resource", "name", "uid"):
+            if not ref.get(key):
+                errs.required(f"status.reservedFor[{i}].{key}")
+    for i, ref in enumerate(reserved):
+        if ref.get("uid", "") in seen:
+            errs.duplicate(f"status.reservedFor[{i}]", ref.get("uid", ""))
+        seen.add(ref.get("uid", ""))
+    allocated = {_device_key(r) for r in ((new_alloc or {}).get("devices") or {}).get("results") or ()}
+    seen = set()
+    for i, d in enumerate(status.get("devices") or ()):
+        dp = f"status.devices[{i}]"
+        _validate_driver_name(d.get("driver", ""), f"{dp}.driver", errs)
+        _validate_pool_name(d.get("pool", ""), f"{dp}.pool", errs)
+        for msg in is_dns1123_label(d.get("device", "")):
+            errs.invalid(f"{dp}.device", d.get("device", ""), msg)
+        key = _device_key(d)
+        if key not in allocated:
+            shared = "/".join(key[:3]) + (f"/{key[3]}" if key[3] else "")
+            errs.invalid(dp, shared, "must be an allocated device in the claim")
+    for i, d in enumerate(status.get("devices") or ()):
+        if _device_key(d) in seen:
+            errs.duplicate(f"status.devices[{i}]", "/".join(_device_key(d)[:3]))
+        seen.add(_device_key(d))
+    if reserved:
+        if not new_alloc:
+            errs.forbidden("status.reservedFor", "may not be specified when `allocated` is not set")
+        elif deleted:
+            old_refs = [json.dumps(r, sort_keys=True) for r in old_status.get("reservedFor") or []]
+            if any(json.dumps(r, sort_keys=True) not in old_refs for r in reserved):
+                errs.forbidden("status.reservedFor", "new entries may not be added while `deallocationRequested` or `deletionTimestamp` are set")
+    if old_alloc and new_alloc:
+        if new_alloc != old_alloc:
+            errs.invalid("status.allocation", "<value omitted>", "field is immutable")
+    elif new_alloc:
+        for i, r in enumerate((new_alloc.get("devices") or {}).get("results") or ()):
+            rp = f"status.allocation.devices.results[{i}]"
+            req = r.get("request", "")
+            msg = "must be the name of a request in the claim or the name of a request and a subrequest separated by '/'"
+            if len(req.split("/")) > 2:
+                errs.invalid(f"{rp}.request", req, msg)
+            else:
+                for part in req.split("/"):
+                    for m in is_dns1123_label(part):
+                        errs.invalid(f"{rp}.request", part, m)
+                if not _request_name_ok(req, spec):
+                    errs.invalid(f"{rp}.request", req, msg)
+            _validate_driver_name(r.get("driver", ""), f"{rp}.driver", errs)
+            _validate_pool_name(r.get("pool", ""), f"{rp}.pool", errs)
+            for m in is_dns1123_label(r.get("device", "")):
+                errs.invalid(f"{rp}.device", r.get("device", ""), m)
+    return list(errs)
 
 
 def validate_resource_slice(obj: dict, old: dict | None = None) -> list[FieldError]:
@@ -1694,18 +1839,13 @@ class KubeApiStandIn:
             raise _conflict_modified("resourceclaims", name)
         status = body.get("status") or {}
         old_status = old.get("status") or {}
-        # ValidateResourceClaimStatusUpdate (from memory): an allocation, once made, may be removed
-        # but not changed; reservedFor needs an allocation. validateDeviceStatus (read): each
-        # status.devices entry names an allocated device.
-        errs = Errors()
-        if old_status.get("allocation") and status.get("allocation") and status["allocation"] != old_status["allocation"]:
-            errs.invalid("status.allocation", "<value omitted>", "field is immutable")
-        if status.get("reservedFor") and not status.get("allocation"):
-            errs.forbidden("status.reservedFor", "may not be specified when `allocated` is not set")
-        allocated = {(r.get("driver"), r.get("pool"), r.get("device")) for r in ((status.get("allocation") or {}).get("devices") or {}).get("results") or ()}
-        for i, d in enumerate(status.get("devices") or ()):
-            if (d.get("driver"), d.get("pool"), d.get("device")) not in allocated:
-                errs.invalid(f"status.devices[{i}]", f"{d.get('driver')}/{d.get('pool')}/{d.get('device')}", "must be an allocated device in the claim")
+        # PrepareForUpdate of the status strategy (pkg/registry/resource/resourceclaim/strategy.go):
+        # status.devices entries of devices the update deallocates are dropped first
+        # (dropDeallocatedStatusDevices), then ValidateResourceClaimStatusUpdate /
+        # validateResourceClaimStatusUpdate (pkg/apis/resource/validation/validation.go).
+        status = copy.deepcopy(status)
+        status_errors = validate_claim_status_update(status, old_status, old["spec"], bool(old["metadata"].get("deletionTimestamp")), self.gates)
+        errs = Errors(status_errors)
         if errs:
             raise _invalid("ResourceClaim", name, list(errs))
         claim = copy.deepcopy(old)
@@ -1745,7 +1885,7 @@ class KubeApiStandIn:
         obj, warnings = self._decode_slice(body)
         meta = obj["metadata"]
         if meta.get("resourceVersion"):
-            # (from memory) the store refuses a create that carries a resourceVersion
+            # etcd3 store.go Create: storage.ErrResourceVersionSetOnCreate (the status code is assumed)
             raise ApiError(400, "resourceVersion should not be set on objects to be created")
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + "".join(random.choice(_GENERATE_CHARS) for _ in range(5))

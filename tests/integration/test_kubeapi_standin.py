@@ -28,7 +28,7 @@ from services.dra_plugin.kubeapi import (
     KubeApiError,
 )
 
-from .kubeapi_standin import GATES_1_35_DEFAULT, KubeApiStandIn, parse_quantity
+from .kubeapi_standin import GATES_1_35_DEFAULT, GATES_ENABLED, KubeApiStandIn, parse_quantity, validate_claim_status_update
 
 DRIVER = "gpu.bcd.dev"
 NODE = "node-1"
@@ -570,7 +570,22 @@ ROWS: list[tuple[str, Callable[[], dict], Mutation, Any]] = [
     # object meta
     ("name not a DNS subdomain", device_slice, _set("metadata.name", "Node-1"), {"metadata.name"}),
     ("two controller owners", device_slice, _set("metadata.ownerReferences", device_slice()["metadata"]["ownerReferences"] * 2), {"metadata.ownerReferences"}),
-    ("owner reference without uid", device_slice, _set("metadata.ownerReferences.0.uid", ""), {"metadata.ownerReferences[0].uid"}),
+    # objectmeta.go ValidateOwnerReferences hands validateOwnerReference the list's path, not an index
+    ("owner reference without uid", device_slice, _set("metadata.ownerReferences.0.uid", ""), {"metadata.ownerReferences.uid"}),
+    ("namespace on a cluster-scoped slice", device_slice, _set("metadata.namespace", "ml"), {"metadata.namespace"}),
+    ("finalizer not a qualified name", device_slice, _set("metadata.finalizers", ["gpu.bcd.dev/a b"]), {"metadata.finalizers"}),
+    ("annotations over 256 KiB", device_slice, _set("metadata.annotations", {"a": "x" * (256 * 1024)}), {"metadata.annotations"}),
+    # corevalidation.ValidateNodeSelector(sel, false, ...)
+    ("nodeSelector value not a label value", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu.bcd.dev/model", "operator": "In", "values": ["A100 80GB"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchExpressions[0].values[0]"}),
+    ("nodeSelector operator unknown", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu.bcd.dev/model", "operator": "Like", "values": ["a"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchExpressions[0].operator"}),
+    ("nodeSelector field value not a node name", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["Node_1"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchFields[0].values[0]"}),
+    ("nodeSelector field key not metadata.name", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "spec.podCIDR", "operator": "In", "values": ["x"]}]}]})), {"spec.nodeSelector.nodeSelectorTerms[0].matchFields[0].key"}),
+    ("nodeSelector field a node name", device_slice, _all(_delete("spec.nodeName"), _set("spec.nodeSelector", {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]})), OK),
     ("generation as a string", device_slice, _set("spec.pool.generation", "1"), 400),
     ("resourceVersion on create", device_slice, _set("metadata.resourceVersion", "7"), 400),
 ]
@@ -761,3 +776,36 @@ async def test_requests_are_logged_with_the_token(standin: KubeApiStandIn, api: 
     (request,) = standin.requests
     assert (request.method, request.path, request.status) == ("GET", f"/api/v1/nodes/{NODE}", 200)
     assert request.authorization == "Bearer dra-test-token"
+
+
+# --- ResourceClaim status updates (validate_claim_status_update) ---------------------------------
+_SPEC = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.bcd.dev"}}]}}
+_RESULT = {"request": "gpu", "driver": "gpu.bcd.dev", "pool": "node-1", "device": "gpu-0"}
+_ALLOC = {"devices": {"results": [_RESULT]}}
+_REF = {"resource": "pods", "name": "p", "uid": "u-1"}
+_DEV = {"driver": "gpu.bcd.dev", "pool": "node-1", "device": "gpu-0"}
+#: (id, new status, old status, claim being deleted, expected field paths)
+STATUS_ROWS = [
+    ("allocate and reserve", {"allocation": _ALLOC, "reservedFor": [_REF]}, {}, False, set()),
+    ("reserve without an allocation", {"reservedFor": [_REF]}, {}, False, {"status.reservedFor"}),
+    ("reservedFor without uid", {"allocation": _ALLOC, "reservedFor": [{"resource": "pods", "name": "p"}]}, {}, False, {"status.reservedFor[0].uid"}),
+    ("reservedFor twice", {"allocation": _ALLOC, "reservedFor": [_REF, _REF]}, {}, False, {"status.reservedFor[1]"}),
+    ("new reservation while deleted", {"allocation": _ALLOC, "reservedFor": [_REF]}, {"allocation": _ALLOC}, True, {"status.reservedFor"}),
+    ("reservation kept while deleted", {"allocation": _ALLOC, "reservedFor": [_REF]}, {"allocation": _ALLOC, "reservedFor": [_REF]}, True, set()),
+    ("allocation changed", {"allocation": {"devices": {"results": [{**_RESULT, "device": "gpu-1"}]}}}, {"allocation": _ALLOC}, False, {"status.allocation"}),
+    ("allocation removed", {}, {"allocation": _ALLOC}, False, set()),
+    ("new allocation for an unknown request", {"allocation": {"devices": {"results": [{**_RESULT, "request": "nic"}]}}}, {}, False, {"status.allocation.devices.results[0].request"}),
+    ("new allocation with a bad device name", {"allocation": {"devices": {"results": [{**_RESULT, "device": "GPU_0"}]}}}, {}, False, {"status.allocation.devices.results[0].device"}),
+    ("device status of an allocated device", {"allocation": _ALLOC, "devices": [_DEV]}, {"allocation": _ALLOC}, False, set()),
+    ("device status of another device", {"allocation": _ALLOC, "devices": [{**_DEV, "device": "gpu-1"}]}, {"allocation": _ALLOC}, False, {"status.devices[0]"}),
+    ("device status twice", {"allocation": _ALLOC, "devices": [_DEV, _DEV]}, {"allocation": _ALLOC}, False, {"status.devices[1]"}),
+    # dropDeallocatedStatusDevices: deallocating drops the device's status entry before validation
+    ("deallocation drops the device status", {"devices": [_DEV]}, {"allocation": _ALLOC, "devices": [_DEV]}, False, set()),
+]
+
+
+@pytest.mark.parametrize(("new", "old", "deleted", "expected"), [r[1:] for r in STATUS_ROWS], ids=[r[0] for r in STATUS_ROWS])
+def test_resource_claim_status_update_rules(new: dict, old: dict, deleted: bool, expected: set[str]) -> None:
+    status = copy.deepcopy(new)
+    errors = validate_claim_status_update(status, old, _SPEC, deleted, GATES_ENABLED)
+    assert {e.field for e in errors} == expected, errors
