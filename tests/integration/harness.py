@@ -144,7 +144,7 @@ class NodeBus:
             # never the host's /var/run/cdi, whatever a service's own default
             BCD_CDI_CONSUMER_DIR=str(self.root / "run" / "cdi"),
             # the inventory's NFD feature file: never the host's /etc/kubernetes
-            BCD_FEATURE_DIR=str(self.root / "run" / "features.d"),
+            BCD_FEATURE_DIR=str(self.root / "features.d"),
             # the bridge and the converger refuse to start without a key (issue 40)
             BCD_CP_KEY=str(self.cp_pub),
         )
