@@ -315,6 +315,11 @@ class NodeSubjects:
         return self.subject("kube_reaper", "evict")
 
     @property
+    def reaper_node(self) -> str:
+        """The node's Kubernetes Node: read it, or change the MIG re-layout flow's labels, taint and cordon."""
+        return self.subject("kube_reaper", "node")
+
+    @property
     def reaper_orphans(self) -> str:
         return self.subject("kube_reaper", "orphans")
 
@@ -514,6 +519,7 @@ class NodeSubjects:
             ask(self.reaper_held, "kube_reaper", "converger"),
             ask(self.reaper_evict, "kube_reaper", "converger"),
             ask(self.reaper_orphans, "kube_reaper", "converger"),
+            ask(self.reaper_node, "kube_reaper", "converger"),
             tell(self.reaper_freed, "kube_reaper", "converger"),
             # device_plugin: the converger withdraws a hold before the reaper evicts
             ask(self.device_plugin_withdraw, "device_plugin", "converger"),

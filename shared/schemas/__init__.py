@@ -82,6 +82,8 @@ from .events import __all__ as _events_all
 from .inventory import *  # noqa: F403
 from .inventory import __all__ as _inventory_all
 from .nodespec import *  # noqa: F403
+from .kubenode import *  # noqa: F403
+from .kubenode import __all__ as _kubenode_all
 from .nodespec import __all__ as _nodespec_all
 from .events import AllocationBound, AllocationFailed, AllocationReleased, AttestedReport, GpuChanged, Hello, HoldCondition, NodeCondition, NodeEvent, ReportBody, SectionStatus
 from .inventory import Inventory
@@ -118,6 +120,8 @@ EVICT_REPLY_CODEC: Codec[EvictReply] = Codec(EvictReply, max_bytes=256 * 1024)
 FREED_CODEC: Codec[Freed] = Codec(Freed, max_bytes=64 * 1024)
 ORPHAN_QUERY_CODEC: Codec[OrphanQuery] = Codec(OrphanQuery, max_bytes=4 * DEFAULT_MAX_BYTES)
 ORPHAN_REPLY_CODEC: Codec[OrphanReply] = Codec(OrphanReply, max_bytes=256 * 1024)
+NODE_REQUEST_CODEC: Codec[NodeRequest] = Codec(NodeRequest, max_bytes=64 * 1024)  # type: ignore[arg-type]
+NODE_REPLY_CODEC: Codec[NodeReply] = Codec(NodeReply, max_bytes=512 * 1024)
 SWITCH_REQUEST_CODEC: Codec[SwitchRequest] = Codec(SwitchRequest, max_bytes=4096)
 SWITCH_REPLY_CODEC: Codec[SwitchReply] = Codec(SwitchReply, max_bytes=64 * 1024)
 CLAIMS_CODEC: Codec[Claims] = Codec(Claims, max_bytes=4 * DEFAULT_MAX_BYTES)
@@ -164,6 +168,9 @@ __all__ = [  # noqa: PLE0604
     *_events_all,
     *_inventory_all,
     *_nodespec_all,
+    *_kubenode_all,
+    "NODE_REQUEST_CODEC",
+    "NODE_REPLY_CODEC",
     "Empty",
     "SignerKey",
     "SpecAck",

@@ -29,6 +29,7 @@ from .common import (
 )
 from .events import AttestedEvent, AttestedReport, SectionStatus
 from .inventory import Gpu
+from .kubenode import RelayoutStatus
 
 
 class SignRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,6 +163,8 @@ class ConvergerStatus(msgspec.Struct, frozen=True, kw_only=True):
     gpu_ops: Annotated[list["GpuOp"], msgspec.Meta(max_length=4096)] = []
     #: the cards with a desired MIG layout and where each stands.
     mig_layouts: Annotated[list["MigLayoutState"], msgspec.Meta(max_length=1024)] = []
+    #: the MIG re-layout its Kubernetes Node's `nvidia.com/mig.config` drives (None: no Node API answered yet)
+    relayout: RelayoutStatus | None = None
     #: the DRA claims held as holds of their own (bcd-claim-<uid>.json)
     claims: Annotated[list["ClaimSummary"], msgspec.Meta(max_length=4096)] = []
     #: Kubernetes holds withdrawn and not yet released (their devices stay claimed), oldest first
