@@ -20,6 +20,7 @@ import asyncio
 import os
 from datetime import datetime
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from shared import logs
@@ -27,6 +28,7 @@ from shared.holdfiles import VendorCache
 from shared.holddisk import DiskView
 from shared.runtime import Refused, ServiceContext, guarded
 from shared.schemas import (
+    RelayoutStatus,
     CLAIM_PREPARE_REPLY_CODEC,
     CLAIM_PREPARE_REQUEST_CODEC,
     CLAIM_UNPREPARE_REPLY_CODEC,
@@ -100,6 +102,7 @@ class Endpoints:
         releases: ReleasesStore,
         system_reserve_bytes: int,
         log: logs.StructLogger,
+        relayout: Callable[[], RelayoutStatus | None] = lambda: None,
     ) -> None:
         self.facts = facts
         self.node_id = node_id
@@ -117,6 +120,8 @@ class Endpoints:
         self.releases = releases
         self.system_reserve_bytes = system_reserve_bytes
         self.log = log
+        #: the MIG re-layout's part of the status (relayoutrun.py)
+        self.relayout = relayout
 
     # ------------------------------------------------------------------ hand-overs
 
@@ -249,6 +254,7 @@ class Endpoints:
             system_reserve_bytes=self.system_reserve_bytes,
             gpu_ops=[*sorted(state.gpu_ops.values(), key=lambda o: o.pci), *sorted(state.gpu_op_results.values(), key=lambda o: (o.pci, o.op))],
             mig_layouts=self.card_claims.mig_states(),
+            relayout=self.relayout(),
             claims=self.keeper.summaries(),
         )
 

@@ -42,7 +42,7 @@ from shared.schemas import (
 from shared.schemas.common import clip
 from shared.subjects import NodeSubjects
 
-from . import gpuops
+from . import gpuops, relayout
 from .cardclaims import CardClaims
 from .facts import NodeFacts
 from .intake import InventoryIntake
@@ -91,6 +91,10 @@ class Maintenance:
                 inv = self.intake.inventory
             if inv is None:
                 return GpuOpReply(accepted=False, message=f"no inventory yet, so whether anything holds it is not known")
+            relaid = relayout.claimed_cards(state.relayout).get(req.pci)
+            if relaid:
+                self.metrics.gpu_ops.labels(op=req.op, outcome="Refused").inc()
+                return GpuOpReply(accepted=False, message=f"{req.pci} is claimed by {relaid} until it ends (bcd status shows its step)")
             if req.op == "mig-layout":
                 return await self._set_mig_layout(req, inv)
             claims = await asyncio.to_thread(self.claims.read, inv)

@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from shared.schemas import GpuOp
 
 from . import gpuops
-from .model import ClaimRecord, ConvergerState
+from . import relayout as relayout_steps
+from .model import ClaimRecord, ConvergerState, RelayoutJob
 
 
 class ConvergerMetrics:
@@ -58,6 +59,25 @@ class ConvergerMetrics:
         self._share_cards: set[str] = set()
         self.mps_daemons = Gauge("bcd_dra_mps_daemons", "MPS control daemons of DRA claims, running or being started or stopped", registry=reg)
         self.share_percent = Gauge("bcd_gpu_share_percent", "What DRA claims' shares take of a card, in percent (at most 100)", ["pci_address"], registry=reg)
+
+        self.relayout_step = Gauge(
+            "bcd_mig_relayout_step", "1 for the step the node's MIG re-layout (its Node's nvidia.com/mig.config) is at; all 0 while none runs", ["step"], registry=reg
+        )
+        self.relayout_step_started = Gauge(
+            "bcd_mig_relayout_step_started_timestamp_seconds", "When the running MIG re-layout's step began (0 while none runs)", registry=reg
+        )
+        self.relayout_cards = Gauge("bcd_mig_relayout_cards", "Cards of the running MIG re-layout, by their step", ["step"], registry=reg)
+        self.relayouts = Counter("bcd_mig_relayouts", "MIG re-layouts that ended, by outcome", ["outcome"], registry=reg)
+        for outcome in ("success", "failed"):
+            self.relayouts.labels(outcome=outcome)
+        self.relayout_gauges(None)
+
+    def relayout_gauges(self, job: RelayoutJob | None) -> None:
+        for step in relayout_steps.STEPS:
+            self.relayout_step.labels(step=step).set(1 if job is not None and job.step == step else 0)
+        self.relayout_step_started.set(job.step_since.timestamp() if job is not None else 0)
+        for step in relayout_steps.CARD_STEPS:
+            self.relayout_cards.labels(step=step).set(sum(1 for c in job.cards.values() if c.step == step) if job is not None else 0)
 
     def from_journal(self, state: ConvergerState) -> None:
         """The gauges the journal answers, at start: the last diagnostic results and the DRA claims."""

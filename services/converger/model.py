@@ -80,6 +80,41 @@ class MigLayoutRecord(msgspec.Struct, kw_only=True):
     blocked_boot: str = ""
 
 
+class RelayoutCard(msgspec.Struct, kw_only=True):
+    """One card of a MIG re-layout (relayout.py): its target, the layout to roll back to, its step."""
+
+    target: str
+    #: the layout before ("" for MIG on with no instance: nothing to roll back to)
+    before: str
+    #: waiting | draining | applying | rebooting | rollback | done
+    step: str = "waiting"
+    #: "" while it runs; success | failed
+    outcome: str = ""
+    message: str = ""
+    #: kube_reaper was asked to evict the pods using it (asked once per job; it retries by itself)
+    evicted: bool = False
+
+
+class RelayoutJob(msgspec.Struct, kw_only=True):
+    """The node's MIG re-layout from its Node label (relayout.py), journaled before each step acts."""
+
+    #: the `nvidia.com/mig.config` value it applies
+    config: str
+    #: pausing | draining | applying | finishing | done
+    step: str
+    #: "" while it runs; success | failed (set before finishing)
+    outcome: str = ""
+    message: str = ""
+    started_at: datetime
+    step_since: datetime
+    cards: dict[str, RelayoutCard] = {}
+    #: `nvidia.com/gpu.deploy.*` labels the job paused -> their value before
+    paused: dict[str, str] = {}
+    #: the job adds the taint / the cordon (they were not there): it takes them back
+    tainted: bool = False
+    cordoned: bool = False
+
+
 class ClaimMig(msgspec.Struct, kw_only=True):
     """The MIG instance a claim's device is made of, step by step (journaled before each NVML step).
 
@@ -253,6 +288,10 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     #: again, at that generation or older, is a copy of what was released (put back from a
     #: backup, left by an older bcd): removed as drift, never a hold, a claim or a new Released.
     released: dict[str, int] = {}
+    #: the MIG re-layout its Kubernetes Node's label asks for, while it runs (relayout.py)
+    relayout: RelayoutJob | None = None
+    #: the last one that ended (what the state label says, and why)
+    relayout_last: RelayoutJob | None = None
 
     def note_released(self, allocation_id: str, generation: int) -> None:
         """Record a Released now in the outbox (newest last; the oldest beyond RELEASED_KEPT go)."""

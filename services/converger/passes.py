@@ -21,7 +21,7 @@ from shared import logs
 from shared.holdfiles import HoldOnDisk
 from shared.slices import Slices
 
-from . import gpuops
+from . import gpuops, relayout
 from .apply import Applier
 from .cardclaims import CardClaims
 from .claimdesk import ClaimDesk
@@ -146,7 +146,7 @@ class PassRunner:
                 spec_unknown_fields=facts.spec_unknown,
                 consumer_dir=self.dirs.consumer_dir,
             )
-            observed = dataclasses.replace(observed, maintenance=gpuops.maintenance_claims(state.gpu_ops))
+            observed = dataclasses.replace(observed, maintenance={**relayout.claimed_cards(state.relayout), **gpuops.maintenance_claims(state.gpu_ops)})
             # a success the inventory already shows no longer needs remembering
             for pci in [pci for pci in self.applier.switched if pci not in observed.switched]:
                 del self.applier.switched[pci]

@@ -41,7 +41,7 @@ from shared.schemas import GpuOp, GpuOpRequest
 from shared.slices import CGROUP_ROOT, FakeSlices, Slices, SystemdSlices
 from shared.spectrust import announce, load_trust, trust_options
 
-from . import gpuops
+from . import gpuops, relayout
 from .apply import Applier
 from .cardclaims import CardClaims
 from .claimdesk import ClaimDesk, bus_mig_step, bus_sharing_step, counted_switch
@@ -61,6 +61,7 @@ from .loop import PassLoop
 from .maintenance import Maintenance
 from .metrics import ConvergerMetrics
 from .model import ConvergerState, MigLayoutRecord, PlanConfig
+from .relayoutrun import BusNode, RelayoutRunner
 from .outbox import BusSigner, JetStreamOutbox
 from .passes import PassRunner
 from .reaper import BusReaper
@@ -123,6 +124,13 @@ class ConvergerApp(ServiceApp):
                 default=30.0,
                 type=float,
             ),
+            Option(
+                "--relayout-drain-timeout",
+                "seconds a MIG re-layout (its Node's nvidia.com/mig.config) waits for the pods using its cards to go before it fails",
+                default=relayout.DRAIN_TIMEOUT_S,
+                type=float,
+            ),
+            Option("--relayout-interval", "seconds between reads of the node's Kubernetes Node while no MIG re-layout runs", default=relayout.IDLE_INTERVAL_S, type=float),
         ]
 
     # ------------------------------------------------------------------ setup
@@ -226,7 +234,7 @@ class ConvergerApp(ServiceApp):
             privileged=lambda: facts.privileged,
             boot_id=lambda: state.boot_id,
             vfio=lambda: dict(state.vfio),
-            maintenance=lambda: gpuops.maintenance_claims(state.gpu_ops),
+            maintenance=lambda: maintenance_claims(state),
             crash=crash,
             sharing=bus_sharing_step(ctx.nc, ctx.subjects),
             switch=counted_switch(switcher, metrics.count_switch),
@@ -236,6 +244,19 @@ class ConvergerApp(ServiceApp):
         )
         self.maintenance = Maintenance(
             facts, intake=intake, claims=card_claims, metrics=metrics, trigger=self.loop.trigger, nc=ctx.nc, subjects=ctx.subjects, log=log
+        )
+        if o.relayout_drain_timeout <= 0 or o.relayout_interval <= 0:
+            raise StartupError("--relayout-drain-timeout and --relayout-interval must be positive")
+        self.relayout = RelayoutRunner(
+            facts,
+            intake=intake,
+            claims=card_claims,
+            node=BusNode(ctx.nc, ctx.subjects),
+            metrics=metrics,
+            trigger=self.loop.trigger,
+            log=log,
+            drain_timeout=o.relayout_drain_timeout,
+            idle_interval=o.relayout_interval,
         )
         self.helper_watch = (
             RootHelperWatch(
@@ -285,6 +306,7 @@ class ConvergerApp(ServiceApp):
             outbox=outbox,
             releases=releases,
             system_reserve_bytes=o.system_reserve_bytes,
+            relayout=self.relayout.status,
             log=log,
         )
         metrics.from_journal(state)
@@ -312,6 +334,7 @@ class ConvergerApp(ServiceApp):
             if self.opts.watch_interval > 0:
                 tasks.create_task(self.dir_watch.run(ctx.stopping), name="converger.hold-dir-watch")
             tasks.create_task(self.comeback.run(ctx.stopping), name="converger.comeback-watch")
+            tasks.create_task(self.relayout.run(ctx.stopping), name="converger.mig-relayout")
             await self.loop.run(ctx.stopping)
 
     async def close(self, ctx: ServiceContext) -> None:
@@ -319,6 +342,11 @@ class ConvergerApp(ServiceApp):
         await self.maintenance.close()
         if self.helper_writer is not None:
             await asyncio.to_thread(self.helper_writer.close)
+
+
+def maintenance_claims(state: ConvergerState) -> dict[str, str]:
+    """PCI address -> holder of each card a maintenance operation or the MIG re-layout claims."""
+    return {**relayout.claimed_cards(state.relayout), **gpuops.maintenance_claims(state.gpu_ops)}
 
 
 def start_journal(state: ConvergerState, *, boot: str, mig_layouts: str, log: logs.StructLogger) -> list[GpuOp]:
