@@ -39,6 +39,7 @@ import nats.errors
 from shared.jsutil import StreamDepth, StreamMissing, stream_depth
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
+    RelayoutStatus,
     CLAIMS_CODEC,
     CONVERGER_STATUS_CODEC,
     DEVICE_PLUGIN_STATUS_CODEC,
@@ -161,10 +162,47 @@ def problems(report: NodeReport) -> list[str]:
             out.append(f"vendor CDI spec unreadable, no new hold is bound: {conv.vendor_cdi_error}")
         if conv.outbox_error:
             out.append(conv.outbox_error)
+        if conv.relayout is not None:
+            out.extend(relayout_problems(conv.relayout, datetime.now(timezone.utc)))
     out.extend(gpu_problems(report.inventory))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
         out.append(f"outbox not draining: {report.outbox.messages if report.outbox else 0} events, oldest {age:.0f} s")
+    return out
+
+
+#: a re-layout step older than this is stuck (the alert BcdMigRelayoutStuck uses the same bound)
+RELAYOUT_STUCK_S = 1800
+
+
+def relayout_lines(r: RelayoutStatus, now: datetime) -> list[str]:
+    """The MIG re-layout its Node's label drives: what the label asks, the job's step, each card's."""
+    head = f"MIG re-layout: nvidia.com/mig.config={r.desired or '(none)'}" + (f", state {r.state_label}" if r.state_label else "")
+    lines = [head]
+    if r.read_error:
+        lines.append(f"  the Node could not be read: {r.read_error}")
+    if r.note:
+        lines.append(f"  {r.note}")
+    job = r.running or r.last
+    if job is not None:
+        age = max(0, int((now - job.step_since).total_seconds()))
+        what = f"{job.step} for {age} s" if r.running is not None else f"last: {job.outcome or job.step}"
+        lines.append(f"  {job.config}: {what}" + (f": {job.message}" if job.message else ""))
+        lines.extend(
+            f"    {c.pci_address} {c.target}: {c.step}" + (f" ({c.outcome})" if c.outcome else "") + (f": {c.message}" if c.message else "")
+            for c in job.cards
+        )
+    return lines
+
+
+def relayout_problems(r: RelayoutStatus, now: datetime) -> list[str]:
+    """A re-layout that failed (while the label still asks for it) or a step stuck past RELAYOUT_STUCK_S."""
+    out = []
+    if r.running is not None and (now - r.running.step_since).total_seconds() > RELAYOUT_STUCK_S:
+        out.append(f"MIG re-layout to {r.running.config} stuck at {r.running.step} for over {RELAYOUT_STUCK_S} s: {r.running.message}")
+    last = r.last
+    if r.running is None and last is not None and last.outcome == "failed" and r.desired == last.config and r.state_label == "failed":
+        out.append(f"MIG re-layout to {last.config} failed: {last.message}")
     return out
 
 
@@ -294,6 +332,8 @@ def render_status(report: NodeReport) -> str:
     if conv is not None and conv.gpu_ops:
         lines.append("gpu maintenance:")
         lines.extend(f"  {op_line(op)}" for op in conv.gpu_ops)
+    if conv is not None and conv.relayout is not None:
+        lines.extend(relayout_lines(conv.relayout, datetime.now(timezone.utc)))
     if conv is not None and conv.mig_layouts:
         lines.append("MIG layouts:")
         lines.extend(f"  {m.pci_address} {m.layout}: {m.state}" + (f": {m.message}" if m.message else "") for m in conv.mig_layouts)
