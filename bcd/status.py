@@ -163,7 +163,7 @@ def problems(report: NodeReport) -> list[str]:
         if conv.outbox_error:
             out.append(conv.outbox_error)
         if conv.relayout is not None:
-            out.extend(relayout_problems(conv.relayout, datetime.now(timezone.utc)))
+            out.extend(relayout_problems(conv.relayout, report.now))
     out.extend(gpu_problems(report.inventory))
     age = _age(report)
     if age is not None and age > OUTBOX_STALE_S:
@@ -333,7 +333,7 @@ def render_status(report: NodeReport) -> str:
         lines.append("gpu maintenance:")
         lines.extend(f"  {op_line(op)}" for op in conv.gpu_ops)
     if conv is not None and conv.relayout is not None:
-        lines.extend(relayout_lines(conv.relayout, datetime.now(timezone.utc)))
+        lines.extend(relayout_lines(conv.relayout, report.now))
     if conv is not None and conv.mig_layouts:
         lines.append("MIG layouts:")
         lines.extend(f"  {m.pci_address} {m.layout}: {m.state}" + (f": {m.message}" if m.message else "") for m in conv.mig_layouts)

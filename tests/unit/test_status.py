@@ -964,3 +964,50 @@ def test_every_doctor_row_the_docs_name_is_one_doctor_prints() -> None:
     assert {"gpu-health", "hold-files", "outbox-size"} <= named
     assert named <= made, sorted(named - made)
     assert "hold-dirs" not in made
+
+
+def _relayout(**kw):
+    from shared.schemas import RelayoutCardState, RelayoutState, RelayoutStatus
+
+    job = RelayoutState(
+        config="all-1g.18gb",
+        step=kw.pop("step", "draining"),
+        outcome=kw.pop("outcome", ""),
+        message=kw.pop("message", "re-layout to all-1g.18gb: draining the pods that use 0000:1a:00.0"),
+        started_at=NOW - timedelta(minutes=5),
+        step_since=kw.pop("since", NOW - timedelta(seconds=40)),
+        cards=[RelayoutCardState(pci_address="0000:1a:00.0", target="1g.18gb", before="all-disabled", step="draining")],
+    )
+    running = kw.pop("running", True)
+    return RelayoutStatus(
+        desired=kw.pop("desired", "all-1g.18gb"),
+        state_label=kw.pop("state_label", "pending"),
+        running=job if running else None,
+        last=None if running else job,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "relayout", "unhealthy"),
+    [
+        ("nothing to do: none", None, []),
+        ("a job running is no problem", _relayout(), []),
+        ("a step stuck over 30 minutes", _relayout(since=NOW - timedelta(minutes=31)), ["stuck at draining"]),
+        ("failed while the label still asks", _relayout(running=False, step="done", outcome="failed", message="0000:1a:00.0 is held by train-01", state_label="failed"), ["failed: 0000:1a:00.0 is held by train-01"]),
+        ("failed, then the label changed: no longer a problem", _relayout(running=False, step="done", outcome="failed", desired="all-disabled", state_label="failed"), []),
+        ("success", _relayout(running=False, step="done", outcome="success", state_label="success"), []),
+    ],
+)
+def test_mig_relayout_problems_and_lines(name, relayout, unhealthy):
+    r = report(converger=conv(relayout=relayout))
+    got = problems(r)
+    assert len(got) == len(unhealthy), (name, got)
+    for line, words in zip(got, unhealthy):
+        assert words in line, (name, line)
+    text = render_status(r)
+    if relayout is not None:
+        assert "MIG re-layout: nvidia.com/mig.config=" + relayout.desired in text
+        assert "0000:1a:00.0 1g.18gb: draining" in text
+    if relayout is not None and relayout.running is not None:
+        assert "draining for " in text
