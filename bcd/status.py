@@ -907,6 +907,12 @@ def doctor_checks(report: NodeReport) -> list[tuple[str, str, str]]:
         if not hold_dirs and not conv.odd_files:
             out.append(("ok", "hold-files", "the hold dirs hold only bcd's files"))
         out.extend(("warn", "hold-drift", d) for d in conv.drift)
+        if conv.relayout is not None:
+            bad = relayout_problems(conv.relayout, report.now)
+            out.extend(("fail", "mig-relayout", p) for p in bad)
+            if not bad:
+                running = conv.relayout.running
+                out.append(("ok", "mig-relayout", f"{running.config}: {running.step}" if running else "no MIG re-layout runs; none failed"))
         if conv.section is not None and conv.section.state == "FAILED":
             out.append(("warn", "section", "devices section FAILED: " + "; ".join(conv.section.message.splitlines())))
         for c in conv.conditions:

@@ -1011,3 +1011,11 @@ def test_mig_relayout_problems_and_lines(name, relayout, unhealthy):
         assert "0000:1a:00.0 1g.18gb: draining" in text
     if relayout is not None and relayout.running is not None:
         assert "draining for " in text
+
+
+def test_doctor_has_a_mig_relayout_row_only_where_a_node_label_is_read():
+    assert not [c for c in doctor_checks(report()) if c[1] == "mig-relayout"]
+    ok = [c for c in doctor_checks(report(converger=conv(relayout=_relayout()))) if c[1] == "mig-relayout"]
+    assert ok == [("ok", "mig-relayout", "all-1g.18gb: draining")]
+    stuck = [c for c in doctor_checks(report(converger=conv(relayout=_relayout(since=NOW - timedelta(hours=1))))) if c[1] == "mig-relayout"]
+    assert [c[0] for c in stuck] == ["fail"] and "stuck at draining" in stuck[0][2]
