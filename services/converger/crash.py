@@ -60,8 +60,13 @@ CLAIM_POINTS: tuple[str, ...] = (
     "claim.cdi-written",
     "claim.consumer-written",
 )
+#: the MIG re-layout its Node label drives (relayoutrun.py): the job journaled (the Node not yet
+#: touched), the Node paused and tainted (the journal not yet at draining), the drain seen done (the
+#: journal not yet at applying), the cards' layouts asked, and the finishing Node change made (the
+#: journal not yet at done).
+RELAYOUT_POINTS: tuple[str, ...] = ("relayout.journaled", "relayout.paused", "relayout.drained", "relayout.applying", "relayout.finished")
 CRASH_POINTS = BIND_POINTS + RELEASE_POINTS
-ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS + CLAIM_POINTS
+ALL_POINTS = CRASH_POINTS + KUBE_POINTS + VFIO_POINTS + CLAIM_POINTS + RELAYOUT_POINTS
 ENV = "BCD_CONVERGER_CRASH_AT"
 
 
@@ -81,4 +86,4 @@ class CrashPoints:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "VFIO_POINTS", "CLAIM_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]
+__all__ = ["BIND_POINTS", "RELEASE_POINTS", "KUBE_POINTS", "VFIO_POINTS", "CLAIM_POINTS", "RELAYOUT_POINTS", "CRASH_POINTS", "ALL_POINTS", "ENV", "CrashPoints"]

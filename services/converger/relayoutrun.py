@@ -104,6 +104,7 @@ class RelayoutRunner:
         drain_timeout: float = relayout.DRAIN_TIMEOUT_S,
         idle_interval: float = relayout.IDLE_INTERVAL_S,
         busy_interval: float = relayout.BUSY_INTERVAL_S,
+        crash: Callable[[str], None] = lambda point: None,
     ) -> None:
         self.facts = facts
         self.intake = intake
@@ -115,6 +116,8 @@ class RelayoutRunner:
         self.drain_timeout = drain_timeout
         self.idle_interval = idle_interval
         self.busy_interval = busy_interval
+        #: crash points (crash.py RELAYOUT_POINTS): a test kills the process there
+        self.crash = crash
         self.view: NodeView | None = None
         self.read_at: datetime | None = None
         self.read_error = ""
@@ -188,6 +191,7 @@ class RelayoutRunner:
         state.relayout = job
         # recorded first: a crash from here on resumes this job and undoes what it did
         await asyncio.to_thread(self.facts.store.save, state)
+        self.crash("relayout.journaled")
         self.log.info("MIG re-layout started", config=job.config, step=job.step, cards=sorted(job.cards), detail=job.message)
         self.trigger("MIG re-layout claims cards")
 
@@ -197,6 +201,7 @@ class RelayoutRunner:
         if job.step == "pausing":
             reply = await self.node.change(relayout.pause_change(job, node))
             if reply.ok:
+                self.crash("relayout.paused")
                 self._to(job, "draining", now, f"re-layout to {job.config}: draining the pods that use {', '.join(sorted(job.cards))}")
                 await self._save()
             else:
@@ -222,6 +227,7 @@ class RelayoutRunner:
                 c.evicted, c.step = True, "draining"
             await self._save()
         if not held:
+            self.crash("relayout.drained")
             self._to(job, "applying", now, f"re-layout to {job.config}: applying")
             await self._save()
             self.trigger("MIG re-layout applies")
@@ -263,6 +269,8 @@ class RelayoutRunner:
             changed = True
         if changed:
             await self._save()
+            if any(c.step == "applying" for c in job.cards.values()):
+                self.crash("relayout.applying")
             self.trigger("MIG re-layout applies")
         if job.step == "applying":
             rebooting = any(c.step == "rebooting" for c in job.cards.values())
@@ -281,6 +289,7 @@ class RelayoutRunner:
         if not reply.ok:
             self._refused(reply, "finishing")
             return
+        self.crash("relayout.finished")
         state = self.facts.state
         job.step, job.step_since = "done", now
         state.relayout, state.relayout_last = None, job

@@ -257,6 +257,7 @@ class ConvergerApp(ServiceApp):
             log=log,
             drain_timeout=o.relayout_drain_timeout,
             idle_interval=o.relayout_interval,
+            crash=crash,
         )
         self.helper_watch = (
             RootHelperWatch(

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.converger.crash import RELAYOUT_POINTS
 from services.converger.facts import NodeFacts
 from services.converger.metrics import ConvergerMetrics
 from services.converger.model import PlanConfig
@@ -160,6 +161,10 @@ class Hardware:
             rec.state = "Applied"
 
 
+class Killed(BaseException):
+    """kill -9 at a crash point: nothing after it runs, only what is on disk survives."""
+
+
 class World:
     def __init__(self, tmp: Path, gpus: list[Gpu], labels: dict[str, str]) -> None:
         self.dir = tmp / "converger"
@@ -168,8 +173,13 @@ class World:
         self.claims = Claims()
         self.runner = self.start()
 
-    def start(self) -> RelayoutRunner:
-        """A converger (re)started: the journal read again from disk."""
+    def start(self, crash_at: str = "") -> RelayoutRunner:
+        """A converger (re)started: the journal read again from disk; `crash_at` kills it at that crash point."""
+
+        def crash(point: str) -> None:
+            if point == crash_at:
+                raise Killed(point)
+
         store = StateStore(self.dir)
         state = store.load()
         state.boot_id = state.boot_id or BOOT
@@ -185,6 +195,7 @@ class World:
             trigger=lambda why: None,
             log=logs.get_logger("test.relayout"),
             drain_timeout=30.0,
+            crash=crash,
         )
 
     @property
@@ -201,7 +212,11 @@ class World:
         for i in range(most):
             if kill_after is not None and i == kill_after:
                 self.runner = self.start()  # kill -9: only the journal on disk survives
-            await self.tick()
+            try:
+                await self.tick()
+            except Killed:
+                self.runner = self.start()
+                self.killed = True
             if self.state.relayout is None and i > 0:
                 return
 
@@ -258,6 +273,20 @@ async def test_a_kill_at_any_step_resumes_and_leaves_nothing_behind(world: World
     assert world.node.labels[ST] == "success", (kill_after, world.node.labels)
     world.clean()
     assert layout_of(world.hw.gpus[A]) == ALL7
+
+
+@pytest.mark.parametrize("point", RELAYOUT_POINTS)
+async def test_a_kill_at_each_crash_point_resumes_and_leaves_nothing_behind(world: World, point: str) -> None:
+    world.node.pods = {A: ["gpu/train-0"]}
+    world.killed = False
+    world.runner = world.start(crash_at=point)
+    await world.settle(30)
+    assert world.killed, f"{point} was never reached"
+    assert world.node.labels[ST] == "success", (point, world.node.labels)
+    assert world.node.labels[DP] == "true"
+    world.clean()
+    assert layout_of(world.hw.gpus[A]) == ALL7
+    assert world.state.relayout_last is not None and world.state.relayout_last.outcome == "success"
 
 
 async def test_a_lost_race_is_read_again(world: World) -> None:
