@@ -4,8 +4,8 @@ The adapter runs against `HealthNvml`, the contract suite's FakeNvml with NVML's
 health reads added (scripted events, cards lost, counters, features a card lacks, the library
 gone). `PynvmlNvml`'s own mapping runs against the real `pynvml` module with its functions
 replaced one by one (monkeypatch fails on a name the module lacks), and every `pynvml` name
-nvidia.py uses is checked to exist in the installed nvidia-ml-py, so a misspelt NVML name fails
-here rather than on a host with GPUs.
+the nvidia adapter's modules use is checked to exist in the installed nvidia-ml-py, so a
+misspelt NVML name fails here rather than on a host with GPUs.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 import pynvml
 import pytest
 
-from services.inventory.adapters import nvidia
+from services.inventory.adapters import nvidia_health
 from services.inventory.adapters.base import AdapterError, HealthCheck, HealthWatcher
 from services.inventory.adapters.fakehost import load_host_file
-from services.inventory.adapters.nvidia import NvidiaAdapter, NvmlError, NvmlEvent, NvmlPort, PynvmlNvml
+from services.inventory.adapters.nvidia import NvidiaAdapter
+from services.inventory.adapters.nvidia_nvml import NvmlError, NvmlEvent, NvmlPort, PynvmlNvml
 from tests.unit.test_inventory_adapters import H200, FakeNvml, materialize
 
 XID = pynvml.nvmlEventTypeXidCriticalError
@@ -251,7 +252,7 @@ def test_an_event_of_a_handle_the_port_does_not_know(tmp_path: Path) -> None:
 
 
 def test_one_wait_takes_a_bounded_number_of_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvidia, "_EVENTS_MAX", 3)
+    monkeypatch.setattr(nvidia_health, "_EVENTS_MAX", 3)
     adapter, nvml = make(tmp_path)
     adapter.open_health_watch()
     nvml.events = [NvmlEvent(index=0, event_type=XID, data=k) for k in range(5)]
@@ -434,7 +435,7 @@ def test_close_is_idempotent_and_the_adapter_closes_the_watch(tmp_path: Path) ->
 def test_a_close_never_frees_the_set_under_a_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The health thread may still be in NVML's wait when the inventory stops: the close waits for it,
     and past its patience leaves freeing the set to that wait."""
-    monkeypatch.setattr(nvidia, "_CLOSE_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(nvidia_health, "_CLOSE_WAIT_SECONDS", 0.05)
     adapter, nvml = make(tmp_path)
     adapter.open_health_watch()
     nvml.blocking = threading.Event()
@@ -456,8 +457,10 @@ def test_a_close_never_frees_the_set_under_a_wait(tmp_path: Path, monkeypatch: p
 
 
 def _pynvml_names() -> set[str]:
-    source = Path(nvidia.__file__).read_text()
-    return set(re.findall(r"\bpynvml\.(\w+)", source))
+    """Every `pynvml.<name>` the nvidia adapter's modules (nvidia.py and nvidia_*.py) use."""
+    modules = sorted(Path(nvidia_health.__file__).parent.glob("nvidia*.py"))
+    assert {m.name for m in modules} >= {"nvidia.py", "nvidia_nvml.py", "nvidia_discovery.py", "nvidia_mig.py", "nvidia_health.py"}
+    return {name for m in modules for name in re.findall(r"\bpynvml\.(\w+)", m.read_text())}
 
 
 def test_every_pynvml_name_the_adapter_uses_exists() -> None:
