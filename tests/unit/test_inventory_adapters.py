@@ -37,7 +37,8 @@ from services.inventory.adapters import (
 )
 from services.inventory.adapters.base import DomainLister, GpuFacts, HostScan, VendorCdi, read_vendor_cdi
 from services.inventory.adapters.fakehost import FakeHost, HostGpuFaults, gpu_instances_of, load_host_file
-from services.inventory.adapters.nvidia import (
+from services.inventory.adapters.nvidia import unavailable_message
+from services.inventory.adapters.nvidia_nvml import (
     NvmlError,
     NvmlGiProfile,
     NvmlGpuInstance,
@@ -45,7 +46,6 @@ from services.inventory.adapters.nvidia import (
     NvmlPort,
     NvmlProcess,
     PynvmlNvml,
-    unavailable_message,
 )
 from services.inventory.build import (
     build_inventory,

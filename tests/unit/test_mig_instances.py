@@ -20,7 +20,8 @@ import pytest
 from services.inventory.adapters.base import MigCapable, MigInstancer, MigStepError
 from services.inventory.adapters.fakehost import HostFileError, load_host_file
 from services.inventory.adapters.fakehw import FakeHwAdapter
-from services.inventory.adapters.nvidia import NvidiaAdapter, PynvmlNvml
+from services.inventory.adapters.nvidia import NvidiaAdapter
+from services.inventory.adapters.nvidia_nvml import PynvmlNvml
 from services.inventory.build import build_inventory, mig_atom_id
 from shared.runtime import call
 from shared.schemas import INVENTORY_CODEC, MIG_INSTANCE_REPLY_CODEC, Empty, Gpu, GpuInstance, Inventory, MigInstanceRequest, MigPlacement
@@ -365,7 +366,7 @@ def test_pynvml_gpu_instances_carry_their_placement_and_profiles_their_engines(m
 
 @pytest.mark.parametrize(("code", "outcome"), [(19, "in-use"), (6, "not-found"), (999, "failed")])
 def test_nvml_failures_keep_in_use_and_not_found_apart(tmp_path: Path, code: int, outcome: str) -> None:
-    from services.inventory.adapters.nvidia import NvmlError
+    from services.inventory.adapters.nvidia_nvml import NvmlError
 
     rig = Rig("nvidia", tmp_path)
 

@@ -15,7 +15,8 @@ from services.converger.model import MigLayoutRecord
 from services.inventory.adapters.base import MigPartitioner
 from services.inventory.adapters.fakehost import gpu_instances_of, load_host_file
 from services.inventory.adapters.fakehw import FakeHwAdapter
-from services.inventory.adapters.nvidia import NvidiaAdapter, NvmlError, NvmlGpuInstance, NvmlMigDevice
+from services.inventory.adapters.nvidia import NvidiaAdapter
+from services.inventory.adapters.nvidia_nvml import NvmlError, NvmlGpuInstance, NvmlMigDevice
 from services.inventory.build import build_inventory
 from shared.schemas import GpuClaim
 from tests.unit.test_inventory_adapters import H200, FakeNvml, materialize

@@ -4,8 +4,9 @@ The adapter runs against `HealthNvml`, the contract suite's FakeNvml with NVML's
 health reads added (scripted events, cards lost, counters, features a card lacks, the library
 gone). `PynvmlNvml`'s own mapping runs against the real `pynvml` module with its functions
 replaced one by one (monkeypatch fails on a name the module lacks), and every `pynvml` name
-nvidia.py uses is checked to exist in the installed nvidia-ml-py, so a misspelt NVML name fails
-here rather than on a host with GPUs.
+the nvidia adapter's modules use is checked to exist in the installed nvidia-ml-py, so a
+misspelt NVML name fails here rather than on a host with GPUs. `NvidiaHealth` (nvidia_health.py)
+also runs alone, on a scan of its own with no adapter around it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from typing import Any
 import pynvml
 import pytest
 
-from services.inventory.adapters import nvidia
+from services.inventory.adapters import nvidia_health
 from services.inventory.adapters.base import AdapterError, HealthCheck, HealthWatcher
 from services.inventory.adapters.fakehost import load_host_file
-from services.inventory.adapters.nvidia import NvidiaAdapter, NvmlError, NvmlEvent, NvmlPort, PynvmlNvml
+from services.inventory.adapters.nvidia import NvidiaAdapter
+from services.inventory.adapters.nvidia_discovery import NvidiaDiscovery
+from services.inventory.adapters.nvidia_health import NvidiaHealth
+from services.inventory.adapters.nvidia_nvml import NvmlError, NvmlEvent, NvmlPort, PynvmlNvml
 from tests.unit.test_inventory_adapters import H200, FakeNvml, materialize
 
 XID = pynvml.nvmlEventTypeXidCriticalError
@@ -251,7 +255,7 @@ def test_an_event_of_a_handle_the_port_does_not_know(tmp_path: Path) -> None:
 
 
 def test_one_wait_takes_a_bounded_number_of_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvidia, "_EVENTS_MAX", 3)
+    monkeypatch.setattr(nvidia_health, "_EVENTS_MAX", 3)
     adapter, nvml = make(tmp_path)
     adapter.open_health_watch()
     nvml.events = [NvmlEvent(index=0, event_type=XID, data=k) for k in range(5)]
@@ -434,7 +438,7 @@ def test_close_is_idempotent_and_the_adapter_closes_the_watch(tmp_path: Path) ->
 def test_a_close_never_frees_the_set_under_a_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The health thread may still be in NVML's wait when the inventory stops: the close waits for it,
     and past its patience leaves freeing the set to that wait."""
-    monkeypatch.setattr(nvidia, "_CLOSE_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(nvidia_health, "_CLOSE_WAIT_SECONDS", 0.05)
     adapter, nvml = make(tmp_path)
     adapter.open_health_watch()
     nvml.blocking = threading.Event()
@@ -452,12 +456,83 @@ def test_a_close_never_frees_the_set_under_a_wait(tmp_path: Path, monkeypatch: p
         adapter.wait_health_events(0)
 
 
+# --------------------------------------------------------------------------- nvidia_health alone
+
+
+def health_on(tmp_path: Path) -> tuple[NvidiaHealth, HealthNvml, NvidiaDiscovery]:
+    """NvidiaHealth on its own: the port initialised by the test, a scan of its own (no adapter)."""
+    host = load_host_file(H200)
+    roots = materialize(host, tmp_path / "root")
+    nvml = HealthNvml(host)
+    nvml.init()
+    scan = NvidiaDiscovery(nvml, sysfs_root=roots.sysfs, proc_root=roots.proc)
+    return NvidiaHealth(nvml, scan), nvml, scan
+
+
+def test_health_names_cards_by_the_scan_it_shares_as_that_scan_changes(tmp_path: Path) -> None:
+    """The watch reads the scan's index -> PCI map at each call (the scan replaces it whole), so a card
+    whose PCI info NVML no longer reads is named by the newest scan, at its new NVML index."""
+    health, nvml, scan = health_on(tmp_path)
+
+    def rescan() -> None:
+        nvml.errors.pop(("device_pci_bus_id", 3), None)
+        scan.read_capabilities()
+        nvml.errors[("device_pci_bus_id", 3)] = LOST  # from now on NVML cannot read index 3's PCI info
+
+    nvml.errors[("device_pci_bus_id", 3)] = LOST
+    assert PCI[3] not in {c.pci_address for c in health.check_health()}  # no scan yet: nothing to name it by
+    rescan()
+    assert [c.pci_address for c in health.check_health() if not c.answers] == [PCI[3]]
+    nvml.hide(PCI[0])  # NVML's indices shift down by one; index 3 is now 0000:9a:00.0
+    rescan()
+    checks = health.check_health()
+    assert [c.pci_address for c in checks if not c.answers] == [PCI[4]]
+    assert [c.pci_address for c in checks] == PCI[1:]
+
+
+def test_health_close_refuses_every_later_call_and_leaves_nvml_to_its_owner(tmp_path: Path) -> None:
+    health, nvml, _ = health_on(tmp_path)
+    assert health.open_health_watch() == []
+    health.close()
+    assert nvml.freed == [0]
+    assert nvml.shutdowns == 0  # shutting NVML down is the adapter's, after this
+    for call in (health.open_health_watch, health.check_health, lambda: health.wait_health_events(0)):
+        with pytest.raises(AdapterError, match=r"^NVML is shut down: the nvidia adapter is closed$"):
+            call()
+    health.close_health_watch()
+    health.close()
+    assert nvml.freed == [0]
+
+
+def test_health_sorts_each_nvml_failure_three_ways(tmp_path: Path) -> None:
+    """At registration: a card lost is gone, a feature lacking or another refusal is unmonitored (each
+    with its own reason), and the library gone is an AdapterError that leaves no set behind."""
+    health, nvml, _ = health_on(tmp_path)
+    nvml.errors[("device_register_events", 1)] = NvmlError("Reset Required", pynvml.NVML_ERROR_RESET_REQUIRED)
+    nvml.errors[("device_register_events", 2)] = NvmlError("Function Not Found", pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    nvml.errors[("device_register_events", 3)] = NvmlError("No Permission", pynvml.NVML_ERROR_NO_PERMISSION)
+    nvml.supported[4] = pynvml.nvmlEventTypePState  # none of the health events
+    events = {e.pci_address: e for e in health.open_health_watch()}
+    assert {pci: e.kind for pci, e in events.items()} == {PCI[1]: "gone", PCI[2]: "unmonitored", PCI[3]: "unmonitored", PCI[4]: "unmonitored"}
+    assert events[PCI[2]].message == "NVML does not support health events on this card (Function Not Found)"
+    assert events[PCI[3]].message == "NVML could not register health events for this card (No Permission)"
+    assert events[PCI[4]].message.startswith("the card reports none of NVML's health events")
+    assert sorted(nvml.sets[0]) == [0, 5, 6, 7]
+    assert {c.pci_address: c.unmonitored != "" for c in health.check_health()} == {p: k in (2, 3, 4) for k, p in enumerate(PCI)}
+    nvml.errors[("device_register_events", 5)] = NvmlError("Uninitialized", pynvml.NVML_ERROR_UNINITIALIZED)
+    with pytest.raises(AdapterError, match="^NVML does not answer: Uninitialized$"):
+        health.open_health_watch()
+    assert nvml.freed == [0, 1]  # the old watch's set, and the new one it was building
+
+
 # --------------------------------------------------------------------------- PynvmlNvml on pynvml
 
 
 def _pynvml_names() -> set[str]:
-    source = Path(nvidia.__file__).read_text()
-    return set(re.findall(r"\bpynvml\.(\w+)", source))
+    """Every `pynvml.<name>` the nvidia adapter's modules (nvidia.py and nvidia_*.py) use."""
+    modules = sorted(Path(nvidia_health.__file__).parent.glob("nvidia*.py"))
+    assert {m.name for m in modules} >= {"nvidia.py", "nvidia_nvml.py", "nvidia_discovery.py", "nvidia_mig.py", "nvidia_health.py"}
+    return {name for m in modules for name in re.findall(r"\bpynvml\.(\w+)", m.read_text())}
 
 
 def test_every_pynvml_name_the_adapter_uses_exists() -> None:

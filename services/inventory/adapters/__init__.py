@@ -32,16 +32,21 @@ from .fakehost import HostFileError, load_host_file
 from .fakehw import FakeHwAdapter
 
 if TYPE_CHECKING:
-    from .nvidia import NvidiaAdapter, NvmlError, NvmlPort, PynvmlNvml
+    from .nvidia import NvidiaAdapter
+    from .nvidia_nvml import NvmlError, NvmlPort, PynvmlNvml
 
-_NVIDIA_NAMES = frozenset({"NvidiaAdapter", "NvmlError", "NvmlPort", "PynvmlNvml"})
+_NVML_NAMES = frozenset({"NvmlError", "NvmlPort", "PynvmlNvml"})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NVIDIA_NAMES:
-        from . import nvidia
+    if name == "NvidiaAdapter":
+        from .nvidia import NvidiaAdapter
 
-        return getattr(nvidia, name)
+        return NvidiaAdapter
+    if name in _NVML_NAMES:
+        from . import nvidia_nvml
+
+        return getattr(nvidia_nvml, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
