@@ -16,12 +16,15 @@ done in the rooms:
 
 - facts.py: what the rooms share (the adapter, the tracker, the last scan and inventory, the locks);
 - publishing.py: scan, evaluate every card's PhysicalGPU status (gpustate.GpuTracker over the
-  physicalgpu tables and the converger's claims, asked at every evaluation; no answer reads
-  Indeterminate), save gpus.json, publish on change, send the `gpu` events through the node-bus
-  outbox (`Nats-Msg-Id` = a deterministic event id; what the outbox did not take stays journaled
-  and is retried); metrics.py: its Prometheus metrics;
+  physicalgpu tables: the converger's claims, asked at every evaluation, no answer reads
+  Indeterminate; the operator's exclusions and reclaims; the switcher's results; the timers those
+  rules need), save gpus.json, publish on change, send every change of a card's phase,
+  managementState or condition upstream as a `gpu` event through the node-bus outbox
+  (`Nats-Msg-Id` = a deterministic event id; what the outbox did not take stays journaled and is
+  retried); metrics.py: its Prometheus metrics;
 - healthdesk.py: GPU health the inventory checks itself (the start scan's check, a recheck) and
-  the health thread's news (healthwatch.py) through healthintake.py, evaluated and published;
+  the health thread's news (healthwatch.py) through healthintake.py, evaluated and published; a
+  check that no longer names a card on its compute driver scans at once;
 - gpurequests.py: the operator's `gpu` requests (exclude, include, reclaim, recheck);
 - migjobs.py: MIG changes the converger asks for: a whole layout (`mig_layout`, a job it polls)
   or one step on one MIG instance (`mig_instance`, for DRA), under a lock per card, the card
