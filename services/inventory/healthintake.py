@@ -4,7 +4,7 @@ The health thread (healthwatch.py) reports; the rules (health.py) judge; this mo
 it reads the operator's options into a HealthPolicy, counts every XID by card and number
 (`bcd_gpu_xid_events`, ignored ones too, labelled so) and every ECC event, logs what a person
 must see, and hands each piece of news to the GpuTracker. It answers whether a card's health
-changed, so the service knows to evaluate and publish.
+changed, so the health desk (healthdesk.py) knows to evaluate and publish.
 """
 
 from __future__ import annotations

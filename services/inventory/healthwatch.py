@@ -2,7 +2,7 @@
 
 NVML's event wait blocks, so it runs in a thread of its own (a daemon: a stop never waits on
 the driver longer than one wait, WAIT_SECONDS). What it learns goes to the event loop as
-`HealthNews` through `loop.call_soon_threadsafe`; the service turns that into the tracker's
+`HealthNews` through `loop.call_soon_threadsafe`; healthdesk.py turns that into the tracker's
 faults and a publish (health.py has the rules). The thread never decides anything itself.
 
 The loop: open the watch (register every card) -> every `interval` run a check -> in between,
@@ -74,7 +74,7 @@ class HealthThread:
 
     def _run(self) -> None:
         opened = False
-        next_check = time.monotonic() + self.interval  # the service ran the first check itself
+        next_check = time.monotonic() + self.interval  # the service ran the first check itself (healthdesk.py, with the start scan)
         gone = ""
         unread = ""
         while not self.stopping.is_set():

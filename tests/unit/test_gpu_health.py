@@ -605,32 +605,38 @@ def test_news_that_changes_nothing_is_not_published(tmp_path: Path) -> None:
     """An XID storm (or the same check every interval) costs no scan and no publish."""
     import asyncio
 
-    from services.inventory.service import InventoryApp
+    from services.inventory.facts import InventoryFacts
+    from services.inventory.gpustate import GpuStateStore
+    from services.inventory.healthdesk import HealthChecks, HealthDesk
 
-    app = InventoryApp()
-    app.tracker = tracker()
-    app.health = HealthIntake(CollectorRegistry(), SimpleNamespace(info=lambda *a, **k: None, error=lambda *a, **k: None, warning=lambda *a, **k: None))
-    app.last_base = inventory(ONE_GPU)
+    log = SimpleNamespace(info=lambda *a, **k: None, error=lambda *a, **k: None, warning=lambda *a, **k: None)
+    facts = InventoryFacts(adapter=None, tracker=tracker(), store=GpuStateStore(tmp_path), health_policy=HealthPolicy())
+    facts.last_base = inventory(ONE_GPU)
     scans: list[str] = []
 
-    async def scan(ctx: Any, reason: str) -> Any:
-        scans.append(reason)
-        return app.last_base
+    class Publisher:
+        async def scan(self, reason: str) -> Any:
+            scans.append(reason)
+            return facts.last_base
 
-    async def publish(*a: Any, **k: Any) -> Any:
-        scans.append("published")
+        async def evaluate_and_publish(self, *a: Any, **k: Any) -> Any:
+            scans.append("published")
 
-    app._scan = scan  # type: ignore[method-assign]
-    app._evaluate_and_publish = publish  # type: ignore[method-assign]
-    app._fetch_claims = lambda ctx: asyncio.sleep(0)  # type: ignore[method-assign,assignment]
-    app._save = lambda ctx, **k: None  # type: ignore[method-assign]
+        async def fetch_claims(self) -> None:
+            return None
+
+        def save(self, **k: Any) -> None:
+            pass
+
+    checks = HealthChecks(facts, intake=HealthIntake(CollectorRegistry(), log), log=log)
+    desk = HealthDesk(facts, checks=checks, publisher=Publisher(), log=log)
 
     async def main() -> None:
-        await app._on_health(None, HealthNews("events", events=[xid(43), xid(13)]))  # type: ignore[arg-type]
+        await desk.on_news(HealthNews("events", events=[xid(43), xid(13)]))
         assert scans == []
-        await app._on_health(None, HealthNews("events", events=[xid(79)]))  # type: ignore[arg-type]
+        await desk.on_news(HealthNews("events", events=[xid(79)]))
         assert scans == ["health event", "published"]
-        await app._on_health(None, HealthNews("events", events=[xid(79), xid(48)]))  # type: ignore[arg-type]
+        await desk.on_news(HealthNews("events", events=[xid(79), xid(48)]))
         assert scans == ["health event", "published"]
 
     asyncio.run(main())

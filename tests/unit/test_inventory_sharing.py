@@ -1,5 +1,5 @@
 """GPU sharing on the fake host (`GpuSharer` over the host file), and the inventory's `sharing`
-step handler with its refusals (no bus: the endpoint on a real bus is
+step handler (sharingsteps.py, built alone) with its refusals (no bus: the endpoint on a real bus is
 tests/integration/test_inventory_sharing.py).
 
 The host is a copy of the example's 8 x H200: card 0 (0000:18:00.0) is a whole card, card 7
@@ -23,7 +23,12 @@ from services.inventory.adapters.base import GpuSharer, MigStepError, SharingSte
 from services.inventory.adapters.fakehost import HostFileError, load_host_file
 from services.inventory.adapters.fakehw import MPS_CONTROL_FIFO, FakeHwAdapter
 from services.inventory.build import build_inventory
+from services.inventory.facts import InventoryFacts
+from services.inventory.gpustate import GpuStateStore, GpuTracker
+from services.inventory.health import HealthPolicy
+from services.inventory.publishing import mps_root_named
 from services.inventory.service import InventoryApp
+from services.inventory.sharingsteps import SharingSteps
 from shared.schemas import MpsDaemonSpec, SharingStepRequest
 from tests.unit.test_inventory_adapters import H200
 
@@ -253,16 +258,20 @@ class Log:
     warning = exception = info
 
 
-def handler(rig: Rig, *, adapter: Any = None) -> tuple[InventoryApp, Any]:
-    app = InventoryApp()
-    app.adapter = adapter if adapter is not None else rig.adapter
-    app.current = build_inventory(rig.adapter, node_id="node-1", revision=1, now=NOW)
-    ctx = SimpleNamespace(log=Log(), opts=SimpleNamespace(adapter="fakehw", mps_root=rig.root))
-    return app, ctx
+def handler(rig: Rig, *, adapter: Any = None) -> tuple[SharingSteps, Any]:
+    facts = InventoryFacts(
+        adapter=adapter if adapter is not None else rig.adapter,
+        tracker=GpuTracker("node-1"),
+        store=GpuStateStore(rig.root.parent / "state"),
+        health_policy=HealthPolicy(),
+        current=build_inventory(rig.adapter, node_id="node-1", revision=1, now=NOW),
+    )
+    ctx = SimpleNamespace(log=Log())
+    return SharingSteps(facts, mps_root=rig.root, adapter_name="fakehw", log=ctx.log), ctx
 
 
-def ask(app: InventoryApp, ctx: Any, **kw: Any) -> Any:
-    return asyncio.run(app.sharing(ctx, SharingStepRequest(owner="0b6c8f2e-1d3a-4c5b-9e7f-2a4d6c8e0f13", **kw)))
+def ask(steps: SharingSteps, ctx: Any, **kw: Any) -> Any:
+    return asyncio.run(steps.step(SharingStepRequest(owner="0b6c8f2e-1d3a-4c5b-9e7f-2a4d6c8e0f13", **kw)))
 
 
 def test_the_handler_runs_each_step_and_logs_it(rig: Rig) -> None:
@@ -336,7 +345,5 @@ def test_the_mps_root_must_be_absolute(tmp_path: Path) -> None:
 
 
 def test_the_inventory_names_its_mps_root_only_with_a_sharer(rig: Rig) -> None:
-    app, ctx = handler(rig)
-    assert app._mps_root(ctx) == str(rig.root)
-    app.adapter = object()
-    assert app._mps_root(ctx) == ""
+    assert mps_root_named(rig.adapter, rig.root) == str(rig.root)
+    assert mps_root_named(object(), rig.root) == ""
