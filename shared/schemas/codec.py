@@ -231,9 +231,19 @@ def bounded_json_loads(data: bytes | bytearray | memoryview | str, max_bytes: in
     """
     raw = check_bounds(data, max_bytes, what)
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadMessage(f"{what}: not valid JSON ({exc})") from None
+    # json.loads takes "\ud800" (a lone surrogate escape): a str no UTF-8 can carry, which every
+    # later encode (a path, an env line, a msgspec decode) raises on. Only escapes can make one.
+    if (b"\\u" if isinstance(raw, (bytes, bytearray, memoryview)) else "\\u") in (bytes(raw) if isinstance(raw, memoryview) else raw):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadMessage(f"{what}: not valid JSON (a \\u escape of a lone surrogate: text no UTF-8 can carry)") from None
+        except (ValueError, RecursionError):
+            pass
+    return value
 
 
 class BoundedDecoder(Generic[T]):

@@ -422,3 +422,34 @@ def test_a_garbage_fake_slice_record_is_a_slice_error() -> None:
                 except Exception as exc:  # noqa: BLE001
                     failures.append(f"FakeSlices.{method.__name__}, {what}: raised {type(exc).__name__}: {str(exc)[:120]}")
     assert not failures, "a fake slice record broke its reader's contract (a value or SliceError):\n  " + "\n  ".join(failures)
+
+
+def _string_paths(o: object, path: tuple = ()) -> list[tuple]:
+    if isinstance(o, dict):
+        return [p for k, v in o.items() for p in _string_paths(v, (*path, k))]
+    if isinstance(o, list):
+        return [p for i, v in enumerate(o) for p in _string_paths(v, (*path, i))]
+    return [path] if isinstance(o, str) else []
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc80x", "x\\udbff"])
+def test_a_lone_surrogate_escape_anywhere_in_a_hold_file_is_not_a_hold(escape: str) -> None:
+    """`"\\ud800"` is valid JSON but no UTF-8 text: every later encode of it raised (Hypothesis found
+    one in a device name: parse_hold raised UnicodeEncodeError instead of NotAHold)."""
+    marker = "\x00surrogate-marker"
+    failures = []
+    for path in _string_paths(HOLD_DOC):
+        doc = json.loads(json.dumps(HOLD_DOC))
+        parent = doc
+        for p in path[:-1]:
+            parent = parent[p]
+        parent[path[-1]] = marker
+        data = json.dumps(doc).encode().replace(b'"\\u0000surrogate-marker"', f'"{escape}"'.encode())
+        try:
+            parse_hold(HOLD_NAME, data)
+            failures.append(f"{path}: taken as a hold")
+        except NotAHold as exc:
+            assert "lone surrogate" in exc.reason or "not valid" in exc.reason, exc.reason
+        except Exception as exc:  # noqa: BLE001 - the contract is NotAHold
+            failures.append(f"{path}: {type(exc).__name__}: {exc}")
+    assert not failures, "\n".join(failures)
