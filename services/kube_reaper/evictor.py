@@ -13,6 +13,7 @@ already gone. kubernetes_asyncio is imported on first use, so a node with
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -59,6 +60,36 @@ def next_delay(result: EvictionResult, attempt: int) -> float:
     if result.outcome == "throttled" and result.retry_after is not None:
         return min(max(result.retry_after, 0.0), RETRY_AFTER_MAX_S)
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * (2 ** min(attempt, 16)))
+
+
+def status_body(data: Any) -> dict:
+    """The JSON object of a 2xx answer's body ({} when it is none): what the API server said."""
+    if isinstance(data, (bytes, bytearray)):
+        data = bytes(data).decode("utf-8", "replace")
+    if not isinstance(data, str) or len(data) > 1024 * 1024:
+        return {}
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def result_of_created(answer: dict) -> EvictionResult:
+    """A 201 is not always an eviction: the API server answers 201 with a Status whose `status` is
+    Failure for what it will not evict (pkg/registry/core/pod/storage/eviction.go: a pod with more than
+    one PodDisruptionBudget, code 500). client-go makes that an error; kubernetes_asyncio returns it."""
+    if answer.get("kind") != "Status" or answer.get("status") in (None, "Success"):
+        return EvictionResult("evicted")
+    code = answer.get("code") if isinstance(answer.get("code"), int) else 0
+    reason = f"HTTP 201 with a Failure Status (code {code} {answer.get('reason', '')}): {str(answer.get('message', ''))[:512]}".strip()
+    if code == 429:
+        return EvictionResult("throttled", reason)
+    if code == 404:
+        return EvictionResult("gone", reason)
+    if code >= 500 or code == 0:
+        return EvictionResult("server_error", reason)
+    return EvictionResult("error", reason)
 
 
 class EvictorUnavailable(Exception):
@@ -127,6 +158,8 @@ class KubernetesEvictor:
         )
         try:
             await self._core.create_namespaced_pod_eviction(pod, namespace, body, _request_timeout=self.timeout)
+            # read before any await: the client keeps only its last response
+            answer = status_body(getattr(getattr(self._api_client, "last_response", None), "data", None))
         except ApiException as exc:
             status = int(exc.status or 0)
             reason = f"HTTP {status} {exc.reason or ''}".strip()
@@ -140,7 +173,7 @@ class KubernetesEvictor:
             return EvictionResult("error", reason)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return EvictionResult("unavailable", f"{type(exc).__name__}: {exc}")
-        return EvictionResult("evicted")
+        return result_of_created(answer)
 
     async def close(self) -> None:
         if self._api_client is not None:
@@ -154,6 +187,8 @@ __all__ = [
     "BACKOFF_MAX_S",
     "RETRY_AFTER_MAX_S",
     "parse_retry_after",
+    "result_of_created",
+    "status_body",
     "next_delay",
     "EvictorUnavailable",
     "NoEvictor",
