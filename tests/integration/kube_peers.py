@@ -1,7 +1,10 @@
 """Real protocol peers for kube_reaper tests: a kubelet pod-resources gRPC server and an Eviction API.
 
 `FakeCluster` holds the pods on the node. `KubeletServer` serves them with the
-generated `PodResourcesListerServicer` (pod-resources v1) on a unix socket;
+generated `PodResourcesListerServicer` (pod-resources v1) on a unix socket; it
+serves any `PodSource` (an object with `list_response()`), so it also serves
+one node's pods of the API server stand-in (`KubeApiStandIn.kubelet_pods(node)`,
+whose evictions then take the pods off the kubelet's list);
 `ApiServer` is an HTTP server (http.server, in a thread) answering
 `POST /api/v1/namespaces/{ns}/pods/{name}/eviction` the way the API server
 does: 201 and the pod leaves the node, 404 for a pod it does not know, or what
@@ -19,6 +22,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
@@ -44,6 +48,12 @@ class EvictionRequest:
     status: int
     body: dict
     authorization: str
+
+
+class PodSource(Protocol):
+    """What the kubelet's pod-resources List answers from: FakeCluster, or a stand-in node's pods."""
+
+    def list_response(self) -> pb.ListPodResourcesResponse: ...
 
 
 @dataclass
@@ -90,7 +100,7 @@ class FakeCluster:
 
 
 class _Lister(pb_grpc.PodResourcesListerServicer):
-    def __init__(self, cluster: FakeCluster) -> None:
+    def __init__(self, cluster: PodSource) -> None:
         self.cluster = cluster
         self.calls = 0
 
@@ -102,7 +112,7 @@ class _Lister(pb_grpc.PodResourcesListerServicer):
 class KubeletServer:
     """The pod-resources v1 service on a unix socket, as the kubelet serves it."""
 
-    def __init__(self, cluster: FakeCluster, socket: Path) -> None:
+    def __init__(self, cluster: PodSource, socket: Path) -> None:
         assert len(str(socket)) < 100, f"unix socket path too long: {socket}"
         self.socket = socket
         self.lister = _Lister(cluster)

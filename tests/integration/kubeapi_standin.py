@@ -4,7 +4,13 @@
 `kube_peers.ApiServer`) answering exactly the paths the kubernetes client
 uses for what the plugin does:
 
-- `GET /api/v1/nodes/{name}`
+- Nodes, the pods bound to them, their Evictions and PodDisruptionBudgets (`GET /api/v1/nodes`,
+  `GET|PUT|PATCH /api/v1/nodes/{name}`, `GET /api/v1/pods`, `GET|DELETE` a namespace's pods,
+  `POST .../pods/{name}/eviction`, `GET /apis/policy/v1/.../poddisruptionbudgets`), with the
+  kubelet's pod-resources view of a node: their rules and test helpers live in
+  kubeapi_nodes_pods.py (`NodesAndPods`); the stand-in's `add_node`, `node`, `label_node`,
+  `annotate_node`, `add_pod`, `pod`, `pods`, `set_pod_phase`, `add_controller`, `add_pdb`, `pdb`,
+  `evictions`, `eviction_grace_s`, `pod_resources` and `kubelet_pods` hand over to it
 - `GET /apis/resource.k8s.io/v1/resourceclaims` (all namespaces),
   `GET .../namespaces/{ns}/resourceclaims`, `GET .../namespaces/{ns}/resourceclaims/{name}`,
   `PUT .../namespaces/{ns}/resourceclaims/{name}/status`
@@ -84,7 +90,7 @@ consumption point at nothing, as messages the tests assert on.
 
 For error tests: `fail_next(n, status)` answers the next n requests with that
 status; `hang_next(n, seconds)` holds them that long (or until `stop`) before
-answering. `requests` logs every request.
+answering. `requests` logs every request (with its Content-Type).
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 TOKEN = "dra-test-token"
@@ -1444,12 +1450,13 @@ class ApiRequest:
     method: str
     path: str
     query: dict[str, str]
+    #: the decoded JSON body (its text when it is not JSON; None when empty)
     body: Any
     status: int
     authorization: str
+    content_type: str = ""
 
 
-_NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 _CLAIMS_ALL = re.compile(r"^/apis/resource\.k8s\.io/v1/resourceclaims$")
 _CLAIMS_NS = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims$")
 _CLAIM = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")
@@ -1467,7 +1474,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class KubeApiStandIn:
-    """The API server's Node, ResourceClaim and ResourceSlice endpoints, in memory, over HTTP on loopback."""
+    """The API server's Node, Pod, Eviction, PodDisruptionBudget, ResourceClaim and ResourceSlice
+    endpoints, in memory, over HTTP on loopback."""
 
     def __init__(self, *, token: str | None = TOKEN, gates: dict[str, bool] | None = None) -> None:
         self.token = token
@@ -1475,7 +1483,6 @@ class KubeApiStandIn:
         self.requests: list[ApiRequest] = []
         self._lock = threading.RLock()
         self._rv = 0
-        self._nodes: dict[str, dict] = {}
         self._claims: dict[tuple[str, str], dict] = {}
         #: namespace -> its labels (`admit_admin_access`); admin access needs ADMIN_ACCESS_LABEL there
         self._namespace_labels: dict[str, dict[str, str]] = {}
@@ -1509,6 +1516,10 @@ class KubeApiStandIn:
             def do_PATCH(self) -> None:  # noqa: N802
                 self._answer("PATCH")
 
+        from .kubeapi_nodes_pods import NodesAndPods  # it imports this module's rules
+
+        #: the Node, Pod, Eviction and PodDisruptionBudget side (kubeapi_nodes_pods.py)
+        self.core = NodesAndPods(self)
         self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="kubeapi-standin", daemon=True)
 
@@ -1560,17 +1571,101 @@ class KubeApiStandIn:
         meta.update(uid=uid or str(uuid.uuid4()), resourceVersion=str(self._rv), creationTimestamp=_now())
         return meta
 
-    def add_node(self, name: str, *, labels: dict[str, str] | None = None) -> str:
-        with self._lock:
-            meta = self._meta(name)
-            if labels:
-                meta["labels"] = dict(labels)
-            self._nodes[name] = {"kind": "Node", "apiVersion": "v1", "metadata": meta, "spec": {}, "status": {}}
-            return meta["uid"]
+    # Nodes, pods, evictions and budgets: kubeapi_nodes_pods.NodesAndPods (`self.core`) holds them.
+    def add_node(
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[Any] | None = None,
+        unschedulable: bool = False,
+        annotations: Mapping[str, str] | None = None,
+    ) -> str:
+        """A Node (taints as {"key", "value", "effect"} or (key, value, effect)); its uid. What
+        ValidateNode refuses is a ValueError."""
+        return self.core.add_node(name, labels=labels, taints=taints, unschedulable=unschedulable, annotations=annotations)
 
     def remove_node(self, name: str) -> bool:
         with self._lock:
-            return self._nodes.pop(name, None) is not None
+            return self.core.nodes.pop(name, None) is not None
+
+    def node(self, name: str) -> dict | None:
+        """The Node as GET answers it (a copy), or None."""
+        return self.core.node(name)
+
+    def label_node(self, name: str, labels: Mapping[str, str | None]) -> str:
+        """`kubectl label --overwrite` (None removes): a merge patch through the update rules; the new resourceVersion."""
+        return self.core.label_node(name, labels)
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> str:
+        """`kubectl annotate --overwrite` (None removes); the new resourceVersion."""
+        return self.core.annotate_node(name, annotations)
+
+    def add_controller(self, namespace: str, name: str, replicas: int, *, kind: str = "ReplicaSet") -> str:
+        """A pod controller whose scale PodDisruptionBudgets count (maxUnavailable, percentages); its uid."""
+        return self.core.add_controller(namespace, name, replicas, kind=kind)
+
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        node_name: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        devices: Mapping[str, Sequence[str]] | Sequence[tuple[str, Mapping[str, Sequence[str]]]] | None = None,
+        phase: str = "Running",
+        ready: bool | None = None,
+        owner: str | None = None,
+    ) -> str:
+        """A pod bound to `node_name` with its devices per container; its uid (see NodesAndPods.add_pod)."""
+        return self.core.add_pod(namespace, name, node_name, labels=labels, devices=devices, phase=phase, ready=ready, owner=owner)
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str, *, ready: bool | None = None) -> None:
+        self.core.set_pod_phase(namespace, name, phase, ready=ready)
+
+    def pod(self, namespace: str, name: str) -> dict | None:
+        return self.core.pod(namespace, name)
+
+    def pods(self, node_name: str | None = None) -> list[dict]:
+        """The pods (copies, by namespace and name), those bound to `node_name` when given."""
+        return self.core.pods_on(node_name)
+
+    def add_pdb(
+        self,
+        namespace: str,
+        name: str,
+        match_labels: Mapping[str, str],
+        *,
+        min_available: int | str | None = None,
+        max_unavailable: int | str | None = None,
+    ) -> str:
+        """A policy/v1 PodDisruptionBudget (int or "50%"); its uid."""
+        return self.core.add_pdb(namespace, name, match_labels, min_available=min_available, max_unavailable=max_unavailable)
+
+    def pdb(self, namespace: str, name: str) -> dict | None:
+        """The budget with the status the disruption controller would give it now."""
+        return self.core.pdb(namespace, name)
+
+    def evictions(self, namespace: str | None = None) -> list[Any]:
+        """Every eviction request answered (kubeapi_nodes_pods.Eviction: code, status, reason, message, dry_run)."""
+        return self.core.evictions(namespace)
+
+    @property
+    def eviction_grace_s(self) -> float:
+        """How long the kubelet takes to stop a deleted pod (default 0: it leaves at once)."""
+        return self.core.eviction_grace_s
+
+    @eviction_grace_s.setter
+    def eviction_grace_s(self, seconds: float) -> None:
+        self.core.eviction_grace_s = float(seconds)
+
+    def pod_resources(self, node_name: str) -> Any:
+        """The kubelet's pod-resources v1 ListPodResourcesResponse for `node_name`."""
+        return self.core.pod_resources(node_name)
+
+    def kubelet_pods(self, node_name: str) -> Any:
+        """An object with `list_response()` for kube_peers.KubeletServer: this node's pod-resources."""
+        return self.core.kubelet_pods(node_name)
 
     def add_claim(
         self,
@@ -1715,7 +1810,14 @@ class KubeApiStandIn:
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         length = int(h.headers.get("Content-Length") or 0)
         raw = h.rfile.read(length) if length else b""
+        content_type = h.headers.get("Content-Type", "")
         body: Any = None
+        body_error: str | None = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                body, body_error = raw.decode(errors="replace"), f"the body of the request was in an unknown format: {exc}"
         code: int
         answer: dict
         headers: list[tuple[str, str]] = []
@@ -1732,13 +1834,8 @@ class KubeApiStandIn:
                 raise ApiError(status, "etcdserver: request timed out" if status >= 500 else "injected failure")
             if self.token and h.headers.get("Authorization", "") != f"Bearer {self.token}":
                 raise ApiError(401, "Unauthorized")
-            if raw:
-                try:
-                    body = json.loads(raw)
-                except ValueError as exc:
-                    raise ApiError(400, f"the body of the request was in an unknown format: {exc}") from None
             with self._lock:
-                code, answer, headers = self._route(method, path, query, body)
+                code, answer, headers = self._route(method, path, query, body, body_error, content_type)
         except ApiError as exc:
             code, answer = exc.code, exc.body
         except BadRequest as exc:
@@ -1746,7 +1843,7 @@ class KubeApiStandIn:
         except Exception as exc:  # a bug of the stand-in: an answer the test sees, not a dropped connection
             code, answer = 500, status_object(500, "InternalError", f"stand-in: {type(exc).__name__}: {exc}")
         with self._lock:
-            self.requests.append(ApiRequest(method, path, query, body, code, h.headers.get("Authorization", "")))
+            self.requests.append(ApiRequest(method, path, query, body, code, h.headers.get("Authorization", ""), content_type))
         data = json.dumps(answer).encode()
         try:
             h.send_response(code)
@@ -1759,14 +1856,15 @@ class KubeApiStandIn:
         except OSError:
             h.close_connection = True
 
-    def _route(self, method: str, path: str, query: dict[str, str], body: Any) -> tuple[int, dict, list[tuple[str, str]]]:
+    def _route(
+        self, method: str, path: str, query: dict[str, str], body: Any, body_error: str | None = None, content_type: str = ""
+    ) -> tuple[int, dict, list[tuple[str, str]]]:
         path = unquote(path)
-        if m := _NODE.match(path):
-            self._only(method, "GET")
-            node = self._nodes.get(m.group(1))
-            if node is None:
-                raise _not_found("nodes", m.group(1), "Node")
-            return 200, copy.deepcopy(node), []
+        answered = self.core.route(method, path, query, body, body_error, content_type)
+        if answered is not None:
+            return answered
+        if body_error is not None:
+            raise ApiError(400, body_error)
         if _CLAIMS_ALL.match(path):
             self._only(method, "GET")
             return 200, self._list_claims(None, query), []
