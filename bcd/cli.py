@@ -778,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "required"),
         help="'required': TLS even with no CA file (the system trust store); default auto: TLS for tls:// or with a CA or certificate",
     )
-    _path(up.add_argument("--kubeconfig", type=Path, default=os.environ.get("BCD_KUBECONFIG") or None, help="kubeconfig for kube_reaper's evictions [env BCD_KUBECONFIG]"), _FILE)
+    _path(up.add_argument("--kubeconfig", type=Path, default=os.environ.get("BCD_KUBECONFIG") or None, help="kubeconfig for kube_reaper (evictions, the node's Node) and the DRA plugin [env BCD_KUBECONFIG]"), _FILE)
     _path(
         up.add_argument(
             "--pod-resources-socket",

@@ -196,10 +196,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     # kube_reaper: the kubelet's pod-resources socket and the Eviction API when
     # given; on a fake host it reads the host file's processes. Without a
-    # kubelet every pending release counts as held (unreachable = held).
+    # kubelet every pending release counts as held (unreachable = held). With
+    # --kubeconfig it also serves the converger its Kubernetes Node (the MIG
+    # re-layout), named as the DRA plugin names it: the node id, or BCD_NODE_NAME.
     reaper_env = {
         "BCD_PROCESSES": "fake" if fake_host else "nvml",
         "BCD_EVICTOR": "kubernetes" if args.kubeconfig else "none",
+        "BCD_NODE_API": "kubernetes" if args.kubeconfig else "none",
     }
     if args.kubeconfig:
         reaper_env["BCD_KUBECONFIG"] = str(Path(args.kubeconfig).resolve())

@@ -9,6 +9,10 @@
   allocation as withdrawn.
 - `bcd.<n>.kube_reaper.orphans` OrphanQuery -> OrphanReply: pods holding a GPU
   or MIG device of this node that lies in no known atom.
+- `bcd.<n>.kube_reaper.node`    NodeRead | NodeChange -> NodeReply: the node's
+  own Kubernetes Node (--node-name) for the converger's MIG re-layout: read it,
+  or change the flow's labels, its annotation, the re-layout taint and the
+  cordon in one patch at a resourceVersion (nodeapi.py checks every key first).
 - `bcd.<n>.kube_reaper.freed`   Freed, published once per watched allocation
   when a reachable recheck (every --recheck-interval seconds) finds none of
   its devices held.
@@ -29,6 +33,8 @@ from shared.schemas import (
     EVICT_REPLY_CODEC,
     HELD_REPLY_CODEC,
     INVENTORY_CODEC,
+    NODE_REPLY_CODEC,
+    NODE_REQUEST_CODEC,
     ORPHAN_QUERY_CODEC,
     ORPHAN_REPLY_CODEC,
     Empty,
@@ -37,6 +43,7 @@ from shared.schemas import (
 )
 
 from .evictor import EvictorUnavailable, KubernetesEvictor, NoEvictor
+from .nodeapi import KubernetesNodeApi, NodeApi, NodeApiError, NodeEndpoint, NoNodeApi, is_dns1123_subdomain
 from .podresources import DEFAULT_SOCKET, KubeletPodResources
 from .ports import Evictor, HostProcesses
 from .processes import FakeHostProcesses, NoHostProcesses, NvmlHostProcesses
@@ -48,13 +55,14 @@ INVENTORY_TIMEOUT_S = 3.0
 
 class KubeReaperApp(ServiceApp):
     name = "kube_reaper"
-    description = "tells whether pods hold devices; evicts pods holding withdrawn devices"
+    description = "tells whether pods hold devices; evicts pods holding withdrawn devices; reads and changes its own Node for the MIG re-layout"
 
     def __init__(self) -> None:
         self.reaper: Reaper | None = None
         self.pods: KubeletPodResources | None = None
         self.processes: HostProcesses | None = None
         self.evictor: Evictor | None = None
+        self.node_api: NodeApi | None = None
 
     def options(self) -> list[Option]:
         return [
@@ -67,6 +75,13 @@ class KubeReaperApp(ServiceApp):
                 choices=("auto", "true", "false"),
             ),
             Option("--evictor", "how pods are evicted: kubernetes (Eviction API) or none", default="kubernetes", choices=("kubernetes", "none")),
+            Option(
+                "--node-api",
+                "the node's own Kubernetes Node (kube_reaper.node): kubernetes, none, or auto (kubernetes when --evictor kubernetes)",
+                default="auto",
+                choices=("auto", "kubernetes", "none"),
+            ),
+            Option("--node-name", "this node's Kubernetes Node name (default: the node id)", default=""),
             Option("--processes", "GPU processes: nvml, fake (the fake host file) or none", default="nvml", choices=("nvml", "fake", "none")),
             Option("--fake-host", "fake host description file (--processes fake reads its processes)", type=Path),
             Option("--proc-root", "root of /proc (process cgroups)", default=Path("/proc"), type=Path),
@@ -97,6 +112,19 @@ class KubeReaperApp(ServiceApp):
             self.evictor = evictor
         else:
             self.evictor = NoEvictor()
+        node_api = o.evictor if o.node_api == "auto" else o.node_api
+        node_name = o.node_name or o.node_id
+        if node_api == "kubernetes":
+            if not is_dns1123_subdomain(node_name):
+                raise StartupError(f"--node-name {node_name!r} is no Kubernetes Node name (a DNS-1123 subdomain)")
+            kube_node = KubernetesNodeApi(node_name, o.kubeconfig, o.in_cluster)
+            try:
+                await kube_node.connect()
+            except NodeApiError as exc:
+                ctx.log.warning("Node requests will fail until Kubernetes credentials load", reason=str(exc))
+            self.node_api = kube_node
+        else:
+            self.node_api = NoNodeApi()
 
         reg = ctx.registry
         metrics = Metrics(
@@ -110,6 +138,7 @@ class KubeReaperApp(ServiceApp):
             metrics.evictions.labels(outcome=outcome)
         for result in ("held", "free", "unreachable"):
             metrics.held_checks.labels(result=result)
+        node_requests = Counter("bcd_reaper_node_requests", "kube_reaper.node requests by verb and outcome", ["verb", "outcome"], registry=reg)
 
         async def inventory() -> Inventory:
             return await call(ctx.nc, ctx.subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=INVENTORY_TIMEOUT_S)
@@ -133,12 +162,16 @@ class KubeReaperApp(ServiceApp):
                 "pod_resources_socket": str(o.pod_resources_socket),
                 "evictor": o.evictor,
                 "processes": o.processes,
+                "node_api": node_api,
+                "node_name": node_name if node_api == "kubernetes" else "",
             }
         )
         reaper = self.reaper
         await ctx.endpoint("held", ctx.subjects.reaper_held, reaper.held, DEVICES_QUERY_CODEC, reply=HELD_REPLY_CODEC)
         await ctx.endpoint("evict", ctx.subjects.reaper_evict, reaper.evict, DEVICES_QUERY_CODEC, reply=EVICT_REPLY_CODEC)
         await ctx.endpoint("orphans", ctx.subjects.reaper_orphans, reaper.orphans, ORPHAN_QUERY_CODEC, allow_empty=True, reply=ORPHAN_REPLY_CODEC)
+        node = NodeEndpoint(self.node_api, node_requests, ctx.log)
+        await ctx.endpoint("node", ctx.subjects.reaper_node, node, NODE_REQUEST_CODEC, reply=NODE_REPLY_CODEC)
 
     async def run(self, ctx: ServiceContext) -> None:
         assert self.reaper is not None
@@ -147,7 +180,7 @@ class KubeReaperApp(ServiceApp):
     async def close(self, ctx: ServiceContext) -> None:
         if self.reaper is not None:
             await self.reaper.cancel_evictions()
-        for part in (self.evictor, self.processes, self.pods):
+        for part in (self.evictor, self.node_api, self.processes, self.pods):
             if part is not None:
                 try:
                     await part.close()

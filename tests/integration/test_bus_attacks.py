@@ -7,7 +7,8 @@ captures `$JS.ACK.>`, the reply subject of a pull, a direct get, a PubAck or any
 answer). Here every identity on both buses, as its own NATS user on the config the node
 runs with (the embedded default: node bus and upstream on one server), tries each of
 those tricks against the subjects that matter (the converger's spec, the signer, the
-root vfio_switcher and helper, the inventory's NVML steps, notices others trust, the
+root vfio_switcher and helper, the inventory's NVML steps, kube_reaper's evictions and
+its Kubernetes Node, notices others trust, the
 upstream keys and events of its own node and of another), and also asks every request
 it may make with each of those subjects as its reply subject.
 
@@ -81,6 +82,8 @@ NODE_TARGETS = [
     S.inventory_mig_layout,
     S.inventory_gpu,
     S.reaper_evict,
+    # the node's Kubernetes Node: labels, taints, cordon (the converger only)
+    S.reaper_node,
     S.device_plugin_withdraw,
     # notices others act on
     S.inventory_changed,

@@ -13,7 +13,7 @@ import yaml
 from services.device_plugin.advertise import DRA_RESOURCE_DOMAIN, BadResourceName, ResourceNames, check_resource_name
 from services.dra_plugin import devices as dev
 from services.dra_plugin import kubeapi
-from services.kube_reaper import evictor
+from services.kube_reaper import evictor, nodeapi
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -46,6 +46,9 @@ def test_the_request_tables_name_every_request_the_code_makes() -> None:
     # ClusterApi reaches the API through _call(what, "<generated method>", ...) only; the evictor through self._core
     assert _called(kubeapi, r'_call\(\s*\w+,\s*"(\w+)"') == set(kubeapi.API_REQUESTS)
     assert _called(evictor, r"self\._core\.(\w+)\(") == set(evictor.API_REQUESTS)
+    # the reaper's Node API through _call(what, "<generated method>", ...) only, and never self._core directly
+    assert _called(nodeapi, r'_call\(\s*\w+,\s*"(\w+)"') == set(nodeapi.API_REQUESTS)
+    assert _called(nodeapi, r"self\._core\.(\w+)\(") == set()
 
 
 def test_the_dra_plugin_role_grants_exactly_what_the_plugin_calls() -> None:
@@ -57,8 +60,9 @@ def test_the_dra_plugin_role_grants_exactly_what_the_plugin_calls() -> None:
     assert {when for *_, when in kubeapi.API_REQUESTS.values()} == {"always", "binding-conditions"}
 
 
-def test_the_reaper_role_grants_exactly_what_the_evictor_calls() -> None:
-    assert _rules("bcd-kube-reaper") == {(g, r, v, ()) for g, r, v in evictor.API_REQUESTS.values()}
+def test_the_reaper_role_grants_exactly_what_the_evictor_and_the_node_api_call() -> None:
+    calls = [*evictor.API_REQUESTS.values(), *nodeapi.API_REQUESTS.values()]
+    assert _rules("bcd-kube-reaper") == {(g, r, v, ()) for g, r, v in calls}
 
 
 def test_each_role_is_bound_to_its_own_service_account_and_nothing_else_is_granted() -> None:
