@@ -216,7 +216,7 @@ async def test_a_held_card_is_never_reconfigured_and_the_node_is_not_touched(nod
     r = await rig(node_bus, tmp_path, api, host)
     try:
         bridge = await node_bus.connect("gateway_bridge")
-        spec = NodeSpec(node_id=NODE, generation=1, devices=[DeviceAssignment(allocation_id="train-01", reservation_id="rsv-1", devices=[MIG_UUID])])
+        spec = NodeSpec(node_id=NODE, generation=1, devices=[DeviceAssignment(allocation_id="train-01", reservation_id="rsv-1", binding="BINDING_HOLD", devices=[MIG_UUID])])
         await call(bridge, r.subjects.converger_spec, node_bus.signed_spec(spec), SPEC_ACK_CODEC)
         await r.until("the hold bound", lambda: (node_bus.root / "cdi" / "bcd-train-01.json").exists())
         api.label_node(NODE, {CFG: "all-1g.18gb"})
