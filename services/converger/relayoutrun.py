@@ -315,7 +315,8 @@ class RelayoutRunner:
 
     def status(self) -> RelayoutStatus | None:
         state = self.facts.state
-        if self.disabled and state.relayout is None and state.relayout_last is None:
+        # a node whose kube_reaper has no Node API (or that never answered): nothing to say
+        if (self.disabled or self.read_at is None) and state.relayout is None and state.relayout_last is None:
             return None
         labels = self.view.labels if self.view is not None else {}
         return RelayoutStatus(
