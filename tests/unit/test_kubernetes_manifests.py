@@ -78,6 +78,20 @@ def test_each_role_is_bound_to_its_own_service_account_and_nothing_else_is_grant
     assert {d["kind"] for d in docs} <= {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     policy = _named("ValidatingAdmissionPolicy", "bcd-dra-plugin-own-slices")
     assert policy["spec"]["matchConditions"][0]["expression"].endswith('"system:serviceaccount:bcd-system:bcd-dra-plugin"')
+    reaper = _named("ValidatingAdmissionPolicy", "bcd-kube-reaper-own-node")
+    assert reaper["spec"]["matchConditions"][0]["expression"].endswith('"system:serviceaccount:bcd-system:bcd-kube-reaper"')
+    bound = {d["spec"]["policyName"]: d["spec"]["validationActions"] for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert bound == {"bcd-dra-plugin-own-slices": ["Deny"], "bcd-kube-reaper-own-node": ["Deny"]}
+
+
+def test_the_reaper_node_policy_names_the_keys_kube_reaper_checks() -> None:
+    """The admission policy and kube_reaper's own check (nodeapi.py) allow the same keys and taint."""
+    from shared.schemas.kubenode import GPU_DEPLOY_PREFIX, MIG_CONFIG_LABEL, MIG_STATE_LABEL, RELAYOUT_MESSAGE_ANNOTATION, RELAYOUT_TAINT_KEY
+
+    text = " ".join(v["expression"] for v in _named("ValidatingAdmissionPolicy", "bcd-kube-reaper-own-node")["spec"]["validations"])
+    for key in (MIG_CONFIG_LABEL, MIG_STATE_LABEL, GPU_DEPLOY_PREFIX, RELAYOUT_MESSAGE_ANNOTATION, RELAYOUT_TAINT_KEY):
+        assert f"'{key}'" in text, key
+    assert {r["resources"][0] for r in _named("ValidatingAdmissionPolicy", "bcd-kube-reaper-own-node")["spec"]["matchConstraints"]["resourceRules"]} == {"nodes"}
 
 
 def _classes() -> dict[str, dict]:
