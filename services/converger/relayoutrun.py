@@ -47,6 +47,8 @@ from .model import MigLayoutRecord, RelayoutJob
 
 #: one request to kube_reaper (it makes one API request of at most 10 s)
 NODE_TIMEOUT_S = 15.0
+#: the "allocation" kube_reaper watches for the drain
+DRAIN_ID = "mig-relayout"
 
 
 class NodePort(Protocol):
@@ -56,6 +58,10 @@ class NodePort(Protocol):
 
     async def drain(self, allocation_id: str, devices: list[str], *, evict: bool) -> tuple[bool, list[str], str]:
         """(still held, holders, detail) of these devices; first asks kube_reaper to evict their pods when `evict`."""
+        ...
+
+    async def stop_drain(self, allocation_id: str) -> None:
+        """kube_reaper stops evicting for this drain (a failed job must not evict a pod later, when a budget allows)."""
         ...
 
 
@@ -88,6 +94,13 @@ class BusNode:
         except (ServiceCallError, nats.errors.Error, TimeoutError, BadMessage) as exc:
             return True, [], f"kube_reaper did not answer: {type(exc).__name__}"
         return reply.held or not reply.reachable, list(reply.holders), reply.detail
+
+    async def stop_drain(self, allocation_id: str) -> None:
+        from shared.schemas import EVICT_REPLY_CODEC
+
+        # the watch replaced by one of no devices: free at once, and the evictions nobody wants are cancelled
+        with contextlib.suppress(ServiceCallError, nats.errors.Error, TimeoutError, BadMessage):
+            await call(self.nc, self.subjects.reaper_evict, DevicesQuery(allocation_id=allocation_id, devices=[]), EVICT_REPLY_CODEC, timeout=NODE_TIMEOUT_S)
 
 
 class RelayoutRunner:
@@ -221,7 +234,7 @@ class RelayoutRunner:
         gpus = {g.pci_address: g for g in inv.gpus} if inv is not None else {}
         atoms = relayout.card_atoms(gpus, job.cards)
         first = not all(c.evicted for c in job.cards.values())
-        held, holders, detail = await self.node.drain("mig-relayout", atoms, evict=first)
+        held, holders, detail = await self.node.drain(DRAIN_ID, atoms, evict=first)
         if first:
             for c in job.cards.values():
                 c.evicted, c.step = True, "draining"
@@ -285,6 +298,8 @@ class RelayoutRunner:
                     self._refused(reply, "applying")
 
     async def _finish(self, job: RelayoutJob, node: NodeView, now: datetime) -> None:
+        if job.outcome != "success" and any(c.evicted for c in job.cards.values()):
+            await self.node.stop_drain(DRAIN_ID)
         reply = await self.node.change(relayout.finish_change(job, node))
         if not reply.ok:
             self._refused(reply, "finishing")

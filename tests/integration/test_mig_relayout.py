@@ -259,6 +259,11 @@ async def test_a_drain_a_budget_blocks_fails_without_touching_the_card(node_bus,
         assert card_layout(host) == "all-disabled"
         assert api.pod("team-a", "guarded-0") is not None, "a budget is respected, never forced"
         r.clean()
+        # the job failed: once the budget would allow it, the pod is still not evicted
+        tried = len(api.evictions("team-a"))
+        api.add_pod("team-a", "guarded-1", NODE, labels={"app": "guarded"})
+        await asyncio.sleep(3.0)
+        assert len(api.evictions("team-a")) == tried and api.pod("team-a", "guarded-0") is not None, "no eviction after the job ended"
     finally:
         r.stop()
 

@@ -53,6 +53,7 @@ class FakeNode:
     atoms: dict[str, str] = field(default_factory=dict)
     #: another writer changes the Node between the next read and change
     race_next: bool = False
+    drain_stopped: int = 0
 
     def view(self) -> NodeView:
         return NodeView(
@@ -105,6 +106,9 @@ class FakeNode:
                 self.pods[p] = [n for n in self.pods.get(p, []) if n in self.budgeted]
         holders = [n for p in pcis for n in self.pods.get(p, [])]
         return bool(holders), holders, ""
+
+    async def stop_drain(self, allocation_id: str) -> None:
+        self.drain_stopped += 1
 
     def bump(self) -> None:
         """Somebody else wrote the Node (a kubelet heartbeat, another controller)."""
@@ -337,6 +341,7 @@ async def test_a_drain_a_budget_blocks_fails_without_changing_the_card(world: Wo
     assert world.node.labels[ST] == "failed"
     assert "gpu/guarded" in world.node.annotations[RELAYOUT_MESSAGE_ANNOTATION]
     assert world.hw.gpus[A].mig_mode is False and A not in world.state.mig_layouts
+    assert world.node.drain_stopped >= 1, "kube_reaper stops evicting for a drain that failed"
     world.clean()
 
 
