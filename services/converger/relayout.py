@@ -214,10 +214,11 @@ def finish_change(job: RelayoutJob, node: NodeView) -> NodeChange:
     A paused label is restored only while it still says paused (an operator who changed it since
     keeps their value); the taint and the cordon go only when the job added them."""
     labels: dict[str, str | None] = {}
-    if job.outcome == "success" and parse_config_or_none(job.config) == "disabled":
+    if job.outcome == "success" and parse_config_or_none(job.config) == "disabled" and node.labels.get(MIG_CONFIG_LABEL, job.config) == job.config:
         labels[MIG_CONFIG_LABEL] = None
         labels[MIG_STATE_LABEL] = None
     else:
+        # (a config set anew meanwhile stays: the next read starts its job)
         labels[MIG_STATE_LABEL] = job.outcome or "failed"
     for key, old in job.paused.items():
         if node.labels.get(key) == PAUSED_VALUE:

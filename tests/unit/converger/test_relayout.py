@@ -146,6 +146,7 @@ def test_a_taint_or_cordon_already_there_is_not_the_jobs_to_take_back() -> None:
         ("failed says failed", "all-1g.18gb", "failed", {CFG: "all-1g.18gb", ST: "pending"}, {ST: "failed"}),
         ("all-disabled success removes both labels", "all-disabled", "success", {CFG: "all-disabled", ST: "pending"}, {CFG: None, ST: None}),
         ("all-disabled failed keeps them", "all-disabled", "failed", {CFG: "all-disabled", ST: "pending"}, {ST: "failed"}),
+        ("all-disabled done, but a new config was set meanwhile: it stays", "all-disabled", "success", {CFG: "all-1g.18gb", ST: "pending"}, {ST: "success"}),
         (
             "a paused label is restored",
             "all-1g.18gb",

@@ -410,3 +410,31 @@ async def test_the_runner_loop_stops_with_the_service(world: World) -> None:
     stopping.set()
     await asyncio.wait_for(task, 2)
     assert world.state.relayout is not None or world.state.relayout_last is not None
+
+
+async def test_a_new_config_set_mid_job_runs_after_it(world: World) -> None:
+    for _ in range(3):
+        await world.tick()
+    assert world.state.relayout is not None and world.state.relayout.config == "all-1g.18gb"
+    world.node.labels[CFG] = "all-3g.71gb"
+    world.node.bump()
+    await world.settle()
+    await world.settle()
+    assert world.node.labels[CFG] == "all-3g.71gb" and world.node.labels[ST] == "success"
+    assert layout_of(world.hw.gpus[A]) == "3g.71gb,3g.71gb"
+    assert world.state.relayout_last.config == "all-3g.71gb"
+    world.clean()
+
+
+async def test_all_disabled_done_while_a_new_config_was_set_keeps_the_new_one(tmp_path: Path) -> None:
+    on = msgspec.structs.replace(card(A), mig_mode=True, mig_instances=[MigInstance(atom_id="x/gi1/ci0", gi=1, ci=0, profile="3g.71gb")])
+    w = World(tmp_path, [on], {CFG: "all-disabled"})
+    for _ in range(3):
+        await w.tick()
+    w.node.labels[CFG] = "all-1g.18gb"
+    w.node.bump()
+    await w.settle()
+    await w.settle()
+    assert w.node.labels[CFG] == "all-1g.18gb" and w.node.labels[ST] == "success"
+    assert layout_of(w.hw.gpus[A]) == ALL7
+
