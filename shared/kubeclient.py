@@ -11,6 +11,7 @@ own terms (an unavailable evictor, an API error of status 0).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -58,4 +59,34 @@ async def load_api_client(kubeconfig: Path | None, in_cluster: str) -> tuple[Any
     return api_client, f"{source} ({api_client.configuration.host})"
 
 
-__all__ = ["KubeCredentialsError", "in_cluster_available", "load_api_client", "use_in_cluster"]
+class LazyCoreApi:
+    """A CoreV1Api whose credentials load once, on first use (kubernetes_asyncio imported then), so a
+    process that never calls it never loads them. Each caller keeps its own: the ApiClient remembers
+    only its last response, which a caller may read right after its request."""
+
+    def __init__(self, kubeconfig: Path | None = None, in_cluster: str = "auto") -> None:
+        self.kubeconfig = Path(kubeconfig) if kubeconfig else None
+        self.in_cluster = in_cluster
+        self.api_client: Any = None
+        self.core: Any = None
+        #: where the credentials came from, once loaded (for logs).
+        self.source = ""
+        self._lock = asyncio.Lock()
+
+    async def connect(self) -> Any:
+        """The CoreV1Api; KubeCredentialsError says why there is none."""
+        async with self._lock:
+            if self.core is None:
+                from kubernetes_asyncio import client
+
+                self.api_client, self.source = await load_api_client(self.kubeconfig, self.in_cluster)
+                self.core = client.CoreV1Api(self.api_client)
+            return self.core
+
+    async def close(self) -> None:
+        if self.api_client is not None:
+            api_client, self.api_client, self.core = self.api_client, None, None
+            await api_client.close()
+
+
+__all__ = ["KubeCredentialsError", "LazyCoreApi", "in_cluster_available", "load_api_client", "use_in_cluster"]

@@ -19,7 +19,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
-from shared.kubeclient import KubeCredentialsError, load_api_client
+from shared.kubeclient import KubeCredentialsError, LazyCoreApi
 
 from .ports import EvictionResult
 
@@ -118,29 +118,21 @@ class KubernetesEvictor:
     enabled = True
 
     def __init__(self, kubeconfig: Path | None = None, in_cluster: str = "auto", timeout: float = REQUEST_TIMEOUT_S) -> None:
-        self.kubeconfig = Path(kubeconfig) if kubeconfig else None
-        self.in_cluster = in_cluster
+        self.api = LazyCoreApi(kubeconfig, in_cluster)
         self.timeout = timeout
-        self._api_client: Any = None
-        self._core: Any = None
-        self._lock = asyncio.Lock()
-        #: where the credentials came from, once loaded (for logs).
-        self.source = ""
+
+    @property
+    def source(self) -> str:
+        """Where the credentials came from, once loaded (for logs)."""
+        return self.api.source
 
     async def connect(self) -> str:
         """Load credentials (once); raises EvictorUnavailable with the reason."""
-        async with self._lock:
-            if self._core is not None:
-                return self.source
-            from kubernetes_asyncio import client
-
-            try:
-                api_client, self.source = await load_api_client(self.kubeconfig, self.in_cluster)
-            except KubeCredentialsError as exc:
-                raise EvictorUnavailable(str(exc)) from None
-            self._api_client = api_client
-            self._core = client.CoreV1Api(api_client)
-            return self.source
+        try:
+            await self.api.connect()
+        except KubeCredentialsError as exc:
+            raise EvictorUnavailable(str(exc)) from None
+        return self.api.source
 
     async def evict(self, namespace: str, pod: str) -> EvictionResult:
         try:
@@ -157,9 +149,9 @@ class KubernetesEvictor:
             metadata=client.V1ObjectMeta(name=pod, namespace=namespace),
         )
         try:
-            await self._core.create_namespaced_pod_eviction(pod, namespace, body, _request_timeout=self.timeout)
+            await self.api.core.create_namespaced_pod_eviction(pod, namespace, body, _request_timeout=self.timeout)
             # read before any await: the client keeps only its last response
-            answer = status_body(getattr(getattr(self._api_client, "last_response", None), "data", None))
+            answer = status_body(getattr(getattr(self.api.api_client, "last_response", None), "data", None))
         except ApiException as exc:
             status = int(exc.status or 0)
             reason = f"HTTP {status} {exc.reason or ''}".strip()
@@ -176,9 +168,7 @@ class KubernetesEvictor:
         return result_of_created(answer)
 
     async def close(self) -> None:
-        if self._api_client is not None:
-            api_client, self._api_client, self._core = self._api_client, None, None
-            await api_client.close()
+        await self.api.close()
 
 
 __all__ = [

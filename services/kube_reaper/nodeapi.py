@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared.kubeclient import KubeCredentialsError, load_api_client
+from shared.kubeclient import KubeCredentialsError, LazyCoreApi
 from shared.schemas import (
     GPU_DEPLOY_PREFIX,
     MIG_CONFIG_LABEL,
@@ -45,6 +44,7 @@ from shared.schemas import (
     NodeView,
     clip,
 )
+from shared.schemas.codec import bounded_json_loads
 
 from .evictor import REQUEST_TIMEOUT_S
 
@@ -62,6 +62,8 @@ MESSAGE_MAX = 1024
 #: what a NodeView carries at most (shared/schemas/kubenode.py's bounds).
 VIEW_LABELS_MAX = 1024
 VIEW_TAINTS_MAX = 256
+#: the most of an API answer read (a Node is stored in etcd, whose objects stay under 1.5 MiB)
+ANSWER_MAX_BYTES = 4 * 1024 * 1024
 
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -285,29 +287,21 @@ class KubernetesNodeApi:
 
     def __init__(self, name: str, kubeconfig: Path | None = None, in_cluster: str = "auto", timeout: float = REQUEST_TIMEOUT_S) -> None:
         self.name = name
-        self.kubeconfig = Path(kubeconfig) if kubeconfig else None
-        self.in_cluster = in_cluster
+        self.api = LazyCoreApi(kubeconfig, in_cluster)
         self.timeout = float(timeout)
-        self._api_client: Any = None
-        self._core: Any = None
-        self._lock = asyncio.Lock()
-        #: where the credentials came from, once loaded (for logs).
-        self.source = ""
+
+    @property
+    def source(self) -> str:
+        """Where the credentials came from, once loaded (for logs)."""
+        return self.api.source
 
     async def connect(self) -> str:
         """Load credentials (once); raises NodeApiUnreachable with the reason."""
-        async with self._lock:
-            if self._core is not None:
-                return self.source
-            from kubernetes_asyncio import client
-
-            try:
-                api_client, self.source = await load_api_client(self.kubeconfig, self.in_cluster)
-            except KubeCredentialsError as exc:
-                raise NodeApiUnreachable(str(exc)) from None
-            self._api_client = api_client
-            self._core = client.CoreV1Api(api_client)
-            return self.source
+        try:
+            await self.api.connect()
+        except KubeCredentialsError as exc:
+            raise NodeApiUnreachable(str(exc)) from None
+        return self.api.source
 
     async def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> dict:
         """One CoreV1Api request: the answer's JSON object, or the NodeApiError its status means."""
@@ -317,7 +311,7 @@ class KubernetesNodeApi:
 
         try:
             async with asyncio.timeout(self.timeout):
-                resp = await getattr(self._core, method)(*args, _preload_content=False, _request_timeout=self.timeout, **kwargs)
+                resp = await getattr(self.api.core, method)(*args, _preload_content=False, _request_timeout=self.timeout, **kwargs)
                 try:
                     raw = await resp.read()
                     status = int(resp.status)
@@ -330,7 +324,7 @@ class KubernetesNodeApi:
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise NodeApiUnreachable(f"{what}: {type(exc).__name__}: {exc}") from None
         try:
-            body = json.loads(raw) if raw else None
+            body = bounded_json_loads(raw, ANSWER_MAX_BYTES, what) if raw else None
         except ValueError:
             body = None
         if 200 <= status < 300:
@@ -364,9 +358,7 @@ class KubernetesNodeApi:
         return view_of(await self._call(what, "patch_node", self.name, patch, _content_type=MERGE_PATCH))
 
     async def close(self) -> None:
-        if self._api_client is not None:
-            api_client, self._api_client, self._core = self._api_client, None, None
-            await api_client.close()
+        await self.api.close()
 
 
 # --- the endpoint -----------------------------------------------------------------------------
