@@ -232,3 +232,39 @@ def test_the_driver_and_toolkit_are_not_paused_as_gpu_clients() -> None:
     assert "nvidia.com/gpu.deploy.device-plugin" in got.job.paused
     assert "nvidia.com/gpu.deploy.driver" not in got.job.paused, "the GPU driver DaemonSet is paused off the node"
     assert "nvidia.com/gpu.deploy.container-toolkit" not in got.job.paused, "the container toolkit DaemonSet is paused off the node"
+
+
+# ---------------------------------------------------------------------------------- the message annotation
+
+
+async def test_a_long_failure_message_does_not_keep_the_taint_for_good(tmp_path: Path) -> None:
+    """The finish change carries the job's message, clipped to 4096 characters (shared.schemas.clip);
+    kube_reaper decodes a NodeChange whose annotation values are at most 1024 (kubenode.NodeValue) and
+    refuses more (nodeapi.MESSAGE_MAX). Eight cards that fail name eight reasons: the finish is refused
+    at every try, and the taint, the cordon and the paused label stay while the cards are free again."""
+    from services.kube_reaper.nodeapi import check_change
+    from shared.schemas import NODE_REQUEST_CODEC, NodeChange, NodeReply
+    from shared.schemas.codec import encode
+
+    pcis = [f"0000:{0x1a + i:02x}:00.0" for i in range(8)]
+    w = World(tmp_path, [mig_on(p, "3g.71gb") for p in pcis], {CFG: "all-1g.18gb", DP: "true"})
+    for p in pcis:
+        w.hw.fail.add((p, ALL7))
+    change = w.node.change
+
+    async def through_kube_reaper(req: NodeChange) -> NodeReply:
+        try:  # the endpoint decodes the request with its codec first
+            NODE_REQUEST_CODEC.decode(encode(req))
+        except Exception as exc:  # noqa: BLE001 - any refusal of the decoder
+            return NodeReply(ok=False, reachable=False, detail=f"kube_reaper did not answer: ServiceCallError: {exc}")
+        problem = check_change(req)
+        if problem:
+            return NodeReply(ok=False, detail=f"refused, nothing sent: {problem}")
+        return await change(req)
+
+    w.node.change = through_kube_reaper  # type: ignore[method-assign]
+    await w.settle(40)
+    assert all(layout_of(w.hw.gpus[p]) == "3g.71gb" for p in pcis), "every card rolled back"
+    assert w.state.relayout is None, f"the job is stuck at {w.state.relayout.step if w.state.relayout else ''}: its finish change is refused"
+    assert w.node.labels[ST] == "failed"
+    w.clean()
