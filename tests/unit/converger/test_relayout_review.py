@@ -268,3 +268,37 @@ async def test_a_long_failure_message_does_not_keep_the_taint_for_good(tmp_path:
     assert w.state.relayout is None, f"the job is stuck at {w.state.relayout.step if w.state.relayout else ''}: its finish change is refused"
     assert w.node.labels[ST] == "failed"
     w.clean()
+
+
+# ---------------------------------------------------------------------------------- bcd gpu mig-layout
+
+
+async def test_bcd_gpu_mig_layout_after_a_success_does_not_leave_the_node_saying_success(world: World) -> None:
+    """The Node label's job succeeded; `bcd gpu mig-layout` on one of its cards is accepted (only a
+    running job claims the card) and applied, and nothing runs again (state success for this config):
+    the Node keeps saying the label's layout is applied while the card has another."""
+    from prometheus_client import CollectorRegistry
+
+    from services.converger.maintenance import Maintenance
+    from services.converger.metrics import ConvergerMetrics
+    from shared import logs
+
+    await world.settle()
+    assert world.node.labels[ST] == "success" and layout_of(world.hw.gpus[A]) == ALL7
+    room = Maintenance(
+        world.runner.facts,
+        intake=world.intake,  # type: ignore[arg-type]
+        claims=world.claims,  # type: ignore[arg-type]
+        metrics=ConvergerMetrics(CollectorRegistry()),
+        trigger=lambda why: None,
+        nc=None,  # type: ignore[arg-type]
+        subjects=None,  # type: ignore[arg-type]
+        log=logs.get_logger("test.relayout"),
+    )
+    reply = await room.gpu_op(GpuOpRequest(op="mig-layout", pci=A, layout="3g.71gb,3g.71gb"))
+    for _ in range(3):
+        await world.tick()
+    if reply.accepted:
+        assert not (layout_of(world.hw.gpus[A]) != ALL7 and world.node.labels.get(ST) == "success"), (
+            f"the Node says {world.node.labels[CFG]} is applied (success) while the card has {layout_of(world.hw.gpus[A])}"
+        )
