@@ -115,6 +115,13 @@ class Maintenance:
         gpu = next((g for g in inv.gpus if g.pci_address == req.pci), None)
         if gpu is None:
             return GpuOpReply(accepted=False, message=f"the inventory lists no GPU at that address")
+        label = self.facts.state.relayout_label
+        if label and gpu.mig_profiles:
+            # two owners of one layout would undo each other, and the Node would say what is not so
+            return GpuOpReply(
+                accepted=False,
+                message=f"this node's MIG layouts are its Kubernetes Node's label nvidia.com/mig.config={label}: change or remove the label instead (docs/mig-relayout.md)",
+            )
         profiles, disable = gpuops.parse_layout(req.layout)
         problem = gpuops.layout_problem(gpu, profiles, disable)
         if problem:

@@ -91,8 +91,12 @@ class RelayoutCard(msgspec.Struct, kw_only=True):
     #: "" while it runs; success | failed
     outcome: str = ""
     message: str = ""
-    #: kube_reaper was asked to evict the pods using it (asked once per job; it retries by itself)
+    #: kube_reaper was asked to evict the pods using it (asked again while they stay)
     evicted: bool = False
+    #: its target failed: it goes back to `before` (a reboot the rollback waits for keeps this)
+    rolling_back: bool = False
+    #: a failed all-disabled was tried once more
+    retried: bool = False
 
 
 class RelayoutJob(msgspec.Struct, kw_only=True):
@@ -292,6 +296,9 @@ class ConvergerState(msgspec.Struct, kw_only=True):
     relayout: RelayoutJob | None = None
     #: the last one that ended (what the state label says, and why)
     relayout_last: RelayoutJob | None = None
+    #: the Node's `nvidia.com/mig.config` as last read ("": none): while set, the label owns the
+    #: node's MIG layouts and `bcd gpu mig-layout` is refused
+    relayout_label: str = ""
 
     def note_released(self, allocation_id: str, generation: int) -> None:
         """Record a Released now in the outbox (newest last; the oldest beyond RELEASED_KEPT go)."""

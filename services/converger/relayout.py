@@ -37,11 +37,13 @@ from datetime import datetime
 from shared.schemas import Gpu, GpuClaim, NodeChange, NodeView, RelayoutCardState, RelayoutState
 from shared.schemas.bus import MIG_ALL_DISABLED
 from shared.schemas.kubenode import (
+    GPU_CLIENT_OPERANDS,
     GPU_DEPLOY_PREFIX,
     MIG_CONFIG_LABEL,
     MIG_STATE_LABEL,
     PAUSED_VALUE,
     RELAYOUT_MESSAGE_ANNOTATION,
+    RELAYOUT_MESSAGE_MAX,
     RELAYOUT_TAINT_EFFECT,
     RELAYOUT_TAINT_KEY,
 )
@@ -128,8 +130,10 @@ def plan_start(
     last: RelayoutJob | None,
     *,
     now: datetime,
+    busy: Mapping[str, str] | None = None,
 ) -> Idle | Begin:
-    """What the Node's labels ask when no job runs."""
+    """What the Node's labels ask when no job runs. `busy`: PCI address -> the maintenance operation
+    running on it (gpuops.maintenance_claims), a holder like the claims."""
     desired = node.labels.get(MIG_CONFIG_LABEL, "")
     state = node.labels.get(MIG_STATE_LABEL, "")
     if not desired:
@@ -156,13 +160,24 @@ def plan_start(
     for c in claims:
         if c.pci_address in change:
             holders.setdefault(c.pci_address, []).append(holder_text(c))
+    for pci, what in (busy or {}).items():
+        if pci in change:
+            holders.setdefault(pci, []).append(what)
     if holders:
         named = "; ".join(f"{pci} is held by {', '.join(sorted(set(h)))}" for pci, h in sorted(holders.items()))
         return finish_now("failed", f"{desired} not applied: {named} (a held card is never reconfigured; set the label again once it is free)")
     by_pci = {g.pci_address: g for g in capable}
     cards = {pci: RelayoutCard(target=t, before=current_layout(by_pci[pci])) for pci, t in change.items()}
-    paused = {k: v for k, v in sorted(node.labels.items()) if k.startswith(GPU_DEPLOY_PREFIX) and v != PAUSED_VALUE}
+    clients = {GPU_DEPLOY_PREFIX + o for o in GPU_CLIENT_OPERANDS}
+    # a label an operator set to "false" is theirs (mig-parted's maybeSetPaused leaves it too)
+    paused = {k: v for k, v in sorted(node.labels.items()) if k in clients and v not in ("false", PAUSED_VALUE)}
     has_taint = any(t.key == RELAYOUT_TAINT_KEY and t.effect == RELAYOUT_TAINT_EFFECT for t in node.taints)
+    # a job the state label says runs but no journal has (the journal lost, a manager killed before
+    # it wrote one): what it left is the job's to take back, as the seed's restarted manager does
+    # (cordon, taint, paused clients back to "true", mig-parted's maybeSetTrue)
+    taken_over = state in ("pending", "rebooting")
+    if taken_over:
+        paused.update({k: "true" for k, v in node.labels.items() if k in clients and v == PAUSED_VALUE})
     return Begin(
         RelayoutJob(
             config=desired,
@@ -170,9 +185,9 @@ def plan_start(
             started_at=now,
             step_since=now,
             cards=cards,
-            paused=paused,
-            tainted=not has_taint,
-            cordoned=not node.unschedulable,
+            paused=dict(sorted(paused.items())),
+            tainted=taken_over or not has_taint,
+            cordoned=taken_over or not node.unschedulable,
             message=f"re-layout to {desired}: pausing the GPU clients",
         )
     )
@@ -195,7 +210,7 @@ def pause_change(job: RelayoutJob, node: NodeView) -> NodeChange:
     return NodeChange(
         resource_version=node.resource_version,
         labels=labels,
-        annotations={RELAYOUT_MESSAGE_ANNOTATION: job.message},
+        annotations={RELAYOUT_MESSAGE_ANNOTATION: node_message(job.message)},
         relayout_taint=True if job.tainted else None,
         unschedulable=True if job.cordoned else None,
     )
@@ -203,9 +218,15 @@ def pause_change(job: RelayoutJob, node: NodeView) -> NodeChange:
 
 def state_change(node: NodeView, state: str, message: str) -> NodeChange | None:
     """The state label and message as the job says now; None when the Node says it already."""
+    message = node_message(message)
     if node.labels.get(MIG_STATE_LABEL) == state and node.annotations.get(RELAYOUT_MESSAGE_ANNOTATION) == message:
         return None
     return NodeChange(resource_version=node.resource_version, labels={MIG_STATE_LABEL: state}, annotations={RELAYOUT_MESSAGE_ANNOTATION: message})
+
+
+def node_message(message: str) -> str:
+    """The job's message as the Node's annotation carries it (kube_reaper takes at most RELAYOUT_MESSAGE_MAX)."""
+    return clip(message, RELAYOUT_MESSAGE_MAX)
 
 
 def finish_change(job: RelayoutJob, node: NodeView) -> NodeChange:
@@ -214,11 +235,15 @@ def finish_change(job: RelayoutJob, node: NodeView) -> NodeChange:
     A paused label is restored only while it still says paused (an operator who changed it since
     keeps their value); the taint and the cordon go only when the job added them."""
     labels: dict[str, str | None] = {}
-    if job.outcome == "success" and parse_config_or_none(job.config) == "disabled" and node.labels.get(MIG_CONFIG_LABEL, job.config) == job.config:
+    asked = node.labels.get(MIG_CONFIG_LABEL, "")
+    if asked != job.config:
+        # the label changed while the job ran: its outcome is no answer to what is asked now. The
+        # new value's job starts at the next read (state pending); a label removed asks nothing.
+        labels[MIG_STATE_LABEL] = "pending" if asked else None
+    elif job.outcome == "success" and parse_config_or_none(job.config) == "disabled":
         labels[MIG_CONFIG_LABEL] = None
         labels[MIG_STATE_LABEL] = None
     else:
-        # (a config set anew meanwhile stays: the next read starts its job)
         labels[MIG_STATE_LABEL] = job.outcome or "failed"
     for key, old in job.paused.items():
         if node.labels.get(key) == PAUSED_VALUE:
@@ -227,7 +252,7 @@ def finish_change(job: RelayoutJob, node: NodeView) -> NodeChange:
     return NodeChange(
         resource_version=node.resource_version,
         labels=labels,
-        annotations={RELAYOUT_MESSAGE_ANNOTATION: job.message},
+        annotations={RELAYOUT_MESSAGE_ANNOTATION: node_message(job.message)},
         relayout_taint=False if job.tainted and has_taint else None,
         unschedulable=False if job.cordoned and node.unschedulable else None,
     )
@@ -254,36 +279,43 @@ class CardMove:
     step: str | None = None
     outcome: str = ""
     message: str = ""
+    #: the card goes back to its layout before (None leaves it)
+    rolling_back: bool | None = None
+    #: a failed all-disabled is tried once more (None leaves it)
+    retried: bool | None = None
 
 
 def plan_card(card: RelayoutCard, gpu: Gpu | None, record: MigLayoutRecord | None, *, boot_id: str, disable: bool) -> CardMove:
     """One card in the applying step: from its desired-layout record (gpuops.plan_mig_layouts runs it) to done.
 
     `record` is the card's MIG layout record as the converger keeps it (state Pending, Applying,
-    Applied or Failed; Pending with the boot a mode change waits for a reboot in)."""
+    Applied or Failed; Pending with the boot a mode change waits for a reboot in). A card rolling
+    back stays so through a reboot it waits for: it never asks for the layout that failed again."""
     if card.step == "done":
         return CardMove()
-    want = card.target if card.step != "rollback" else card.before
+    want = card.before if card.rolling_back else card.target
+    going = "rollback" if card.rolling_back else "applying"
     if card.step in ("waiting", "draining") or record is None or record.layout != want:
-        return CardMove(set_layout=want, step="applying" if card.step != "rollback" else "rollback", message=card.message)
+        return CardMove(set_layout=want, step=going, message=card.message)
     if gpu is not None and record.state == "Applied" and is_applied(gpu, want):
-        if card.step == "rollback":
+        if card.rolling_back:
             return CardMove(step="done", outcome="failed", message=f"{card.message}; rolled back to {card.before}")
         return CardMove(step="done", outcome="success", message=f"{want} applied")
     if record.state == "Pending" and record.blocked_boot and record.blocked_boot == boot_id:
         return CardMove(step="rebooting", message=record.message) if card.step != "rebooting" else CardMove()
     if record.state == "Failed":
-        if card.step == "rollback":
+        if card.rolling_back:
             return CardMove(step="done", outcome="failed", message=f"{card.message}; the rollback to {card.before} failed too: {record.message}")
         if disable:
-            if card.message.startswith("retried:"):
+            if card.retried:
                 return CardMove(step="done", outcome="failed", message=f"MIG off failed twice: {record.message}")
-            return CardMove(set_layout=MIG_ALL_DISABLED, step="applying", message=f"retried: {record.message}")
+            # the record is asked again: a fresh one, so the maintenance room runs it once more
+            return CardMove(set_layout=MIG_ALL_DISABLED, step="applying", retried=True, message=f"tried again after: {record.message}")
         if not card.before:
             return CardMove(step="done", outcome="failed", message=f"{card.target} failed: {record.message}; the card had MIG on with no instance before: left as it is")
-        return CardMove(set_layout=card.before, step="rollback", message=f"{card.target} failed: {record.message}")
+        return CardMove(set_layout=card.before, step="rollback", rolling_back=True, message=f"{card.target} failed: {record.message}")
     if card.step == "rebooting" and record.blocked_boot != boot_id:
-        return CardMove(step="applying", message="after the reboot")
+        return CardMove(step=going, message=f"{card.message} (after the reboot)" if card.rolling_back else "after the reboot")
     return CardMove()
 
 

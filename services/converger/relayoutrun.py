@@ -38,7 +38,7 @@ from shared.schemas.common import clip
 from shared.schemas.kubenode import MIG_CONFIG_LABEL, MIG_STATE_LABEL
 from shared.subjects import NodeSubjects
 
-from . import relayout
+from . import gpuops, relayout
 from .cardclaims import CardClaims
 from .facts import NodeFacts
 from .intake import InventoryIntake
@@ -49,6 +49,10 @@ from .model import MigLayoutRecord, RelayoutJob
 NODE_TIMEOUT_S = 15.0
 #: the "allocation" kube_reaper watches for the drain
 DRAIN_ID = "mig-relayout"
+#: drain rounds (BUSY_INTERVAL_S each) between two eviction requests while the cards stay held
+EVICT_AGAIN_ROUNDS = 3
+#: how a drain answer says kube_reaper was not reached
+UNANSWERED = "kube_reaper did not answer"
 
 
 class NodePort(Protocol):
@@ -92,7 +96,7 @@ class BusNode:
                 await call(self.nc, self.subjects.reaper_evict, query, EVICT_REPLY_CODEC, timeout=NODE_TIMEOUT_S)
             reply = await call(self.nc, self.subjects.reaper_held, query, HELD_REPLY_CODEC, timeout=NODE_TIMEOUT_S)
         except (ServiceCallError, nats.errors.Error, TimeoutError, BadMessage) as exc:
-            return True, [], f"kube_reaper did not answer: {type(exc).__name__}"
+            return True, [], f"{UNANSWERED}: {type(exc).__name__}"
         return reply.held or not reply.reachable, list(reply.holders), reply.detail
 
     async def stop_drain(self, allocation_id: str) -> None:
@@ -138,6 +142,8 @@ class RelayoutRunner:
         self.note = ""
         self.wake = asyncio.Event()
         self._noted = ""
+        #: drain rounds the cards stayed held since kube_reaper was last asked to evict (None: never asked by this process)
+        self._held_rounds: int | None = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -162,12 +168,16 @@ class RelayoutRunner:
         now = datetime.now(timezone.utc)
         self.disabled = reply.disabled
         if not reply.ok or reply.node is None:
+            # the last view stays what status shows, beside why it is not read now
             self.read_error = reply.detail or "the Node could not be read"
-            self.view = None
             return
         self.view, self.read_at, self.read_error = reply.node, now, ""
         state = self.facts.state
         async with self.facts.lock:
+            asked = reply.node.labels.get(MIG_CONFIG_LABEL, "")
+            if asked != state.relayout_label:
+                state.relayout_label = asked
+                await self._save()
             job = state.relayout
             if job is None:
                 await self._maybe_start(reply.node, now)
@@ -188,7 +198,7 @@ class RelayoutRunner:
             return
         state = self.facts.state
         claims = await asyncio.to_thread(self.claims.read, inv)
-        decision = relayout.plan_start(node, inv.gpus, claims, state.relayout_last, now=now)
+        decision = relayout.plan_start(node, inv.gpus, claims, state.relayout_last, now=now, busy=gpuops.maintenance_claims(state.gpu_ops))
         if isinstance(decision, relayout.Idle):
             self.note = decision.note
             if decision.note and decision.note != self._noted:
@@ -202,6 +212,7 @@ class RelayoutRunner:
             if pci in state.mig_layouts and job.step != "finishing":
                 del state.mig_layouts[pci]
         state.relayout = job
+        self._held_rounds = None
         # recorded first: a crash from here on resumes this job and undoes what it did
         await asyncio.to_thread(self.facts.store.save, state)
         self.crash("relayout.journaled")
@@ -232,14 +243,28 @@ class RelayoutRunner:
     async def _drain(self, job: RelayoutJob, node: NodeView, now: datetime) -> None:
         inv = self.intake.inventory
         gpus = {g.pci_address: g for g in inv.gpus} if inv is not None else {}
+        missing = sorted(p for p in job.cards if p not in gpus)
+        if missing:
+            # no inventory yet (a converger just restarted), or a card it does not list now: which
+            # pods use the cards cannot be asked, and nothing asked about is no drain
+            self.log.info("MIG re-layout waits for the inventory to list its cards before the drain", cards=missing)
+            return
         atoms = relayout.card_atoms(gpus, job.cards)
-        first = not all(c.evicted for c in job.cards.values())
-        held, holders, detail = await self.node.drain(DRAIN_ID, atoms, evict=first)
-        if first:
+        # kube_reaper keeps its eviction retries in memory: asked at once after our own start, and
+        # again every few rounds while the cards are held (it may have restarted, or not heard us)
+        ask = self._held_rounds is None or self._held_rounds >= EVICT_AGAIN_ROUNDS
+        held, holders, detail = await self.node.drain(DRAIN_ID, atoms, evict=ask)
+        if ask:
+            # not heard: asked again at the next round
+            self._held_rounds = EVICT_AGAIN_ROUNDS if detail.startswith(UNANSWERED) else 0
+        else:
+            self._held_rounds = (self._held_rounds or 0) + 1
+        if not all(c.evicted for c in job.cards.values()):
             for c in job.cards.values():
                 c.evicted, c.step = True, "draining"
             await self._save()
         if not held:
+            self._held_rounds = None
             self.crash("relayout.drained")
             self._to(job, "applying", now, f"re-layout to {job.config}: applying")
             await self._save()
@@ -270,6 +295,10 @@ class RelayoutRunner:
             move = relayout.plan_card(card, gpus.get(pci), state.mig_layouts.get(pci), boot_id=state.boot_id, disable=disable)
             if move.set_layout:
                 state.mig_layouts[pci] = MigLayoutRecord(layout=move.set_layout, source="node-label", since=now)
+            if move.rolling_back is not None:
+                card.rolling_back = move.rolling_back
+            if move.retried is not None:
+                card.retried = move.retried
             if move.step is not None:
                 card.step, card.outcome = move.step, move.outcome
                 card.message = move.message

@@ -33,6 +33,7 @@ from shared.schemas import (
     MIG_STATE_LABEL,
     MIG_STATES,
     RELAYOUT_MESSAGE_ANNOTATION,
+    RELAYOUT_MESSAGE_MAX,
     RELAYOUT_TAINT_EFFECT,
     RELAYOUT_TAINT_KEY,
     RELAYOUT_TAINT_VALUE,
@@ -58,7 +59,7 @@ API_REQUESTS: dict[str, tuple[str, str, str]] = {
 
 MERGE_PATCH = "application/merge-patch+json"
 #: the longest bcd message annotation kube_reaper writes (characters).
-MESSAGE_MAX = 1024
+MESSAGE_MAX = RELAYOUT_MESSAGE_MAX
 #: what a NodeView carries at most (shared/schemas/kubenode.py's bounds).
 VIEW_LABELS_MAX = 1024
 VIEW_TAINTS_MAX = 256

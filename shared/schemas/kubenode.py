@@ -31,6 +31,13 @@ RELAYOUT_TAINT_VALUE = "true"
 RELAYOUT_TAINT_EFFECT = "NoSchedule"
 #: bcd's own: what the state label cannot say (a label value has no spaces): the job's step and why.
 RELAYOUT_MESSAGE_ANNOTATION = "bcd.dev/mig.config.message"
+#: the most the message annotation carries (kube_reaper refuses more: services/kube_reaper/nodeapi.py).
+RELAYOUT_MESSAGE_MAX = 1024
+#: the GPU clients the flow pauses: the GPU operator's operands whose DaemonSets select on
+#: `nvidia.com/gpu.deploy.<operand>=true` and hold the card (NVIDIA mig-parted's reconfigure: device
+#: plugin, GFD, DCGM exporter, DCGM, NVSM, and the `client` label newer operators set). The driver and
+#: the container toolkit are no clients: pausing them would take the driver off the node.
+GPU_CLIENT_OPERANDS = ("device-plugin", "gpu-feature-discovery", "dcgm-exporter", "dcgm", "nvsm", "client")
 #: the states the seed names for `nvidia.com/mig.config.state`.
 MIG_STATES = ("pending", "rebooting", "success", "failed")
 
@@ -140,6 +147,7 @@ class RelayoutStatus(msgspec.Struct, frozen=True, kw_only=True):
 MigState = Literal["pending", "rebooting", "success", "failed"]
 
 __all__ = [
+    "GPU_CLIENT_OPERANDS",
     "GPU_DEPLOY_PREFIX",
     "MIG_CAPABLE_LABEL",
     "MIG_CONFIG_LABEL",
@@ -156,6 +164,7 @@ __all__ = [
     "NodeView",
     "PAUSED_VALUE",
     "RELAYOUT_MESSAGE_ANNOTATION",
+    "RELAYOUT_MESSAGE_MAX",
     "RELAYOUT_TAINT_EFFECT",
     "RELAYOUT_TAINT_KEY",
     "RELAYOUT_TAINT_VALUE",

@@ -109,6 +109,14 @@ class Rig:
     async def status(self) -> ConvergerStatus:
         return await call(self.cli, self.subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=10)
 
+    async def status_until(self, ok, timeout: float = 20.0) -> ConvergerStatus:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = await self.status()
+            if ok(st) or time.monotonic() > deadline:
+                return st
+            await asyncio.sleep(0.2)
+
     def labels(self) -> dict[str, str]:
         return self.api.node(NODE)["metadata"].get("labels", {})
 
@@ -176,8 +184,9 @@ async def test_the_node_label_relays_the_card_out_and_back_in(node_bus, tmp_path
         # what the Node went through: pending with the taint and cordon in one change, the end in another
         sent = [q.body for q in api.requests_to("PATCH", f"/api/v1/nodes/{NODE}")]
         assert any(p.get("spec", {}).get("unschedulable") is True and (p.get("metadata", {}).get("labels") or {}).get(ST) == "pending" for p in sent), sent
-        st = await r.status()
-        assert st.relayout is not None and st.relayout.last is not None and st.relayout.last.outcome == "success"
+        # the journal says done a moment after the Node does (the finish change goes first)
+        st = await r.status_until(lambda s: s.relayout is not None and s.relayout.running is None and s.relayout.last is not None)
+        assert st.relayout.last.outcome == "success"
         assert [c.pci_address for c in st.relayout.last.cards] == [MIG_CARD], "a card without MIG is never part of it"
 
         # the rollback: all-disabled turns MIG off the same way, then both labels go
@@ -185,6 +194,7 @@ async def test_the_node_label_relays_the_card_out_and_back_in(node_bus, tmp_path
         await r.until("both labels removed", lambda: CFG not in r.labels() and ST not in r.labels())
         assert card_layout(host) == "all-disabled"
         r.clean()
+        await r.status_until(lambda s: s.relayout is not None and s.relayout.running is None)
         await asyncio.sleep(1.0)
         assert (await r.status()).relayout.running is None, "nothing runs once the labels are gone"
     finally:
@@ -226,7 +236,7 @@ async def test_a_held_card_is_never_reconfigured_and_the_node_is_not_touched(nod
         sent = [q.body for q in api.requests_to("PATCH", f"/api/v1/nodes/{NODE}")]
         assert not any("mig-reconfigure" in json.dumps(b) or "unschedulable" in json.dumps(b) for b in sent), "no taint, no cordon for a refused job"
         assert r.labels()[DP] == "true"
-        st = await r.status()
+        st = await r.status_until(lambda s: s.relayout is not None and s.relayout.last is not None)
         assert st.relayout.last.outcome == "failed"
     finally:
         r.stop()

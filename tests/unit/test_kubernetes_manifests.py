@@ -43,12 +43,12 @@ def _called(module: object, pattern: str) -> set[str]:
 
 
 def test_the_request_tables_name_every_request_the_code_makes() -> None:
-    # ClusterApi reaches the API through _call(what, "<generated method>", ...) only; the evictor through self._core
+    # ClusterApi reaches the API through _call(what, "<generated method>", ...) only; the evictor through self.api.core
     assert _called(kubeapi, r'_call\(\s*\w+,\s*"(\w+)"') == set(kubeapi.API_REQUESTS)
-    assert _called(evictor, r"self\._core\.(\w+)\(") == set(evictor.API_REQUESTS)
+    assert _called(evictor, r"self\.api\.core\.(\w+)\(") == set(evictor.API_REQUESTS)
     # the reaper's Node API through _call(what, "<generated method>", ...) only, and never self._core directly
     assert _called(nodeapi, r'_call\(\s*\w+,\s*"(\w+)"') == set(nodeapi.API_REQUESTS)
-    assert _called(nodeapi, r"self\._core\.(\w+)\(") == set()
+    assert _called(nodeapi, r"self\.api\.core\.(\w+)\(") == set()
 
 
 def test_the_dra_plugin_role_grants_exactly_what_the_plugin_calls() -> None:

@@ -117,13 +117,13 @@ def test_the_job_records_what_it_will_change_on_the_node() -> None:
     assert sorted(job.cards) == [A, C], "a card without MIG is never part of it"
     assert job.cards[A].target == ALL7 and job.cards[A].before == "all-disabled"
     assert job.cards[C].before == "3g.71gb"
-    assert job.paused == {"nvidia.com/gpu.deploy.device-plugin": "true", "nvidia.com/gpu.deploy.dcgm-exporter": "false"}
+    assert job.paused == {"nvidia.com/gpu.deploy.device-plugin": "true"}, "a client set to false is the operator's (mig-parted leaves it too)"
     assert job.tainted and job.cordoned
     assert relayout.claimed_cards(job) == {A: relayout.claimed_cards(job)[A], C: relayout.claimed_cards(job)[C]}
 
     change = relayout.pause_change(job, n)
     assert change.resource_version == "7"
-    assert change.labels == {ST: "pending", "nvidia.com/gpu.deploy.device-plugin": "paused-for-mig-change", "nvidia.com/gpu.deploy.dcgm-exporter": "paused-for-mig-change"}
+    assert change.labels == {ST: "pending", "nvidia.com/gpu.deploy.device-plugin": "paused-for-mig-change"}
     assert change.relayout_taint is True and change.unschedulable is True
 
 
@@ -146,15 +146,16 @@ def test_a_taint_or_cordon_already_there_is_not_the_jobs_to_take_back() -> None:
         ("failed says failed", "all-1g.18gb", "failed", {CFG: "all-1g.18gb", ST: "pending"}, {ST: "failed"}),
         ("all-disabled success removes both labels", "all-disabled", "success", {CFG: "all-disabled", ST: "pending"}, {CFG: None, ST: None}),
         ("all-disabled failed keeps them", "all-disabled", "failed", {CFG: "all-disabled", ST: "pending"}, {ST: "failed"}),
-        ("all-disabled done, but a new config was set meanwhile: it stays", "all-disabled", "success", {CFG: "all-1g.18gb", ST: "pending"}, {ST: "success"}),
+        ("all-disabled done, but a new config was set meanwhile: it stays, its job next", "all-disabled", "success", {CFG: "all-1g.18gb", ST: "pending"}, {ST: "pending"}),
+        ("a job whose label was removed meanwhile says nothing", "all-1g.18gb", "success", {ST: "pending"}, {ST: None}),
         (
             "a paused label is restored",
             "all-1g.18gb",
             "success",
-            {"nvidia.com/gpu.deploy.device-plugin": "paused-for-mig-change"},
+            {CFG: "all-1g.18gb", "nvidia.com/gpu.deploy.device-plugin": "paused-for-mig-change"},
             {ST: "success", "nvidia.com/gpu.deploy.device-plugin": "true"},
         ),
-        ("a label an operator changed meanwhile keeps their value", "all-1g.18gb", "success", {"nvidia.com/gpu.deploy.device-plugin": "false"}, {ST: "success"}),
+        ("a label an operator changed meanwhile keeps their value", "all-1g.18gb", "success", {CFG: "all-1g.18gb", "nvidia.com/gpu.deploy.device-plugin": "false"}, {ST: "success"}),
     ],
 )
 def test_finish_change(name: str, config: str, outcome: str, labels_now: dict, expect_labels: dict) -> None:
@@ -195,17 +196,25 @@ def rec(layout: str, state: str, *, blocked: str = "", message: str = "") -> Mig
         ("failed: rolled back to the layout before", RelayoutCard(target=ALL7, before="3g.71gb", step="applying"), gpu(A), rec(ALL7, "Failed", message="NVML"), False, ("rollback", "3g.71gb", "")),
         (
             "rolled back: failed, saying so",
-            RelayoutCard(target=ALL7, before="3g.71gb", step="rollback", message="x failed"),
+            RelayoutCard(target=ALL7, before="3g.71gb", step="rollback", rolling_back=True, message="x failed"),
             gpu(A, mode=True, instances=("3g.71gb",)),
             rec("3g.71gb", "Applied"),
             False,
             ("done", "", "failed"),
         ),
-        ("rollback failed too", RelayoutCard(target=ALL7, before="3g.71gb", step="rollback"), gpu(A), rec("3g.71gb", "Failed"), False, ("done", "", "failed")),
+        ("rollback failed too", RelayoutCard(target=ALL7, before="3g.71gb", step="rollback", rolling_back=True), gpu(A), rec("3g.71gb", "Failed"), False, ("done", "", "failed")),
+        (
+            "a rollback that waited for a reboot goes on rolling back after it",
+            RelayoutCard(target=ALL7, before="all-disabled", step="rebooting", rolling_back=True, message="x failed"),
+            gpu(A, mode=True),
+            rec("all-disabled", "Applying", blocked="boot-0"),
+            False,
+            ("rollback", "", ""),
+        ),
         ("all-disabled failed: tried once more", RelayoutCard(target="all-disabled", before="3g.71gb", step="applying"), gpu(A, mode=True), rec("all-disabled", "Failed"), True, ("applying", "all-disabled", "")),
         (
             "all-disabled failed twice: failed",
-            RelayoutCard(target="all-disabled", before="3g.71gb", step="applying", message="retried: x"),
+            RelayoutCard(target="all-disabled", before="3g.71gb", step="applying", retried=True, message="tried again after: x"),
             gpu(A, mode=True),
             rec("all-disabled", "Failed"),
             True,

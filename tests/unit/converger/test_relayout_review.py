@@ -174,7 +174,7 @@ def test_a_rollback_that_waits_for_a_reboot_is_still_a_rollback_after_it() -> No
     `want` is the target again (card.step is no longer "rollback"), so the next pass, in the same boot
     or after the reboot, asks for the layout that failed instead of the one before."""
     gpu = msgspec.structs.replace(card(A), mig_mode=True)  # MIG on, the target's instances failed
-    failing = RelayoutCard(target=ALL7, before="all-disabled", step="rollback", message=f"{ALL7} failed: NVML")
+    failing = RelayoutCard(target=ALL7, before="all-disabled", step="rollback", rolling_back=True, message=f"{ALL7} failed: NVML")
     waiting = MigLayoutRecord(layout="all-disabled", source="node-label", state="Pending", since=NOW, blocked_boot=BOOT)
     move = relayout.plan_card(failing, gpu, waiting, boot_id=BOOT, disable=False)
     assert move.step == "rebooting"
