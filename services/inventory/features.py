@@ -278,7 +278,9 @@ def _mig_labels(cards: list[Gpu], strategy: str, out: Labels) -> None:
     empty = any(not g.mig_instances for g in enabled)
     if empty or len(enabled) != len(cards) or len(types) != 1:
         out.put(f"{NVIDIA}/gpu.product", _product(enabled[0].name, "MIG", "INVALID"))
-        for name, value in (("count", 0), ("replicas", 0), ("sharing-strategy", ""), ("memory", 0)):
+        # GFD's newInvalidMigStrategyLabeler (internal/lm/mig-strategy.go): product, count, replicas and
+        # memory; the whole cards' sharing-strategy stays as their labeler put it
+        for name, value in (("count", 0), ("replicas", 0), ("memory", 0)):
             out.put(f"{NVIDIA}/gpu.{name}", value)
         return
     (t,) = types.values()

@@ -140,7 +140,7 @@ ROWS: list[tuple[str, Inventory, str, dict[str, str]]] = [
         "single",
         {
             **VERSIONS, **ARCH, "nvidia.com/gpu.product": A100 + "-MIG-INVALID", "nvidia.com/gpu.count": "0",
-            "nvidia.com/gpu.replicas": "0", "nvidia.com/gpu.sharing-strategy": "", "nvidia.com/gpu.memory": "0",
+            "nvidia.com/gpu.replicas": "0", "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/gpu.memory": "0",
             "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "single", "nvidia.com/mps.capable": "false",
             "gpu.deckhouse.io/sharing.mps": "true", "gpu.deckhouse.io/sharing.ts": "true",
         },
