@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 
 from shared.schemas import Gpu, GpuClaim, NodeChange, NodeView, RelayoutCardState, RelayoutState
@@ -346,7 +346,6 @@ def card_atoms(gpus: Mapping[str, Gpu], pcis: Iterable[str]) -> list[str]:
 class Outcome:
     outcome: str
     message: str
-    details: list[str] = field(default_factory=list)
 
 
 def overall(job: RelayoutJob) -> Outcome:

@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from shared import logs
 from shared.runtime import ServiceCallError, call
 from shared.schemas import (
+    EVICT_REPLY_CODEC,
     HELD_REPLY_CODEC,
     NODE_REPLY_CODEC,
     BadMessage,
@@ -88,8 +89,6 @@ class BusNode:
         return await self._node(req)
 
     async def drain(self, allocation_id: str, devices: list[str], *, evict: bool) -> tuple[bool, list[str], str]:
-        from shared.schemas import EVICT_REPLY_CODEC
-
         query = DevicesQuery(allocation_id=allocation_id, devices=devices)
         try:
             if evict:
@@ -100,8 +99,6 @@ class BusNode:
         return reply.held or not reply.reachable, list(reply.holders), reply.detail
 
     async def stop_drain(self, allocation_id: str) -> None:
-        from shared.schemas import EVICT_REPLY_CODEC
-
         # the watch replaced by one of no devices: free at once, and the evictions nobody wants are cancelled
         with contextlib.suppress(ServiceCallError, nats.errors.Error, TimeoutError, BadMessage):
             await call(self.nc, self.subjects.reaper_evict, DevicesQuery(allocation_id=allocation_id, devices=[]), EVICT_REPLY_CODEC, timeout=NODE_TIMEOUT_S)
@@ -140,7 +137,6 @@ class RelayoutRunner:
         self.read_error = ""
         self.disabled = False
         self.note = ""
-        self.wake = asyncio.Event()
         self._noted = ""
         #: drain rounds the cards stayed held since kube_reaper was last asked to evict (None: never asked by this process)
         self._held_rounds: int | None = None
@@ -158,9 +154,8 @@ class RelayoutRunner:
                 self.log.exception("MIG re-layout step failed")
             busy = self.facts.state.relayout is not None
             delay = self.busy_interval if busy else self.idle_interval * (12 if self.disabled else 1)
-            self.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_first(stopping, self.wake), timeout=delay)
+                await asyncio.wait_for(stopping.wait(), timeout=delay)
 
     async def step(self) -> None:
         """Read the Node; start a job or move the running one on."""
@@ -372,15 +367,6 @@ class RelayoutRunner:
             last=relayout.job_state(state.relayout_last) if state.relayout_last is not None else None,
             note=clip(self.note),
         )
-
-
-async def _first(*events: asyncio.Event) -> None:
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
 
 
 __all__ = ["BusNode", "NodePort", "RelayoutRunner"]
