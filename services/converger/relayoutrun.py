@@ -243,6 +243,9 @@ class RelayoutRunner:
             # no inventory yet (a converger just restarted), or a card it does not list now: which
             # pods use the cards cannot be asked, and nothing asked about is no drain
             self.log.info("MIG re-layout waits for the inventory to list its cards before the drain", cards=missing)
+            if (now - job.step_since).total_seconds() > self.drain_timeout:
+                self._fail_drain(job, now, f"the inventory does not list {', '.join(missing)}")
+                await self._save()
             return
         atoms = relayout.card_atoms(gpus, job.cards)
         # kube_reaper keeps its eviction retries in memory: asked at once after our own start, and
@@ -267,11 +270,7 @@ class RelayoutRunner:
             return
         waited = (now - job.step_since).total_seconds()
         if waited > self.drain_timeout:
-            who = ", ".join(holders) or detail or "the holders could not be established"
-            job.outcome = "failed"
-            for c in job.cards.values():
-                c.step, c.outcome, c.message = "done", "failed", "not changed: the drain did not finish"
-            self._to(job, "finishing", now, f"{job.config} not applied: the drain did not finish in {self.drain_timeout:.0f} s; still using the cards: {who}")
+            self._fail_drain(job, now, "still using the cards: " + (", ".join(holders) or detail or "the holders could not be established"))
             await self._save()
             return
         change = relayout.state_change(node, "pending", job.message)
@@ -340,6 +339,12 @@ class RelayoutRunner:
         self.trigger("MIG re-layout done: the cards are free")
 
     # ------------------------------------------------------------------ helpers
+
+    def _fail_drain(self, job: RelayoutJob, now: datetime, why: str) -> None:
+        job.outcome = "failed"
+        for c in job.cards.values():
+            c.step, c.outcome, c.message = "done", "failed", "not changed: the drain did not finish"
+        self._to(job, "finishing", now, f"{job.config} not applied: the drain did not finish in {self.drain_timeout:.0f} s; {why}")
 
     def _to(self, job: RelayoutJob, step: str, now: datetime, message: str) -> None:
         self.log.info("MIG re-layout step", config=job.config, step=step, detail=message)

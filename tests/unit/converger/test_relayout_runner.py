@@ -438,3 +438,16 @@ async def test_all_disabled_done_while_a_new_config_was_set_keeps_the_new_one(tm
     assert w.node.labels[CFG] == "all-1g.18gb" and w.node.labels[ST] == "success"
     assert layout_of(w.hw.gpus[A]) == ALL7
 
+
+async def test_a_card_the_inventory_stops_listing_mid_drain_fails_the_job_at_the_drain_timeout(world: World) -> None:
+    world.node.pods = {A: ["gpu/guarded"]}
+    world.node.budgeted = {"gpu/guarded"}
+    await world.tick()
+    assert world.state.relayout.step == "draining"
+    del world.hw.gpus[A]  # off the bus: the inventory no longer lists it
+    world.runner.drain_timeout = 0.0
+    await world.settle()
+    assert world.node.labels[ST] == "failed"
+    assert "does not list" in world.node.annotations[RELAYOUT_MESSAGE_ANNOTATION]
+    world.clean()
+
