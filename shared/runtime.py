@@ -307,7 +307,14 @@ class ServiceContext(Generic[T]):
                 latency.labels(endpoint=name).observe(time.perf_counter() - started)
 
         await self.service.add_endpoint(name=name, subject=subject, handler=handle)
+        # the subscription is only sent, not yet known to the server: a caller on another connection
+        # asking right after this returns got "no responders" now and then (test_bridge_bounds, once
+        # in CI). Flushed, the endpoint answers from the moment it is added.
+        await self.nc.flush(timeout=ENDPOINT_FLUSH_TIMEOUT_S)
 
+
+#: how long adding an endpoint waits for the server to have its subscription
+ENDPOINT_FLUSH_TIMEOUT_S = 5.0
 
 #: the header nats-server puts on a request that crossed from another account (ClientInfoHdr)
 REQUEST_INFO_HEADER = "Nats-Request-Info"
