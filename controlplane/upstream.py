@@ -21,6 +21,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from shared import logs
+from shared.stopping import unless_stopped
 from shared.subjects import inbox_prefix, server_list
 from shared.tlsconfig import TlsConfigError, TlsFiles, UpstreamTls, client_context, connect_options, explain, new_client, upstream_tls
 
@@ -182,16 +183,11 @@ async def connect_serving(args: argparse.Namespace, tls: UpstreamTls, stopping: 
             await sleep_unless(stopping, 5.0)
             if stopping.is_set():
                 return None
-    connecting = asyncio.ensure_future(connect_upstream(args.nats_url, args.user, args.password_file, nkey_file=args.nkey_file, tls=tls))
-    stop_wait = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait({connecting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-    stop_wait.cancel()
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(BaseException):
-            await connecting
+    # one cancel can be lost in nats-py's retry loop (shared/stopping.py): cancelled until it ends
+    nc = await unless_stopped(connect_upstream(args.nats_url, args.user, args.password_file, nkey_file=args.nkey_file, tls=tls), stopping)
+    if nc is None:
         return None
-    return connecting.result(), files
+    return nc, files
 
 
 __all__ = ["TLS_CHECK_S", "tls_from_args", "connect_upstream", "watch_tls", "close", "connect_serving"]

@@ -32,6 +32,7 @@ from nats.micro.request import Request, ServiceError
 from shared import logs
 from shared.schemas import BadMessage, Codec, encode
 from shared.schemas.codec import SchemaViolation
+from shared.stopping import cancel_surely, unless_stopped
 from shared.subjects import SERVICE_ERROR_CODE_HEADER, SERVICE_ERROR_HEADER, NodeSubjects, inbox_prefix, node_account
 
 if TYPE_CHECKING:
@@ -442,8 +443,16 @@ async def connect(opts: argparse.Namespace, name: str, log: logs.StructLogger, c
     if opts.nats_password_file:
         password = Path(opts.nats_password_file).read_text().strip()
 
+    # while the bus does not answer, each reason is said once (not once a second)
+    said: set[str] = set()
+
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc))
+        reason = str(exc) or type(exc).__name__
+        if nc.is_connected:
+            log.warning("nats error", error=reason)
+        elif reason not in said:
+            said.add(reason)
+            log.warning("node bus not reachable; retrying", url=opts.nats_url, error=reason)
 
     async def on_disconnect() -> None:
         if connected is not None:
@@ -451,11 +460,13 @@ async def connect(opts: argparse.Namespace, name: str, log: logs.StructLogger, c
         log.warning("disconnected from the node bus")
 
     async def on_reconnect() -> None:
+        said.clear()
         if connected is not None:
             connected.set(1)
         log.info("reconnected to the node bus")
 
-    nc = await nats.connect(
+    nc = Client()
+    await nc.connect(
         opts.nats_url,
         name=f"bcd-{name}",
         user=opts.nats_user if password is not None else None,
@@ -468,6 +479,7 @@ async def connect(opts: argparse.Namespace, name: str, log: logs.StructLogger, c
         reconnect_time_wait=1,
         connect_timeout=5,
     )
+    said.clear()
     if connected is not None:
         connected.set(1)
     return nc
@@ -489,7 +501,11 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
     nc: Client | None = None
     ctx: ServiceContext[Any] | None = None
     try:
-        nc = await connect(opts, app.name, log, connected)
+        # the connect retries for ever: a stop meanwhile ends it (shared/stopping.py)
+        nc = await unless_stopped(connect(opts, app.name, log, connected), stopping)
+        if nc is None or stopping.is_set():
+            log.info("stopped before the service started")
+            return 0
         # The $SRV handlers start only after setup, so a PING answer means "ready".
         # `metadata` is shared with the service: setup may add facts for operators.
         metadata = {"node_id": opts.node_id, "metrics": f"{opts.metrics_addr}:{metrics_port}", "pid": str(os.getpid())}
@@ -534,9 +550,9 @@ async def serve(app: ServiceApp, opts: argparse.Namespace) -> int:
             log.error("service loop failed", error=repr(runner.exception()))
             code = 1
         for task in (runner, stop_wait):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not await cancel_surely(task):
+                log.error("the service loop did not end when cancelled; stopping without it", task=task.get_name())
+                code = 1
         log.info("stopping")
         # Bounded: when the bus is already gone (it may get the same SIGTERM),
         # draining would wait for a reconnect that never comes.

@@ -153,6 +153,18 @@ async def consuming(cp: ControlPlane):
         await asyncio.wait_for(task, 10)
 
 
+async def sigterm(proc: subprocess.Popen[bytes], within: float = 15.0) -> int | str:
+    """SIGTERM, then its exit code; one still running after `within` s is killed (none is
+    left behind for a later test to trip over) and that is what it returns."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.to_thread(proc.wait, within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        await asyncio.to_thread(proc.wait)
+        return f"still running {within:g} s after SIGTERM"
+
+
 async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -617,8 +629,7 @@ async def test_command_put_and_serve(upstream, tmp_path):
 
         await eventually(served, timeout=30, what=f"event line; stderr: {(tmp_path / 'serve.err').read_text()[-2000:]}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(proc.wait, 15)
+        code = await sigterm(proc)
     assert code == 0, (tmp_path / "serve.err").read_text()[-3000:]
     assert "whole (rsv-whole) gen 1" in log_path.read_text()
     state_doc = json.loads((state / STATE_FILE).read_text())
@@ -651,8 +662,7 @@ async def test_serve_waits_for_a_cluster_that_cannot_place_its_replicas_and_take
         text = err_path.read_text() + (tmp_path / "serve.out").read_text()
         assert "replicas" in text and "3" in text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(proc.wait, 15)
+        code = await sigterm(proc)
     assert code == 0, err_path.read_text()[-3000:]
 
 
@@ -1098,8 +1108,7 @@ async def test_serve_says_a_tls_failure_once_while_it_retries(tls_fleet: TlsFlee
         assert len(lines) == 1, text
         assert "upstream connection failed; retrying" in lines[0] and "Traceback" not in text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(proc.wait, 15)
+        code = await sigterm(proc)
     assert code == 0, err_path.read_text()[-3000:]
 
 
@@ -1136,6 +1145,5 @@ async def test_serve_takes_a_renewed_certificate_at_the_next_reconnect(tls_fleet
         assert err_path.read_text().count("renewal does not load") == 1
         assert proc.poll() is None
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(proc.wait, 15)
+        code = await sigterm(proc)
     assert code == 0, err_path.read_text()[-3000:]
