@@ -64,6 +64,9 @@ from shared.subjects import NodeSubjects
 from .client import NodeInfo, NodeUnreachable, connect, ping_all
 from .runtimes import RUNTIME_NAMES, HoldFiles, HoldUse, RuntimeFacts, RuntimeProbe, hold_use, same_dirs_of
 
+#: how long `bcd status` waits for each service's answer (all asked at once): 3 s was not enough
+#: for a converger on a VM just rebooted, and its status then went missing without a word.
+ANSWER_WAIT_S = 10.0
 #: an outbox whose oldest event is older than this is not draining.
 OUTBOX_STALE_S = 120.0
 #: Healthy=Unknown before the vendor library saw the card (on vfio-pci): nothing to watch, no warning
@@ -86,6 +89,9 @@ class NodeReport:
     device_plugin: DevicePluginStatus | None = None
     #: None when no DRA plugin answered.
     dra_plugin: DraPluginStatus | None = None
+    #: what -> why, for each status a service that answers $SRV.PING did not give (a problem:
+    #: a report silent on it read as healthy while the converger said nothing).
+    unanswered: dict[str, str] = field(default_factory=dict)
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     #: the container runtimes found on this host; None: not looked for (`bcd status`).
     runtimes: list[RuntimeFacts] | None = None
@@ -116,18 +122,37 @@ async def gather(info: NodeInfo, runtimes: RuntimeProbe | None = None) -> NodeRe
     subjects = NodeSubjects(info.node_id)
     try:
         report.services = {r["name"]: r for r in await ping_all(nc, 0.5)}
-        with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
-            report.inventory = await call(nc, subjects.inventory_get, Empty(), INVENTORY_CODEC, timeout=3)
-        with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
-            report.converger = await call(nc, subjects.converger_status, Empty(), CONVERGER_STATUS_CODEC, timeout=3)
-        with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
-            report.claims = await call(nc, subjects.converger_claims, Empty(), CLAIMS_CODEC, timeout=3)
+
+        async def ask(service: str, what: str, subject: str, codec: Any) -> Any:
+            """The answer; None with the reason kept, for a service that answered its PING."""
+            try:
+                return await call(nc, subject, Empty(), codec, timeout=ANSWER_WAIT_S)
+            except asyncio.TimeoutError:
+                why = f"no answer within {ANSWER_WAIT_S:g} s"
+            except (ServiceCallError, nats.errors.Error, BadMessage) as exc:
+                why = str(exc) or type(exc).__name__
+            if service in report.services:
+                report.unanswered[what] = f"service {service} answers $SRV.PING but not its {what} ({why})"
+            return None
+
+        asks = [
+            ask("inventory", "inventory", subjects.inventory_get, INVENTORY_CODEC),
+            ask("converger", "status", subjects.converger_status, CONVERGER_STATUS_CODEC),
+            ask("converger", "claims", subjects.converger_claims, CLAIMS_CODEC),
+        ]
+        # the plugins only where they run (a node without Kubernetes has none)
         if "device_plugin" in report.services:
-            with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
-                report.device_plugin = await call(nc, subjects.device_plugin_status, Empty(), DEVICE_PLUGIN_STATUS_CODEC, timeout=3)
+            asks.append(ask("device_plugin", "device plugin status", subjects.device_plugin_status, DEVICE_PLUGIN_STATUS_CODEC))
         if "dra_plugin" in report.services:
-            with contextlib.suppress(ServiceCallError, nats.errors.Error, asyncio.TimeoutError, BadMessage):
-                report.dra_plugin = await call(nc, subjects.dra_plugin_status, Empty(), DRA_PLUGIN_STATUS_CODEC, timeout=3)
+            asks.append(ask("dra_plugin", "DRA plugin status", subjects.dra_plugin_status, DRA_PLUGIN_STATUS_CODEC))
+        # at once: a busy node costs the slowest answer, not their sum
+        answers = await asyncio.gather(*asks)
+        report.inventory, report.converger, report.claims = answers[0], answers[1], answers[2]
+        rest = iter(answers[3:])
+        if "device_plugin" in report.services:
+            report.device_plugin = next(rest)
+        if "dra_plugin" in report.services:
+            report.dra_plugin = next(rest)
         with contextlib.suppress(StreamMissing, nats.errors.Error, asyncio.TimeoutError):
             report.outbox = await stream_depth(nc, subjects.outbox_stream)
     finally:
@@ -148,6 +173,7 @@ def problems(report: NodeReport) -> list[str]:
     if not report.reachable:
         return [report.error or "node bus unreachable"]
     out = [f"service {name} does not answer $SRV.PING" for name in report.expected if name not in report.services]
+    out.extend(report.unanswered.values())
     conv = report.converger
     if conv is not None and conv.section is not None and conv.section.state == "PROGRESSING" and conv.next_retry_in_s is not None:
         out.append(f"devices section PROGRESSING (retrying): {conv.section.message.splitlines()[-1] if conv.section.message else ''}")

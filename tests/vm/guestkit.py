@@ -437,6 +437,14 @@ def node_status(guest: Guest) -> dict[str, Any]:
     return json.loads(r.stdout)
 
 
+def converger_status(guest: Guest) -> dict[str, Any]:
+    """The converger's part of `bcd status --json`; AssertionError with the report's problems
+    when it is missing (a converger that did not answer in time: a probe to try again)."""
+    st = node_status(guest)
+    assert st.get("converger") is not None, f"no converger status: {st.get('problems')}"
+    return st["converger"]
+
+
 def wait_for(what: str, probe, timeout: float, diagnostics=lambda: "", interval: float = 2.0):  # noqa: ANN001
     """``probe()`` until it returns something truthy (returned), bounded; AssertionError naming
     ``what``, the last value and ``diagnostics()`` otherwise."""
