@@ -67,6 +67,8 @@ from .runtimes import RUNTIME_NAMES, HoldFiles, HoldUse, RuntimeFacts, RuntimePr
 #: how long `bcd status` waits for each service's answer (all asked at once): 3 s was not enough
 #: for a converger on a VM just rebooted, and its status then went missing without a word.
 ANSWER_WAIT_S = 10.0
+#: ... and a service that did not answer its PING (stopped, or gone): its problem is said already
+UNPINGED_WAIT_S = 3.0
 #: an outbox whose oldest event is older than this is not draining.
 OUTBOX_STALE_S = 120.0
 #: Healthy=Unknown before the vendor library saw the card (on vfio-pci): nothing to watch, no warning
@@ -125,10 +127,12 @@ async def gather(info: NodeInfo, runtimes: RuntimeProbe | None = None) -> NodeRe
 
         async def ask(service: str, what: str, subject: str, codec: Any) -> Any:
             """The answer; None with the reason kept, for a service that answered its PING."""
+            # one that missed its PING is asked too (it may answer late), for less long
+            wait = ANSWER_WAIT_S if service in report.services else UNPINGED_WAIT_S
             try:
-                return await call(nc, subject, Empty(), codec, timeout=ANSWER_WAIT_S)
+                return await call(nc, subject, Empty(), codec, timeout=wait)
             except asyncio.TimeoutError:
-                why = f"no answer within {ANSWER_WAIT_S:g} s"
+                why = f"no answer within {wait:g} s"
             except (ServiceCallError, nats.errors.Error, BadMessage) as exc:
                 why = str(exc) or type(exc).__name__
             if service in report.services:
