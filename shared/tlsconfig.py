@@ -346,6 +346,8 @@ class TlsFiles:
         self.error: str | None = None
         #: how many times a changed set of files was loaded (0: the first)
         self.generation = 0
+        #: the files as they were at the last look that failed to load (None: it loaded)
+        self._failed: tuple[object, ...] | None = None
         if tls.enabled:
             try:
                 self.context = client_context(tls)
@@ -358,7 +360,8 @@ class TlsFiles:
 
     def refresh(self) -> bool:
         """True when a changed set of files loaded into a new `context`; a set that does not
-        load leaves the old context in place and its reason in `error` (tried again next time)."""
+        load leaves the old context in place and, once it fails at two looks in a row unchanged
+        (or while no context was ever loaded), its reason in `error` (tried again next time)."""
         if not self.tls.enabled:
             return False
         stamp = _identity(self.tls.files())
@@ -367,9 +370,16 @@ class TlsFiles:
         try:
             ctx = client_context(self.tls)
         except TlsConfigError as exc:
-            self.error = str(exc)
+            # a renewal in flight: its writer puts the certificate and the key one after the
+            # other (`bcd fleet renew`, and any other), and a look between read a pair that does
+            # not match. Said once the same files fail at the next look too.
+            settled = stamp == self._failed or self.context is None
+            self._failed = stamp
+            if settled:
+                self.error = str(exc)
             return False
         first = self.context is None
+        self._failed = None
         self._stamp = stamp
         self.context = ctx
         self.error = None

@@ -118,10 +118,12 @@ def test_a_renewal_on_disk_becomes_a_new_context_and_a_broken_one_keeps_the_old(
     assert first is not None and not files.refresh() and files.generation == 0
     pki.issue(certs["ca"], leaf.cert, leaf.key, common_name="node-a", client=True)
     assert files.refresh() and files.generation == 1 and files.context is not first and files.error is None
-    # a key that is not the certificate's: the context in use stays, the reason is said
+    # a key that is not the certificate's: the context in use stays, the reason is said once
+    # the same files fail at a second look (the first could be a renewal half written)
     second = files.context
     leaf.key.write_bytes(certs["server"].key.read_bytes())
     os.utime(leaf.key, ns=(1, 1))
+    assert not files.refresh() and files.context is second and files.error is None
     assert not files.refresh() and files.context is second
     assert files.error is not None and "the key is not the certificate's" in files.error
     # fixed: loaded at the next check
@@ -255,3 +257,33 @@ async def test_close_after_a_refused_handshake_returns(server, certs: dict[str, 
         await nc.connect(f"tls://127.0.0.1:{srv.port}", allow_reconnect=False, connect_timeout=3, error_cb=quiet, **connect_options(tls, client_context(tls)))
     await asyncio.wait_for(nc.close(), 2)
     assert nc.is_closed
+
+
+def test_a_renewal_seen_half_written_is_not_said(tmp_path: Path, certs: dict[str, pki.Issued]) -> None:
+    """CI saw `renewal does not load` from `bcd fleet renew` itself: the watcher looked between the
+    new certificate and the new key. A pair that does not load at one look and is whole at the
+    next is no error; one that stays as it is, is."""
+    d = tmp_path / "node"
+    leaf = pki.issue(certs["ca"], d / "n.crt", d / "n.key", common_name="node-a", client=True)
+    files = TlsFiles(UpstreamTls(ca=certs["ca"].cert, cert=leaf.cert, key=leaf.key))
+    first = files.context
+    staged = pki.issue(certs["ca"], d / "next.crt", d / "next.key", common_name="node-a", client=True)
+    os.replace(staged.cert, leaf.cert)  # the certificate first ...
+    assert not files.refresh() and files.error is None and files.context is first
+    os.replace(staged.key, leaf.key)  # ... then its key
+    assert files.refresh() and files.error is None and files.generation == 1
+    # the same half-written pair seen at two looks is said (a writer that died midway)
+    again = pki.issue(certs["ca"], d / "next.crt", d / "next.key", common_name="node-a", client=True)
+    os.replace(again.cert, leaf.cert)
+    assert not files.refresh() and files.error is None
+    assert not files.refresh() and files.error is not None and "the key is not the certificate's" in files.error
+
+
+def test_files_that_never_loaded_say_why_at_once(tmp_path: Path, certs: dict[str, pki.Issued]) -> None:
+    """Before any context loaded there is nothing in use to keep: the reason is said at the first look."""
+    d = tmp_path / "node"
+    files = TlsFiles(UpstreamTls(ca=certs["ca"].cert, cert=d / "n.crt", key=d / "n.key"))
+    assert not files.ready and files.error is not None
+    leaf = pki.issue(certs["ca"], d / "n.crt", d / "n.key", common_name="node-a", client=True)
+    leaf.key.write_bytes(certs["server"].key.read_bytes())
+    assert not files.refresh() and "the key is not the certificate's" in (files.error or "")
