@@ -139,24 +139,20 @@ async def gather(info: NodeInfo, runtimes: RuntimeProbe | None = None) -> NodeRe
                 report.unanswered[what] = f"service {service} answers $SRV.PING but not its {what} ({why})"
             return None
 
-        asks = [
-            ask("inventory", "inventory", subjects.inventory_get, INVENTORY_CODEC),
-            ask("converger", "status", subjects.converger_status, CONVERGER_STATUS_CODEC),
-            ask("converger", "claims", subjects.converger_claims, CLAIMS_CODEC),
-        ]
+        asks = {
+            "inventory": ask("inventory", "inventory", subjects.inventory_get, INVENTORY_CODEC),
+            "converger": ask("converger", "status", subjects.converger_status, CONVERGER_STATUS_CODEC),
+            "claims": ask("converger", "claims", subjects.converger_claims, CLAIMS_CODEC),
+        }
         # the plugins only where they run (a node without Kubernetes has none)
         if "device_plugin" in report.services:
-            asks.append(ask("device_plugin", "device plugin status", subjects.device_plugin_status, DEVICE_PLUGIN_STATUS_CODEC))
+            asks["device_plugin"] = ask("device_plugin", "device plugin status", subjects.device_plugin_status, DEVICE_PLUGIN_STATUS_CODEC)
         if "dra_plugin" in report.services:
-            asks.append(ask("dra_plugin", "DRA plugin status", subjects.dra_plugin_status, DRA_PLUGIN_STATUS_CODEC))
+            asks["dra_plugin"] = ask("dra_plugin", "DRA plugin status", subjects.dra_plugin_status, DRA_PLUGIN_STATUS_CODEC)
         # at once: a busy node costs the slowest answer, not their sum
-        answers = await asyncio.gather(*asks)
-        report.inventory, report.converger, report.claims = answers[0], answers[1], answers[2]
-        rest = iter(answers[3:])
-        if "device_plugin" in report.services:
-            report.device_plugin = next(rest)
-        if "dra_plugin" in report.services:
-            report.dra_plugin = next(rest)
+        answers = dict(zip(asks, await asyncio.gather(*asks.values())))
+        report.inventory, report.converger, report.claims = answers["inventory"], answers["converger"], answers["claims"]
+        report.device_plugin, report.dra_plugin = answers.get("device_plugin"), answers.get("dra_plugin")
         with contextlib.suppress(StreamMissing, nats.errors.Error, asyncio.TimeoutError):
             report.outbox = await stream_depth(nc, subjects.outbox_stream)
     finally:

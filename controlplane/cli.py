@@ -24,6 +24,7 @@ import nats.errors
 from shared import logs
 from shared.schemas import BadMessage
 from shared.schemas.strict import UnknownFieldsError
+from shared.stopping import sleep_unless
 from shared.subjects import CONTROLPLANE_USER
 from shared.tlsconfig import TlsConfigError
 
@@ -33,7 +34,6 @@ from .put import LOCAL_HELLO_WAIT_S, put_spec_file, rebase_node
 from .serve import ControlPlane
 from .specs import UnknownNode
 from .state import GenerationExhausted, StateError
-from .stopping import sleep_unless
 from .upstream import TLS_CHECK_S, close, connect_serving, tls_from_args, watch_tls
 
 log = logs.get_logger("controlplane")

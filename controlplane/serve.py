@@ -34,6 +34,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from shared import logs
 from shared.schemas import Condition, Hello, Inventory, NodeSpec, SectionStatus
 from shared.signing import Ed25519PrivateKey, key_id
+from shared.stopping import sleep_unless
 from shared.subjects import UPSTREAM_EVENTS_STREAM, UPSTREAM_NODES_BUCKET, upstream_events_filter
 
 from .buckets import UpstreamObjects
@@ -44,7 +45,6 @@ from .nodes import Nodes
 from .publish import SpecPublisher
 from .specs import PutResult
 from .state import Reservation, StateStore
-from .stopping import sleep_unless
 
 log = logs.get_logger("controlplane")
 

@@ -21,11 +21,10 @@ import nats.errors
 from nats.aio.client import Client
 
 from shared import logs
-from shared.stopping import unless_stopped
+from shared.stopping import sleep_unless, unless_stopped
 from shared.subjects import inbox_prefix, server_list
 from shared.tlsconfig import TlsConfigError, TlsFiles, UpstreamTls, client_context, connect_options, explain, new_client, upstream_tls
 
-from .stopping import sleep_unless
 
 log = logs.get_logger("controlplane")
 

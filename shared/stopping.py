@@ -5,12 +5,14 @@ arrives just as its inner future finishes (bpo-42130; 3.12 rewrote wait_for on t
 and nats-py's connect runs each handshake under wait_for inside a loop that retries for
 ever: a lost cancel left `controlplane serve` and the services deaf to SIGTERM while
 their server was unreachable. `cancel_surely` cancels again until the task has ended,
-bounded; `unless_stopped` runs an awaitable until it is done or a stop is asked.
+bounded; `unless_stopped` runs an awaitable until it is done or a stop is asked;
+`sleep_unless` is a retry delay a stop cuts short (a SIGTERM never waits one out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -20,6 +22,12 @@ T = TypeVar("T")
 RECANCEL_S = 0.5
 #: how long cancel_surely keeps at it before it gives up (the task is left behind)
 CANCEL_WITHIN_S = 10.0
+
+
+async def sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less when `stopping` is set meanwhile."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
 
 
 async def cancel_surely(task: asyncio.Future, *, within: float = CANCEL_WITHIN_S, every: float = RECANCEL_S) -> bool:
@@ -54,4 +62,4 @@ async def unless_stopped(aw: Awaitable[T], stopping: asyncio.Event, *, within: f
     return task.result()
 
 
-__all__ = ["CANCEL_WITHIN_S", "RECANCEL_S", "cancel_surely", "unless_stopped"]
+__all__ = ["CANCEL_WITHIN_S", "RECANCEL_S", "cancel_surely", "sleep_unless", "unless_stopped"]

@@ -21,6 +21,7 @@ import nats.errors
 from nats.aio.client import Client
 from prometheus_client import Gauge
 
+from shared.stopping import sleep_unless
 from shared.subjects import inbox_prefix, server_list, upstream_node_user
 from shared.tlsconfig import TlsFiles, UpstreamTls, connect_options, explain, local_problems, new_client
 
@@ -111,8 +112,7 @@ class Upstream:
         client, used at its next (re)connect; one that does not load is said, the old kept."""
         said = ""
         while not self.stopping.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), max(0.05, float(self.opts.upstream_tls_check)))
+            await sleep_unless(self.stopping, max(0.05, float(self.opts.upstream_tls_check)))
             if self.stopping.is_set():
                 return
             if self.tls_files.refresh():
@@ -180,8 +180,7 @@ class Upstream:
             if not self.tls_files.ready:
                 # files that do not load yet: said once, looked at again each check
                 self.failed(self.tls_files.error or "TLS files not loaded")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), max(0.05, float(o.upstream_tls_check)))
+                await sleep_unless(self.stopping, max(0.05, float(o.upstream_tls_check)))
                 self.tls_files.refresh()
                 continue
             nc = self.connecting = new_client(self.tls)
@@ -210,8 +209,7 @@ class Upstream:
                 break
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 self.failed(explain(exc))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay)
+                await sleep_unless(self.stopping, delay)
                 delay = min(delay * 2, 10.0)
             finally:
                 self.connecting = None
